@@ -1,0 +1,122 @@
+"""`ipward check`: read the whole ledger and report every broken invariant
+(DESIGN.md section 4) that can be seen from the store alone.
+
+  duplicate-address    one address recorded twice on one network (overlapping pools),
+                       or an attachment holding two addresses of one family in a pool
+  index-missing        a record whose attachment index does not list it
+  index-dangling       an index entry with no record, or a record owned by another
+  outside-pool         a record of an unknown pool, or outside its pool's ranges
+  free-and-allocated   an address both recorded and queued as free
+  free-queue           a free record without its queue entry, or the reverse
+
+Read-only, and at one revision: keys are read with `range` per prefix, so the report
+names the revision each part was read at; run it on a quiet store for a strict answer.
+"""
+
+from __future__ import annotations
+
+from ipward import records as rec
+from ipward.addr import parse_ip
+from ipward.errors import IpwardError
+from ipward.pool import PoolSpec
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.store.base import Store
+
+
+class Problem:
+    __slots__ = ("detail", "key", "kind")
+
+    def __init__(self, kind: str, key: str, detail: str) -> None:
+        self.kind = kind
+        self.key = key
+        self.detail = detail
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "key": self.key, "detail": self.detail}
+
+    def __repr__(self) -> str:
+        return f"{self.kind}: {self.key}: {self.detail}"
+
+
+def check(store: Store) -> tuple[list[Problem], dict]:
+    """All problems found, and counts of what was read."""
+    problems: list[Problem] = []
+    pools: dict[str, PoolSpec | None] = {}
+    for kv in store.range("pools/")[0]:
+        name = kv.key.split("/", 1)[1]
+        try:
+            pools[name] = PoolSpec.from_dict(rec.decode(kv.value))
+        except (IpwardError, ValueError) as e:
+            pools[name] = None
+            problems.append(Problem("outside-pool", kv.key, f"pool spec unreadable: {e}"))
+    records, _ = store.range("ips/")
+    indexes, _ = store.range("attach/")
+    frees, _ = store.range("free/")
+    queue, _ = store.range("freeq/")
+
+    index_refs: dict[str, list[str]] = {}
+    for kv in indexes:
+        index_refs[kv.key] = rec.decode(kv.value).get("ips", [])
+    allocated: dict[str, str] = {}  # "<pool>/<ip>" -> attachment key
+    seen_on_network: dict[tuple[str, str], str] = {}
+    families: dict[tuple[str, str, int], str] = {}
+    for kv in records:
+        _, pool_name, ip = kv.key.split("/", 2)
+        ref = f"{pool_name}/{ip}"
+        record = rec.decode(kv.value)
+        attachment = rec.record_attachment(record)
+        allocated[ref] = attachment.key
+        family, value = parse_ip(ip)
+        spec = pools.get(pool_name)
+        if spec is None:
+            problems.append(Problem("outside-pool", kv.key, f"pool {pool_name} does not exist"))
+        else:
+            index = spec.set_of(family)
+            if index is None or not spec.range_sets[index].usable(value):
+                problems.append(
+                    Problem("outside-pool", kv.key, f"not an allocatable address of {pool_name}")
+                )
+        other = seen_on_network.setdefault((attachment.network, ip), kv.key)
+        if other != kv.key:
+            problems.append(Problem("duplicate-address", kv.key, f"{ip} also recorded as {other}"))
+        twin = families.setdefault((attachment.key, pool_name, family), kv.key)
+        if twin != kv.key:
+            problems.append(
+                Problem(
+                    "duplicate-address", kv.key, f"{attachment} also holds {twin} (same family)"
+                )
+            )
+        if ref not in index_refs.get(attachment.key, []):
+            problems.append(
+                Problem("index-missing", kv.key, f"index {attachment.key} does not list it")
+            )
+    for key, refs in index_refs.items():
+        for ref in refs:
+            owner = allocated.get(ref)
+            if owner is None:
+                problems.append(Problem("index-dangling", key, f"{ref} has no record"))
+            elif owner != key:
+                problems.append(Problem("index-dangling", key, f"{ref} is recorded for {owner}"))
+
+    queued = {kv.key for kv in queue}
+    referenced = set()
+    for kv in frees:
+        _, pool_name, ip = kv.key.split("/", 2)
+        ref = f"{pool_name}/{ip}"
+        if ref in allocated:
+            problems.append(Problem("free-and-allocated", kv.key, f"{ref} is also allocated"))
+        queue_key = rec.decode(kv.value).get("queue", "")
+        referenced.add(queue_key)
+        if queue_key not in queued:
+            problems.append(Problem("free-queue", kv.key, f"queue entry {queue_key} missing"))
+    for key in sorted(queued - referenced):
+        problems.append(Problem("free-queue", key, "queue entry without a free record"))
+    counts = {
+        "pools": len(pools),
+        "allocations": len(records),
+        "attachments": len(indexes),
+        "free": len(frees),
+    }
+    return problems, counts

@@ -1,0 +1,490 @@
+"""`ipward`: the command line. Human tables by default, `--json` for scripts; the store
+comes from `--store` or `IPWARD_STORE`. Errors are one line naming what is wrong, with
+exit status 2 (1 is kept for `check` finding problems)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ipward import records as rec
+from ipward.addr import format_ip, parse_cidr, parse_ip
+from ipward.config import DEFAULT_STORE
+from ipward.errors import InvalidConfig, IpwardError
+from ipward.ledger import Ledger
+from ipward.pool import DEFAULT_COOLDOWN, PoolSpec
+from ipward.store import Store, StoreError, open_store
+
+# Scripts and CI pipe the output: give tables room instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 200)
+BAR_WIDTH = 20
+MAX_BLOCK_BARS = 32
+
+
+class Context:
+    def __init__(self, store_url: str, as_json: bool) -> None:
+        self.store_url = store_url
+        self.as_json = as_json
+        self._store: Store | None = None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self.store_url)
+        return self._store
+
+    def ledger(self) -> Ledger:
+        return Ledger(self.store, node=os.uname().nodename)
+
+    def emit(self, data: object, human: object) -> None:
+        if self.as_json:
+            click.echo(json.dumps(data, indent=2, sort_keys=True))
+        else:
+            console.print(human)
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+class IpwardGroup(click.Group):
+    """Turns our errors into one clear line instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except IpwardError as e:
+            click.echo(f"ipward: {e.msg}" + (f" ({e.details})" if e.details else ""), err=True)
+            sys.exit(2)
+        except StoreError as e:
+            click.echo(f"ipward: store: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=IpwardGroup)
+@click.option(
+    "--store",
+    envvar="IPWARD_STORE",
+    default=DEFAULT_STORE,
+    show_default=True,
+    help="Store URL: sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def cli(ctx: click.Context, store: str, as_json: bool) -> None:
+    """ipward: cluster-wide IP address management for container networks."""
+    ctx.obj = Context(store, as_json)
+    ctx.call_on_close(lambda: ctx.obj._store.close() if ctx.obj._store else None)
+
+
+# -- pools ------------------------------------------------------------------------------
+
+
+@cli.group()
+def pool() -> None:
+    """Create, inspect and delete pools."""
+
+
+def parse_range_option(text: str) -> dict:
+    """`CIDR[,start=IP][,end=IP][,gateway=IP]` -> a range dict."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise InvalidConfig("--range needs a CIDR")
+    out = {"subnet": parts[0]}
+    names = {"start": "rangeStart", "end": "rangeEnd", "gateway": "gateway", "gw": "gateway"}
+    for part in parts[1:]:
+        key, sep, value = part.partition("=")
+        if not sep or key not in names:
+            raise InvalidConfig(f"--range {text!r}: {part!r} is not start=IP, end=IP or gateway=IP")
+        out[names[key]] = value
+    return out
+
+
+@pool.command("create")
+@click.argument("name")
+@click.option(
+    "--range",
+    "ranges",
+    multiple=True,
+    required=True,
+    help="CIDR[,start=IP][,end=IP][,gateway=IP]; repeat for more ranges and for dual stack.",
+)
+@click.option("--exclude", multiple=True, help="CIDR or address never handed out; repeatable.")
+@click.option("--route", multiple=True, help="Route for the pool's pods: DST[,via=GW].")
+@click.option(
+    "--cooldown",
+    type=float,
+    default=DEFAULT_COOLDOWN,
+    show_default=True,
+    help="Seconds before a freed address is handed out again.",
+)
+@click.option("--block-v4", type=int, default=26, show_default=True, help="IPv4 block prefix.")
+@click.option("--block-v6", type=int, default=122, show_default=True, help="IPv6 block prefix.")
+@pass_ctx
+def pool_create(
+    c: Context,
+    name: str,
+    ranges: tuple[str, ...],
+    exclude: tuple[str, ...],
+    route: tuple[str, ...],
+    cooldown: float,
+    block_v4: int,
+    block_v6: int,
+) -> None:
+    """Create pool NAME (refuses if it exists)."""
+    by_family: dict[int, list[dict]] = {}
+    for text in ranges:
+        r = parse_range_option(text)
+        by_family.setdefault(parse_cidr(r["subnet"])[0], []).append(r)
+    routes = []
+    for text in route:
+        dst, _, via = text.partition(",via=")
+        parse_cidr(dst)
+        routes.append({"dst": dst, "gw": via} if via else {"dst": dst})
+    spec = PoolSpec(
+        name,
+        [by_family[f] for f in sorted(by_family)],
+        list(exclude),
+        routes,
+        cooldown,
+        {4: block_v4, 6: block_v6},
+    )
+    from ipward.store.base import Put, absent
+
+    key = rec.pool_key(name)
+    if not c.store.txn([absent(key)], [Put(key, rec.encode(spec.to_dict()))]).succeeded:
+        raise InvalidConfig(f"pool {name} already exists")
+    c.emit(
+        spec.to_dict(), f"created pool [bold]{name}[/] ({spec.attachments_capacity():,} addresses)"
+    )
+
+
+def _pool_usage(c: Context, spec: PoolSpec) -> dict:
+    """Allocations of the pool bucketed per claimed block and per range."""
+    kvs, revision = c.store.range(f"ips/{spec.name}/")
+    blocks, _ = c.store.range(f"blocks/{spec.name}/")
+    per_block: dict[str, int] = {kv.key.split("/", 2)[2]: 0 for kv in blocks}
+    per_range: dict[str, int] = {}
+    for kv in kvs:
+        family, value = parse_ip(kv.key.split("/", 2)[2])
+        index = spec.set_of(family)
+        rs = spec.range_sets[index] if index is not None else None
+        block = rs.block_of(value) if rs else None
+        if block is None:
+            continue
+        per_block[block.cidr] = per_block.get(block.cidr, 0) + 1
+        per_range[block.range.subnet] = per_range.get(block.range.subnet, 0) + 1
+    return {"used": len(kvs), "revision": revision, "blocks": per_block, "ranges": per_range}
+
+
+def _bar(used: int, total: int) -> str:
+    share = used / total if total else 0.0
+    filled = round(share * BAR_WIDTH)
+    if used and not filled:
+        filled = 1  # a used range never looks empty
+    color = "green" if share < 0.7 else "yellow" if share < 0.9 else "red"
+    return f"[{color}]{'█' * filled}[/][dim]{'░' * (BAR_WIDTH - filled)}[/] {share:6.1%}"
+
+
+@pool.command("list")
+@pass_ctx
+def pool_list(c: Context) -> None:
+    """All pools with their size and use."""
+    rows: list[dict[str, Any]] = []
+    for kv in c.store.range("pools/")[0]:
+        spec = PoolSpec.from_dict(rec.decode(kv.value))
+        used = len(c.store.range(f"ips/{spec.name}/")[0])
+        ranges = [r.subnet for rs in spec.range_sets for r in rs.ranges]
+        rows.append(
+            {
+                "name": spec.name,
+                "ranges": ranges,
+                "capacity": spec.attachments_capacity(),
+                "used": used,
+                "source": spec.source,
+            }
+        )
+    table = Table("pool", "ranges", "used", "capacity", "use", "source")
+    for r in rows:
+        table.add_row(
+            r["name"],
+            " ".join(r["ranges"]),
+            f"{r['used']:,}",
+            f"{r['capacity']:,}",
+            _bar(r["used"], r["capacity"]),
+            r["source"],
+        )
+    c.emit(rows, table)
+
+
+@pool.command("show")
+@click.argument("name")
+@pass_ctx
+def pool_show(c: Context, name: str) -> None:
+    """A pool's spec and a bar per block (or per range, for large pools)."""
+    spec = c.ledger().get_pool(name)
+    usage = _pool_usage(c, spec)
+    data = {"spec": spec.to_dict(), **usage, "capacity": spec.attachments_capacity()}
+    if c.as_json:
+        c.emit(data, None)
+        return
+    console.print(
+        f"[bold]{name}[/]  {usage['used']:,} of {spec.attachments_capacity():,} in use"
+        f"  (cooldown {spec.cooldown:g}s, read at revision {usage['revision']})"
+    )
+    table = Table("range", "start", "end", "gateway", "used", "use")
+    for rs in spec.range_sets:
+        for r in rs.ranges:
+            d = r.to_dict()
+            total = rs.range_capacity(r)
+            used = usage["ranges"].get(r.subnet, 0)
+            table.add_row(
+                r.subnet,
+                d["rangeStart"],
+                d["rangeEnd"],
+                d.get("gateway", "-"),
+                f"{used:,}",
+                _bar(used, total),
+            )
+    console.print(table)
+    if spec.exclude:
+        console.print("excluded: " + ", ".join(spec.exclude))
+    blocks = usage["blocks"]
+    if blocks and len(blocks) <= MAX_BLOCK_BARS:
+        block_table = Table("block", "node", "state", "used", "use")
+        states = {
+            kv.key.split("/", 2)[2]: rec.decode(kv.value)
+            for kv in c.store.range(f"blocks/{spec.name}/")[0]
+        }
+        for cidr in sorted(blocks, key=lambda b: parse_cidr(b)[:2]):
+            found = None
+            for rs in spec.range_sets:
+                found = found or rs.block_by_cidr(cidr)
+            total = found.usable_count() if found else 0
+            state = states.get(cidr, {})
+            block_table.add_row(
+                cidr,
+                state.get("node", "-"),
+                state.get("state", "unclaimed"),
+                str(blocks[cidr]),
+                _bar(blocks[cidr], total),
+            )
+        console.print(block_table)
+    elif blocks:
+        console.print(f"{len(blocks)} blocks claimed (bars shown up to {MAX_BLOCK_BARS})")
+
+
+@pool.command("delete")
+@click.argument("name")
+@pass_ctx
+def pool_delete(c: Context, name: str) -> None:
+    """Delete pool NAME; refuses while any address of it is allocated."""
+    from ipward.store.base import Delete, at_revision
+
+    key = rec.pool_key(name)
+    kv = c.store.get(key)
+    if kv is None:
+        raise InvalidConfig(f"pool {name} does not exist")
+    if c.store.range(f"ips/{name}/", limit=1)[0]:
+        raise InvalidConfig(f"pool {name} still has allocations; release them first")
+    state = [
+        k.key
+        for prefix in (
+            f"blocks/{name}/",
+            f"fill/{name}/",
+            f"blockcursor/{name}/",
+            f"free/{name}/",
+            f"freeq/{name}/",
+        )
+        for k in c.store.range(prefix)[0]
+    ]
+    # The spec goes first, at the revision read, so no new allocation can start.
+    if not c.store.txn([at_revision(key, kv.mod_revision)], [Delete(key)]).succeeded:
+        raise InvalidConfig(f"pool {name} changed while deleting; try again")
+    for k in state:
+        c.store.txn([], [Delete(k)])
+    c.emit({"deleted": name}, f"deleted pool [bold]{name}[/]")
+
+
+# -- allocations ------------------------------------------------------------------------
+
+
+@cli.group()
+def alloc() -> None:
+    """Inspect allocations."""
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+@alloc.command("list")
+@click.option("--pool", "pool_name", help="Only this pool.")
+@click.option("--node", help="Only records made on this node.")
+@click.option("--pod", help="Only this pod: NAMESPACE/NAME (or NAME).")
+@pass_ctx
+def alloc_list(c: Context, pool_name: str | None, node: str | None, pod: str | None) -> None:
+    """Every allocation, with its attachment, pod, node and revision."""
+    prefix = f"ips/{pool_name}/" if pool_name else "ips/"
+    rows = []
+    now = time.time()
+    for kv in c.store.range(prefix)[0]:
+        _, pname, ip = kv.key.split("/", 2)
+        record = rec.decode(kv.value)
+        p = record.get("pod", {})
+        if node and record.get("node") != node:
+            continue
+        if pod and pod not in (f"{p.get('namespace')}/{p.get('name')}", p.get("name")):
+            continue
+        rows.append({"pool": pname, "ip": ip, "revision": kv.mod_revision, **record})
+    rows.sort(key=lambda r: (r["pool"], parse_ip(r["ip"])))
+    table = Table(
+        "pool", "address", "network", "container", "ifname", "pod", "node", "age", "revision"
+    )
+    for r in rows:
+        p = r.get("pod", {})
+        pod_text = f"{p.get('namespace')}/{p.get('name')}" if p.get("name") else "-"
+        table.add_row(
+            r["pool"],
+            r["ip"],
+            r["network"],
+            r["container"][:12],
+            r["ifname"],
+            pod_text,
+            r.get("node", "-"),
+            _age(now - r.get("created_at", now)),
+            str(r["revision"]),
+        )
+    c.emit(rows, table if rows else "no allocations")
+
+
+# -- check, release, status -------------------------------------------------------------
+
+
+@cli.command("check")
+@pass_ctx
+def check_command(c: Context) -> None:
+    """Report broken invariants; exit status 1 if any."""
+    from ipward.check import check
+
+    problems, counts = check(c.store)
+    data = {"ok": not problems, "problems": [p.to_dict() for p in problems], **counts}
+    if c.as_json:
+        c.emit(data, None)
+    elif problems:
+        table = Table("problem", "key", "detail", title=f"{len(problems)} problem(s)")
+        for p in problems:
+            table.add_row(p.kind, p.key, p.detail)
+        console.print(table)
+    else:
+        console.print(
+            f"ok: {counts['allocations']} allocations, {counts['attachments']} attachments,"
+            f" {counts['free']} cooling down, {counts['pools']} pools"
+        )
+    sys.exit(1 if problems else 0)
+
+
+@cli.command("release")
+@click.option("--pool", "pool_name", required=True, help="Pool of the address.")
+@click.option("--ip", required=True, help="Address to release.")
+@click.option(
+    "--revision",
+    type=int,
+    help="Release only if the record is still at this revision (from alloc list).",
+)
+@click.option("--yes", is_flag=True, help="Do not ask; release the record as shown.")
+@pass_ctx
+def release_command(c: Context, pool_name: str, ip: str, revision: int | None, yes: bool) -> None:
+    """Free one address by hand: compare-and-delete, refused if its owner changed since
+    it was shown."""
+    ip = format_ip(*parse_ip(ip))
+    kv = c.store.get(rec.ip_key(pool_name, ip))
+    if kv is None:
+        raise InvalidConfig(f"--ip {ip} is not allocated in pool {pool_name}")
+    record = rec.decode(kv.value)
+    shown = revision if revision is not None else kv.mod_revision
+    if revision is None and not yes and not c.as_json:
+        p = record.get("pod", {})
+        console.print(
+            f"{pool_name}/{ip} belongs to {record['network']}/{record['container']}/"
+            f"{record['ifname']} (pod {p.get('namespace')}/{p.get('name')}, node"
+            f" {record.get('node')}, revision {kv.mod_revision})"
+        )
+        if not click.confirm("release it?", default=False):
+            raise click.Abort
+    freed = c.ledger().release_address(pool_name, ip, shown)
+    c.emit(
+        {"released": f"{pool_name}/{ip}", "record": freed, "revision": shown},
+        f"released {pool_name}/{ip}",
+    )
+
+
+@cli.command("status")
+@pass_ctx
+def status_command(c: Context) -> None:
+    """Store, revision, pools and how full they are."""
+    pools: list[dict[str, Any]] = []
+    for kv in c.store.range("pools/")[0]:
+        spec = PoolSpec.from_dict(rec.decode(kv.value))
+        used = len(c.store.range(f"ips/{spec.name}/")[0])
+        pools.append({"name": spec.name, "used": used, "capacity": spec.attachments_capacity()})
+    data = {"store": c.store_url, "revision": c.store.revision(), "pools": pools}
+    lines = [f"store     {c.store_url}", f"revision  {data['revision']}"]
+    for p in pools:
+        lines.append(
+            f"pool      {p['name']:<16} {_bar(p['used'], p['capacity'])}"
+            f"  {p['used']:,}/{p['capacity']:,}"
+        )
+    c.emit(data, "\n".join(lines))
+
+
+# -- install ----------------------------------------------------------------------------
+
+LAUNCHER = """#!/usr/bin/python3 -IS
+# ipward CNI IPAM plugin, installed by 'ipward install-cni'. -I -S (one shebang word):
+# isolated, no site: fast start; the package is found at the path below.
+import sys
+sys.path.insert(0, {path!r})
+from ipward.cni import main
+main()
+"""
+
+
+@cli.command("install-cni")
+@click.option(
+    "--bin-dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="The runtime's CNI bin dir (e.g. /opt/cni/bin).",
+)
+@click.option("--name", default="ipward", show_default=True, help="Executable name.")
+def install_cni(bin_dir: str, name: str) -> None:
+    """Install the plugin executable into a CNI bin dir."""
+    import ipward
+
+    package_root = str(Path(ipward.__file__).resolve().parent.parent)
+    target = Path(bin_dir) / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{name}.tmp{os.getpid()}")
+    tmp.write_text(LAUNCHER.format(path=package_root))
+    tmp.chmod(0o755)
+    tmp.replace(target)  # atomic: a runtime never execs a half-written plugin
+    click.echo(f"installed {target}")
+
+
+def main() -> None:
+    cli(prog_name="ipward")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""`ipward-cni`: the CNI IPAM plugin (a runtime finds it as `ipward` in its CNI bin dir).
+
+ADD, DEL, CHECK, GC, STATUS and VERSION for cniVersion 0.3.0 to 1.1.0, each answered in
+its own result format. In single-node mode the ledger runs here, in-process, on the
+SQLite store. Every failure is a CNI error object on stdout with a non-zero exit; details
+go to the log file named in the config (`ipam.logFile`), or stderr. Nothing else is ever
+printed on stdout.
+
+This module is the plugin's start path: what it imports at the top is paid on every pod
+start, so it is standard library only and nothing heavier than `json` and `sqlite3`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ipward import log
+from ipward.config import SUPPORTED_VERSIONS, Call, IpamConfig
+from ipward.errors import (
+    DecodeFailure,
+    IncompatibleVersion,
+    InvalidConfig,
+    InvalidEnvironment,
+    IpwardError,
+    NotAvailable,
+    TryAgainLater,
+    UnknownContainer,
+)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.ledger import Allocation, Ledger
+    from ipward.pool import PoolSpec
+
+COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")
+INTERNAL_ERROR = 999
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
+
+
+def run(env: dict[str, str], stdin: bytes) -> str:
+    """Do one plugin call; returns what goes on stdout. Raises IpwardError."""
+    command = env.get("CNI_COMMAND", "")
+    if command not in COMMANDS:
+        raise InvalidEnvironment(f"CNI_COMMAND {command!r} is not one of {', '.join(COMMANDS)}")
+    try:
+        raw = json.loads(stdin) if stdin.strip() else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DecodeFailure(f"network configuration on stdin is not JSON: {e}") from None
+    if command == "VERSION":
+        requested = raw.get("cniVersion", "1.1.0") if isinstance(raw, dict) else "1.1.0"
+        return _dump({"cniVersion": requested, "supportedVersions": list(SUPPORTED_VERSIONS)})
+    if raw is None:
+        raise DecodeFailure("no network configuration on stdin")
+    config = IpamConfig(raw)
+    if config.cni_version not in SUPPORTED_VERSIONS:
+        raise IncompatibleVersion(
+            f"cniVersion {config.cni_version} is not supported",
+            f"supported: {', '.join(SUPPORTED_VERSIONS)}",
+        )
+    if config.log_file:
+        log.configure(config.log_file, config.log_level, component="ipward-cni")
+    if command == "STATUS":
+        _status(config)
+        return ""
+    if command == "GC":
+        _gc(config, raw)
+        return ""
+    call = Call(env, config.network)
+    ledger = _ledger(config)
+    try:
+        if command == "ADD":
+            pools = _pools(ledger, config)
+            allocations = ledger.allocate(
+                pools, call.attachment, call.pod, config.requested_ips(call.args)
+            )
+            return _dump(_result(config, pools, allocations))
+        if command == "DEL":
+            ledger.release(call.attachment)
+            return ""
+        _check(ledger, call, raw)
+        return ""
+    finally:
+        ledger.store.close()
+
+
+def _ledger(config: IpamConfig) -> Ledger:
+    if config.agent_socket:
+        raise InvalidConfig("agentSocket: cluster mode is not available in this version")
+    from ipward.ledger import Ledger
+    from ipward.store import StoreError, StoreUnavailable, open_store
+
+    if not config.store_url.startswith("sqlite://"):
+        raise InvalidConfig(
+            f"store {config.store_url!r}: the plugin runs the ledger in-process only on"
+            " SQLite (sqlite:///PATH); other stores are reached through an agent"
+        )
+    try:
+        return Ledger(open_store(config.store_url), config.node)
+    except StoreUnavailable as e:
+        raise TryAgainLater(f"store unreachable: {e}") from e
+    except StoreError as e:
+        raise InvalidConfig(str(e)) from e
+
+
+def _pools(ledger: Ledger, config: IpamConfig) -> list[PoolSpec]:
+    if config.inline_pool is not None:
+        ledger.ensure_pool(config.inline_pool)
+        return [config.inline_pool]
+    return [ledger.get_pool(name) for name in config.pool_names]
+
+
+def _result(config: IpamConfig, pools: list[PoolSpec], allocations: list[Allocation]) -> dict:
+    legacy = _version_key(config.cni_version) < (1, 0, 0)
+    ips = []
+    for a in allocations:
+        entry: dict = {"address": f"{a.ip}/{a.prefix}"}
+        if a.gateway:
+            entry["gateway"] = a.gateway
+        if legacy:
+            entry["version"] = str(a.family)
+        ips.append(entry)
+    result: dict = {"cniVersion": config.cni_version, "ips": ips}
+    # Routes of the ipam section, else those stored with the pools (an inline pool's
+    # are the ipam section's own).
+    routes = config.routes or [r for p in pools for r in p.routes]
+    if routes:
+        result["routes"] = routes
+    if config.dns:
+        result["dns"] = config.dns
+    return result
+
+
+def _check(ledger: Ledger, call: Call, raw: dict) -> None:
+    """CHECK: the attachment must hold addresses, and those the runtime was given."""
+    allocations = ledger.lookup(call.attachment)
+    if not allocations:
+        raise UnknownContainer(f"{call.attachment} has no address allocated")
+    prev = raw.get("prevResult")
+    if isinstance(prev, dict) and isinstance(prev.get("ips"), list):
+        held = {a.ip for a in allocations}
+        for entry in prev["ips"]:
+            address = entry.get("address", "").split("/")[0] if isinstance(entry, dict) else ""
+            if address and address not in held:
+                raise UnknownContainer(
+                    f"{call.attachment}: prevResult address {address} is not allocated to it"
+                )
+
+
+def _gc(config: IpamConfig, raw: dict) -> None:
+    """GC: free every attachment of this network the runtime does not list as valid."""
+    valid = raw.get("cni.dev/valid-attachments")
+    if not isinstance(valid, list):
+        raise InvalidConfig("GC needs 'cni.dev/valid-attachments' (a list)")
+    keep: set[tuple[str, str]] = set()
+    for entry in valid:
+        if not isinstance(entry, dict) or not isinstance(entry.get("containerID"), str):
+            raise InvalidConfig(f"a valid attachment needs 'containerID' and 'ifname': {entry!r}")
+        keep.add((entry["containerID"], str(entry.get("ifname", ""))))
+    ledger = _ledger(config)
+    try:
+        ledger.collect_network(config.network, keep)
+    finally:
+        ledger.store.close()
+
+
+def _status(config: IpamConfig) -> None:
+    """STATUS: can an ADD be served now? The store opens and the pools exist."""
+    try:
+        ledger = _ledger(config)
+        try:
+            for name in config.pool_names:
+                ledger.get_pool(name)
+        finally:
+            ledger.store.close()
+    except IpwardError as e:
+        raise NotAvailable(f"cannot serve ADD: {e.msg}") from e
+
+
+def _dump(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":")) + "\n"
+
+
+def _error_version(stdin: bytes) -> str:
+    """The cniVersion to answer an error in (parsed again only on the error path)."""
+    try:
+        version = json.loads(stdin).get("cniVersion")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        version = None
+    return version if version in SUPPORTED_VERSIONS else SUPPORTED_VERSIONS[-1]
+
+
+def main() -> None:
+    env = dict(os.environ)
+    stdin = b""
+    try:
+        stdin = sys.stdin.buffer.read()
+        sys.stdout.write(run(env, stdin))
+        code = 0
+    except IpwardError as e:
+        log.warning(
+            e.msg,
+            code=e.code,
+            command=env.get("CNI_COMMAND"),
+            container=env.get("CNI_CONTAINERID"),
+            ifname=env.get("CNI_IFNAME"),
+        )
+        sys.stdout.write(_dump(e.to_cni(_error_version(stdin))))
+        code = 1
+    except BaseException as e:  # never a traceback on stdout
+        import traceback
+
+        log.error(
+            "internal error", command=env.get("CNI_COMMAND"), traceback=traceback.format_exc()
+        )
+        error = {"code": INTERNAL_ERROR, "msg": f"internal error: {type(e).__name__}: {e}"}
+        sys.stdout.write(_dump({"cniVersion": _error_version(stdin), **error}))
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)  # skip interpreter teardown: nothing is left to flush; saves ~1 ms

@@ -1,0 +1,108 @@
+"""ipward's errors, each with its CNI error code, so no error can forget its code.
+
+Codes 1-99 are the CNI spec's; 100 and up are ipward's own, documented in the README.
+The CLI prints the same `msg` (and `details`) without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class IpwardError(Exception):
+    code = 999
+    retryable = False
+
+    def __init__(self, msg: str, details: str = "") -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.details = details
+
+    def to_cni(self, cni_version: str) -> dict:
+        out = {"cniVersion": cni_version, "code": self.code, "msg": self.msg}
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+class IncompatibleVersion(IpwardError):
+    code = 1
+
+
+class UnsupportedField(IpwardError):
+    code = 2
+
+
+class UnknownContainer(IpwardError):
+    code = 3
+
+
+class InvalidEnvironment(IpwardError):
+    code = 4
+
+
+class IoFailure(IpwardError):
+    code = 5
+
+
+class DecodeFailure(IpwardError):
+    code = 6
+
+
+class InvalidConfig(IpwardError):
+    code = 7
+
+
+class TryAgainLater(IpwardError):
+    """The store or agent is unreachable or too busy; nothing was changed."""
+
+    code = 11
+    retryable = True
+
+
+class NotAvailable(IpwardError):
+    """STATUS: the plugin cannot serve ADDs right now."""
+
+    code = 50
+    retryable = True
+
+
+class PoolExhausted(IpwardError):
+    code = 100
+
+
+class AddressTaken(IpwardError):
+    code = 101
+
+
+class AddressOutsidePool(IpwardError):
+    code = 102
+
+
+class UnknownPool(IpwardError):
+    code = 103
+
+
+class OwnerChanged(IpwardError):
+    """A compare-and-delete found the record changed since it was read."""
+
+    code = 104
+
+
+CODES = {
+    cls.code: cls
+    for cls in (
+        IncompatibleVersion,
+        UnsupportedField,
+        UnknownContainer,
+        InvalidEnvironment,
+        IoFailure,
+        DecodeFailure,
+        InvalidConfig,
+        TryAgainLater,
+        NotAvailable,
+        PoolExhausted,
+        AddressTaken,
+        AddressOutsidePool,
+        UnknownPool,
+        OwnerChanged,
+    )
+}

@@ -1,0 +1,470 @@
+"""The ledger: allocate and release addresses for attachments (DESIGN.md 5.1, 5.2).
+
+Every change is one store transaction whose compares pin what was read: the attachment
+index absent, the address record absent, the block still active at the revision read,
+the free-queue entry still there. A conflict means someone else moved first: read again
+and retry, a bounded number of times.
+
+Where an address comes from, in order:
+  1. the address the runtime asked for (same transaction, same checks);
+  2. the oldest freed address of this node whose cooldown has passed;
+  3. a never-used address of the block this node is filling (the block's `next` cursor),
+     claiming the next unclaimed block of the pool when that one is used up;
+  4. the oldest freed address still cooling down, when nothing else is free.
+None of these reads grows with the size of the pool or the number of allocations.
+
+Standard library only: this runs inside the CNI plugin in single-node mode.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from ipward import log
+from ipward import records as rec
+from ipward.addr import format_ip, parse_ip
+from ipward.errors import (
+    AddressOutsidePool,
+    AddressTaken,
+    IpwardError,
+    OwnerChanged,
+    PoolExhausted,
+    TryAgainLater,
+    UnknownPool,
+)
+from ipward.pool import PoolSpec
+from ipward.store.base import Delete, Put, StoreUnavailable, absent, at_revision
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from ipward.addr import Block, RangeSet
+    from ipward.records import Attachment, PodInfo
+    from ipward.store.base import Compare, KeyValue, Store
+
+MAX_ATTEMPTS = 100
+
+
+class Allocation:
+    """One address of an attachment, with what a CNI result needs."""
+
+    __slots__ = ("family", "gateway", "ip", "pool", "prefix")
+
+    def __init__(self, pool: str, ip: str, family: int, prefix: int, gateway: str | None):
+        self.pool = pool
+        self.ip = ip
+        self.family = family
+        self.prefix = prefix
+        self.gateway = gateway
+
+    def __repr__(self) -> str:
+        return f"{self.pool}/{self.ip}"
+
+
+class _Pick:
+    """A chosen address and what the allocating transaction must compare and write."""
+
+    __slots__ = ("block", "compares", "ip", "ops", "set_index")
+
+    def __init__(self, set_index: int, ip: str, block: str) -> None:
+        self.set_index = set_index
+        self.ip = ip
+        self.block = block
+        self.compares: list[Compare] = []
+        self.ops: list[Put | Delete] = []
+
+
+class _Conflict(Exception):
+    """What was read changed before it could be used; read again."""
+
+
+class Ledger:
+    def __init__(self, store: Store, node: str, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.node = node
+        self.clock = clock
+
+    # -- pools ------------------------------------------------------------------------
+
+    def get_pool(self, name: str) -> PoolSpec:
+        kv = self.store.get(rec.pool_key(name))
+        if kv is None:
+            raise UnknownPool(f"pool {name!r} does not exist (create it with 'ipward pool create')")
+        return PoolSpec.from_dict(rec.decode(kv.value))
+
+    def ensure_pool(self, spec: PoolSpec) -> None:
+        """Store an inline (CNI config) pool spec, or bring the stored one up to date.
+        A pool created with the CLI is never overwritten from a CNI config."""
+        key = rec.pool_key(spec.name)
+        wanted = rec.encode(spec.to_dict())
+        for _ in range(MAX_ATTEMPTS):
+            kv = self._get(key)
+            if kv is not None and kv.value == wanted:
+                return
+            if kv is not None and rec.decode(kv.value).get("source") != spec.source:
+                raise IpwardError(
+                    f"pool {spec.name!r} exists and was created with the CLI; name it with"
+                    " 'pool' in the CNI config instead of inline ranges"
+                )
+            if self._txn([at_revision(key, kv.mod_revision if kv else 0)], [Put(key, wanted)]):
+                return
+        raise TryAgainLater(f"pool {spec.name}: too much contention updating its spec")
+
+    # -- ADD --------------------------------------------------------------------------
+
+    def lookup(self, attachment: Attachment) -> list[Allocation] | None:
+        """The attachment's addresses, or None if it has none."""
+        kv = self._get(attachment.key)
+        if kv is None:
+            return None
+        return self._allocations(rec.decode(kv.value)["ips"])
+
+    def allocate(
+        self,
+        pools: list[PoolSpec],
+        attachment: Attachment,
+        pod: PodInfo,
+        requested: Sequence[str] = (),
+    ) -> list[Allocation]:
+        """One address per range set of each pool for the attachment, or the addresses it
+        already has. `requested` addresses (bare, no prefix) are used for their family."""
+        wanted = self._requested_by_pool(pools, requested)
+        for attempt in range(MAX_ATTEMPTS):
+            existing = self._get(attachment.key)
+            if existing is not None:
+                return self._allocations(rec.decode(existing.value)["ips"])
+            try:
+                picks = [
+                    (pool, self._pick(pool, i, rs, wanted.get((pool.name, i))))
+                    for pool in pools
+                    for i, rs in enumerate(pool.range_sets)
+                ]
+            except _Conflict:
+                self._backoff(attempt)
+                continue
+            now = self.clock()
+            compares: list[Compare] = [absent(attachment.key)]
+            ops: list[Put | Delete] = [
+                Put(attachment.key, rec.encode({"ips": [f"{p.name}/{k.ip}" for p, k in picks]}))
+            ]
+            for pool, pick in picks:
+                record = rec.ip_record(
+                    attachment,
+                    pod,
+                    self.node,
+                    pick.block,
+                    now,
+                    (pool.name, pick.set_index) in wanted,
+                )
+                compares += pick.compares
+                ops += pick.ops
+                ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
+            if self._txn(compares, ops):
+                allocations = self._allocations([f"{p.name}/{k.ip}" for p, k in picks])
+                log.info(
+                    "allocated", attachment=repr(attachment), ips=[repr(a) for a in allocations]
+                )
+                return allocations
+            self._backoff(attempt)
+        raise TryAgainLater(f"{attachment}: too much contention, no allocation made")
+
+    def _requested_by_pool(
+        self, pools: list[PoolSpec], requested: Sequence[str]
+    ) -> dict[tuple[str, int], int]:
+        """Map each requested address to the (pool, range set) of its family."""
+        wanted: dict[tuple[str, int], int] = {}
+        for text in requested:
+            family, value = parse_ip(text)
+            for pool in pools:
+                index = pool.set_of(family)
+                if index is not None and pool.range_sets[index].usable(value):
+                    if (pool.name, index) in wanted:
+                        raise AddressTaken(f"two addresses requested for one family: {text}")
+                    wanted[(pool.name, index)] = value
+                    break
+            else:
+                raise AddressOutsidePool(
+                    f"requested address {text} is not an allocatable address of pool"
+                    f" {', '.join(p.name for p in pools)} (outside its ranges, excluded,"
+                    " or the gateway)"
+                )
+        return wanted
+
+    def _pick(self, pool: PoolSpec, index: int, rs: RangeSet, requested: int | None) -> _Pick:
+        if requested is not None:
+            return self._pick_requested(pool, index, rs, requested)
+        head = self._queue_head(pool, index)
+        if head is not None and self._cooled(pool, head):
+            return self._pick_queued(pool, index, head)
+        fresh = self._pick_fresh(pool, index, rs)
+        if fresh is not None:
+            return fresh
+        if head is not None:
+            return self._pick_queued(pool, index, head)  # still cooling, but the only one
+        raise PoolExhausted(
+            f"pool {pool.name} has no free {'IPv6' if rs.family == 6 else 'IPv4'} address"
+            f" ({rs.capacity()} in all)"
+        )
+
+    def _pick_requested(self, pool: PoolSpec, index: int, rs: RangeSet, value: int) -> _Pick:
+        block = rs.block_of(value)
+        assert block is not None  # usable() was checked
+        ip = block.address(value - block.base)
+        if self._get(rec.ip_key(pool.name, ip)) is not None:
+            raise AddressTaken(f"requested address {ip} is already allocated in pool {pool.name}")
+        pick = _Pick(index, ip, block.cidr)
+        pick.compares.append(absent(rec.ip_key(pool.name, ip)))
+        block_kv = self._get(rec.block_key(pool.name, block.cidr))
+        if block_kv is None:
+            pick.compares.append(absent(rec.block_key(pool.name, block.cidr)))
+        else:
+            self._require_active(block_kv, pool.name)
+            pick.compares.append(at_revision(block_kv.key, block_kv.mod_revision))
+        free_kv = self._get(rec.free_key(pool.name, ip))
+        if free_kv is not None:
+            pick.compares.append(at_revision(free_kv.key, free_kv.mod_revision))
+            pick.ops += [Delete(free_kv.key), Delete(rec.decode(free_kv.value)["queue"])]
+        return pick
+
+    def _queue_head(self, pool: PoolSpec, index: int) -> KeyValue | None:
+        kvs, _ = self.store_range(
+            rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node), limit=1
+        )
+        return kvs[0] if kvs else None
+
+    def _cooled(self, pool: PoolSpec, head: KeyValue) -> bool:
+        released_ms = int(head.key.rsplit("/", 2)[-2])
+        return released_ms / 1000 + pool.cooldown <= self.clock()
+
+    def _pick_queued(self, pool: PoolSpec, index: int, head: KeyValue) -> _Pick:
+        ip = head.key.rsplit("/", 1)[-1]
+        record = self._get(rec.ip_key(pool.name, ip))
+        if record is not None:
+            # Allocated meanwhile by request: drop the stale queue entry and read again.
+            self._txn([at_revision(head.key, head.mod_revision)], [Delete(head.key)])
+            raise _Conflict
+        block = pool.range_sets[index].block_of(parse_ip(ip)[1])
+        if block is None:
+            # The pool no longer covers this address (its ranges changed): forget it.
+            free = rec.free_key(pool.name, ip)
+            self._txn([at_revision(head.key, head.mod_revision)], [Delete(head.key), Delete(free)])
+            raise _Conflict
+        block_kv = self._get(rec.block_key(pool.name, block.cidr))
+        pick = _Pick(index, ip, block.cidr)
+        pick.compares += [
+            at_revision(head.key, head.mod_revision),
+            absent(rec.ip_key(pool.name, ip)),
+        ]
+        if block_kv is not None:
+            self._require_active(block_kv, pool.name)
+            pick.compares.append(at_revision(block_kv.key, block_kv.mod_revision))
+        pick.ops += [Delete(head.key), Delete(rec.free_key(pool.name, ip))]
+        return pick
+
+    def _pick_fresh(self, pool: PoolSpec, index: int, rs: RangeSet) -> _Pick | None:
+        """A never-used address from the block this node fills, claiming blocks as they
+        run out; None when the pool has no unclaimed block left."""
+        while True:
+            fill = self._get(rec.fill_key(pool.name, rs.family, self.node))
+            if fill is not None:
+                cidr = rec.decode(fill.value)["block"]
+                block = rs.block_by_cidr(cidr)
+                block_kv = self._get(rec.block_key(pool.name, cidr))
+                if block is not None and block_kv is not None:
+                    pick = self._fresh_in_block(pool, index, block, block_kv)
+                    if pick is not None:
+                        return pick
+            if not self._claim_block(pool, index, rs, fill):
+                return None
+
+    def _fresh_in_block(
+        self, pool: PoolSpec, index: int, block: Block, block_kv: KeyValue
+    ) -> _Pick | None:
+        state = rec.decode(block_kv.value)
+        if state.get("node") != self.node or state.get("state") != rec.ACTIVE:
+            return None
+        offset = block.next_usable(state["next"])
+        while offset is not None:
+            ip = block.address(offset)
+            ip_k, free_k = rec.ip_key(pool.name, ip), rec.free_key(pool.name, ip)
+            # A requested address may sit ahead of the cursor: skip what is taken or queued.
+            if self._get(ip_k) is None and self._get(free_k) is None:
+                pick = _Pick(index, ip, block.cidr)
+                pick.compares += [
+                    at_revision(block_kv.key, block_kv.mod_revision),
+                    absent(ip_k),
+                    absent(free_k),
+                ]
+                pick.ops.append(Put(block_kv.key, rec.encode({**state, "next": offset + 1})))
+                return pick
+            offset = block.next_usable(offset + 1)
+        return None
+
+    def _claim_block(self, pool: PoolSpec, index: int, rs: RangeSet, fill: KeyValue | None) -> bool:
+        """Give this node the pool's next unclaimed block and make it the one it fills.
+        False when every block is claimed."""
+        cursor_key = rec.block_cursor_key(pool.name, rs.family)
+        cursor = self._get(cursor_key)
+        n = rec.decode(cursor.value)["next"] if cursor else 0
+        while True:
+            block = rs.block(n)
+            if block is None:
+                return False
+            key = rec.block_key(pool.name, block.cidr)
+            if self._get(key) is None:
+                break
+            n += 1  # claimed out of order (by request or by the controller)
+        fill_key = rec.fill_key(pool.name, rs.family, self.node)
+        ok = self._txn(
+            [
+                at_revision(cursor_key, cursor.mod_revision if cursor else 0),
+                at_revision(fill_key, fill.mod_revision if fill else 0),
+                absent(key),
+            ],
+            [
+                Put(key, rec.encode({"node": self.node, "state": rec.ACTIVE, "next": 0})),
+                Put(cursor_key, rec.encode({"next": n + 1})),
+                Put(fill_key, rec.encode({"block": block.cidr})),
+            ],
+        )
+        if ok:
+            log.info("claimed block", pool=pool.name, block=block.cidr, node=self.node)
+            return True
+        raise _Conflict
+
+    def _require_active(self, block_kv: KeyValue, pool: str) -> None:
+        if rec.decode(block_kv.value).get("state") != rec.ACTIVE:
+            raise TryAgainLater(f"block {block_kv.key} of pool {pool} is being released")
+
+    # -- DEL --------------------------------------------------------------------------
+
+    def release(self, attachment: Attachment) -> list[str]:
+        """Free the attachment's addresses; an unknown attachment is not an error.
+        Returns the addresses freed."""
+        for attempt in range(MAX_ATTEMPTS):
+            index_kv = self._get(attachment.key)
+            if index_kv is None:
+                return []
+            refs = rec.decode(index_kv.value)["ips"]
+            compares: list[Compare] = [at_revision(index_kv.key, index_kv.mod_revision)]
+            ops: list[Put | Delete] = [Delete(index_kv.key)]
+            freed = []
+            now = self.clock()
+            for ref in refs:
+                pool_name, ip = rec.split_pool_ip(ref)
+                record_kv = self._get(rec.ip_key(pool_name, ip))
+                if record_kv is None:
+                    continue  # index out of step with records: drop the index entry only
+                record = rec.decode(record_kv.value)
+                if rec.record_attachment(record) != attachment:
+                    continue  # the address belongs to someone else now: never touch it
+                compares.append(at_revision(record_kv.key, record_kv.mod_revision))
+                ops += self._free_ops(pool_name, ip, record, now)
+                freed.append(ref)
+            if self._txn(compares, ops):
+                if freed:
+                    log.info("released", attachment=repr(attachment), ips=freed, reason="DEL")
+                return freed
+            self._backoff(attempt)
+        raise TryAgainLater(f"{attachment}: too much contention, nothing released")
+
+    def _free_ops(self, pool_name: str, ip: str, record: dict, now: float) -> list[Put | Delete]:
+        """Delete a record and queue its address on the node that owns its block."""
+        owner = record.get("node", self.node)
+        block_kv = self._get(rec.block_key(pool_name, record["block"]))
+        if block_kv is not None:
+            owner = rec.decode(block_kv.value).get("node", owner)
+        queue = rec.queue_key(pool_name, 6 if ":" in ip else 4, owner, now, ip)
+        return [
+            Delete(rec.ip_key(pool_name, ip)),
+            Put(rec.free_key(pool_name, ip), rec.encode({"released_at": now, "queue": queue})),
+            Put(queue, b""),
+        ]
+
+    def release_address(self, pool: str, ip: str, expected_mod_revision: int) -> dict:
+        """Compare-and-delete one record (the CLI's `release`): refuses when the record is
+        not exactly the one the caller saw. Returns the record freed."""
+        key = rec.ip_key(pool, ip)
+        record_kv = self._get(key)
+        if record_kv is None or record_kv.mod_revision != expected_mod_revision:
+            raise OwnerChanged(
+                f"{pool}/{ip} changed since it was read (revision {expected_mod_revision});"
+                " look again and retry"
+            )
+        record = rec.decode(record_kv.value)
+        attachment = rec.record_attachment(record)
+        compares: list[Compare] = [at_revision(key, record_kv.mod_revision)]
+        ops = self._free_ops(pool, ip, record, self.clock())
+        index_kv = self._get(attachment.key)
+        if index_kv is not None:
+            refs = [r for r in rec.decode(index_kv.value)["ips"] if r != f"{pool}/{ip}"]
+            compares.append(at_revision(index_kv.key, index_kv.mod_revision))
+            ops.append(
+                Put(index_kv.key, rec.encode({"ips": refs})) if refs else Delete(index_kv.key)
+            )
+        if not self._txn(compares, ops):
+            raise OwnerChanged(f"{pool}/{ip} changed while being released; look again")
+        return record
+
+    def collect_network(self, network: str, keep: set[tuple[str, str]]) -> list[str]:
+        """CNI GC: release every attachment of `network` whose (container, ifname) the
+        runtime did not list as valid. Returns the addresses freed."""
+        kvs, _ = self.store_range(f"attach/{network}/")
+        freed = []
+        for kv in kvs:
+            _, _, container, ifname = kv.key.split("/", 3)
+            if (container, ifname) not in keep:
+                attachment = rec.Attachment(network, container, ifname)
+                for ref in self.release(attachment):
+                    log.info(
+                        "released",
+                        attachment=repr(attachment),
+                        ip=ref,
+                        reason="CNI GC: not in cni.dev/valid-attachments",
+                    )
+                    freed.append(ref)
+        return freed
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _allocations(self, refs: list[str]) -> list[Allocation]:
+        out = []
+        specs: dict[str, PoolSpec] = {}
+        for ref in refs:
+            pool_name, ip = rec.split_pool_ip(ref)
+            spec = specs.get(pool_name) or specs.setdefault(pool_name, self.get_pool(pool_name))
+            family, value = parse_ip(ip)
+            index = spec.set_of(family)
+            r = spec.range_sets[index].range_of(value) if index is not None else None
+            if r is None:
+                raise AddressOutsidePool(f"{ref} is no longer inside pool {pool_name}")
+            gateway = None
+            if r.gateway is not None:
+                gateway = format_ip(family, r.gateway)
+            out.append(Allocation(pool_name, ip, family, r.prefix, gateway))
+        return out
+
+    def _get(self, key: str) -> KeyValue | None:
+        try:
+            return self.store.get(key)
+        except StoreUnavailable as e:
+            raise TryAgainLater(f"store unreachable: {e}") from e
+
+    def store_range(self, prefix: str, limit: int = 0) -> tuple[list[KeyValue], int]:
+        try:
+            return self.store.range(prefix, limit)
+        except StoreUnavailable as e:
+            raise TryAgainLater(f"store unreachable: {e}") from e
+
+    def _txn(self, compares: list[Compare], ops: list[Put | Delete]) -> bool:
+        try:
+            return self.store.txn(compares, ops).succeeded
+        except StoreUnavailable as e:
+            raise TryAgainLater(f"store unreachable: {e}") from e
+
+    @staticmethod
+    def _backoff(attempt: int) -> None:
+        if attempt:
+            time.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))

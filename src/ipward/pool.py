@@ -1,0 +1,112 @@
+"""A pool: named range sets (one address per set, so one set per family for dual stack),
+exclusions, routes, block size and cooldown. Stored as `pools/<name>`; built by the CLI
+or from an inline CNI config (see `config`)."""
+
+from __future__ import annotations
+
+from ipward.addr import DEFAULT_BLOCK_PREFIX, V4, V6, Range, RangeSet
+from ipward.errors import InvalidConfig
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+DEFAULT_COOLDOWN = 30.0
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def check_name(name: object, what: str = "pool name") -> str:
+    if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS:
+        raise InvalidConfig(f"{what} {name!r} must be letters, digits, '-', '_' or '.'")
+    return name
+
+
+class PoolSpec:
+    __slots__ = ("block_prefix", "cooldown", "exclude", "name", "range_sets", "routes", "source")
+
+    def __init__(
+        self,
+        name: str,
+        ranges: list[list[dict]],
+        exclude: Sequence[str] = (),
+        routes: Sequence[dict] = (),
+        cooldown: float = DEFAULT_COOLDOWN,
+        block_prefix: dict[int, int] | None = None,
+        source: str = "cli",
+    ) -> None:
+        self.name = check_name(name)
+        self.exclude = [str(e) for e in exclude]
+        self.routes = [dict(r) for r in routes]
+        if not isinstance(cooldown, int | float) or cooldown < 0:
+            raise InvalidConfig(f"cooldown must be a number of seconds >= 0, not {cooldown!r}")
+        self.cooldown = float(cooldown)
+        self.block_prefix = dict(DEFAULT_BLOCK_PREFIX)
+        self.block_prefix.update(block_prefix or {})
+        self.source = source
+        if not ranges:
+            raise InvalidConfig(f"pool {name}: no ranges")
+        self.range_sets = []
+        for ranges_of_set in ranges:
+            if not isinstance(ranges_of_set, list) or not ranges_of_set:
+                raise InvalidConfig(f"pool {name}: each range set must be a non-empty list")
+            built = [_range(r) for r in ranges_of_set]
+            family = built[0].family
+            self.range_sets.append(RangeSet(built, self.exclude, self.block_prefix[family]))
+        families = [rs.family for rs in self.range_sets]
+        if len(set(families)) != len(families):
+            raise InvalidConfig(
+                f"pool {name}: two range sets of one family; an attachment gets one address"
+                " per family, so put ranges of one family in one set"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PoolSpec:
+        if not isinstance(d, dict):
+            raise InvalidConfig("pool spec must be an object")
+        block = d.get("blockSize", {})
+        return cls(
+            name=d.get("name"),  # type: ignore[arg-type]
+            ranges=d.get("ranges", []),
+            exclude=d.get("exclude", []),
+            routes=d.get("routes", []),
+            cooldown=d.get("cooldown", DEFAULT_COOLDOWN),
+            block_prefix={
+                V4: block.get("4", DEFAULT_BLOCK_PREFIX[V4]),
+                V6: block.get("6", DEFAULT_BLOCK_PREFIX[V6]),
+            },
+            source=d.get("source", "cli"),
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "ranges": [[r.to_dict() for r in rs.ranges] for rs in self.range_sets],
+            "exclude": self.exclude,
+            "routes": self.routes,
+            "cooldown": self.cooldown,
+            "blockSize": {"4": self.block_prefix[V4], "6": self.block_prefix[V6]},
+            "source": self.source,
+        }
+
+    def set_of(self, value_family: int) -> int | None:
+        """Index of the range set of this family, if the pool has one."""
+        for i, rs in enumerate(self.range_sets):
+            if rs.family == value_family:
+                return i
+        return None
+
+    def attachments_capacity(self) -> int:
+        """How many attachments fit: each takes one address of every range set."""
+        return min(rs.capacity() for rs in self.range_sets)
+
+
+def _range(r: object) -> Range:
+    if not isinstance(r, dict) or not isinstance(r.get("subnet"), str):
+        raise InvalidConfig(f"a range needs a 'subnet' (CIDR): {r!r}")
+    for field in ("rangeStart", "rangeEnd", "gateway"):
+        if field in r and not isinstance(r[field], str):
+            raise InvalidConfig(f"range field {field} must be an address string")
+    return Range(r["subnet"], r.get("rangeStart"), r.get("rangeEnd"), r.get("gateway"))
+
+
+__all__ = ["V6", "PoolSpec", "check_name"]

@@ -1,0 +1,144 @@
+"""Store keys and record encodings: the one place that knows how facts are laid out.
+
+    pools/<pool>                                  pool spec (pool.PoolSpec)
+    blocks/<pool>/<cidr>                          {node, state, next}
+    fill/<pool>/<family>/<node>                      {block}: the block this node fills fresh
+    blockcursor/<pool>/<family>                      {next}: index of the next unclaimed block
+    ips/<pool>/<ip>                               the allocation record
+    attach/<network>/<container>/<ifname>         {ips: ["<pool>/<ip>", ...]}
+    free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
+    freeq/<pool>/<family>/<node>/<ms>/<ip>           the same fact ordered by release time
+
+One record per fact and one key per address: nothing grows per pool.
+"""
+
+from __future__ import annotations
+
+import json
+
+_dumps = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+ACTIVE = "active"
+
+
+def encode(obj: dict) -> bytes:
+    return _dumps(obj).encode()
+
+
+def decode(raw: bytes) -> dict:
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("record is not an object")
+    return value
+
+
+def pool_key(pool: str) -> str:
+    return f"pools/{pool}"
+
+
+def block_key(pool: str, cidr: str) -> str:
+    return f"blocks/{pool}/{cidr}"
+
+
+def fill_key(pool: str, family: int, node: str) -> str:
+    return f"fill/{pool}/{family}/{node}"
+
+
+def block_cursor_key(pool: str, family: int) -> str:
+    return f"blockcursor/{pool}/{family}"
+
+
+def ip_key(pool: str, ip: str) -> str:
+    return f"ips/{pool}/{ip}"
+
+
+def attach_key(network: str, container: str, ifname: str) -> str:
+    return f"attach/{network}/{container}/{ifname}"
+
+
+def free_key(pool: str, ip: str) -> str:
+    return f"free/{pool}/{ip}"
+
+
+def queue_prefix(pool: str, family: int, node: str) -> str:
+    return f"freeq/{pool}/{family}/{node}/"
+
+
+def queue_key(pool: str, family: int, node: str, released_at: float, ip: str) -> str:
+    # Zero-padded milliseconds so key order is release order.
+    return f"{queue_prefix(pool, family, node)}{int(released_at * 1000):015d}/{ip}"
+
+
+def split_pool_ip(ref: str) -> tuple[str, str]:
+    """`<pool>/<ip>` as stored in an attachment index."""
+    pool, _, ip = ref.partition("/")
+    return pool, ip
+
+
+class Attachment:
+    """What an allocation belongs to: the CNI spec's own key."""
+
+    __slots__ = ("container", "ifname", "network")
+
+    def __init__(self, network: str, container: str, ifname: str) -> None:
+        self.network = network
+        self.container = container
+        self.ifname = ifname
+
+    @property
+    def key(self) -> str:
+        return attach_key(self.network, self.container, self.ifname)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Attachment) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"{self.network}/{self.container}/{self.ifname}"
+
+
+class PodInfo:
+    """Attributes of the pod behind an attachment (from CNI_ARGS); never part of the key."""
+
+    __slots__ = ("infra_container", "name", "namespace", "uid")
+
+    def __init__(
+        self, namespace: str = "", name: str = "", uid: str = "", infra_container: str = ""
+    ) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.uid = uid
+        self.infra_container = infra_container
+
+    def to_dict(self) -> dict:
+        return {
+            "namespace": self.namespace,
+            "name": self.name,
+            "uid": self.uid,
+            "infra_container": self.infra_container,
+        }
+
+
+def ip_record(
+    attachment: Attachment,
+    pod: PodInfo,
+    node: str,
+    block: str,
+    created_at: float,
+    requested: bool,
+) -> dict:
+    return {
+        "network": attachment.network,
+        "container": attachment.container,
+        "ifname": attachment.ifname,
+        "pod": pod.to_dict(),
+        "node": node,
+        "block": block,
+        "created_at": round(created_at, 3),
+        "requested": requested,
+    }
+
+
+def record_attachment(record: dict) -> Attachment:
+    return Attachment(record["network"], record["container"], record["ifname"])

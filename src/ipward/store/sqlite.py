@@ -1,0 +1,351 @@
+"""SQLite store: the embedded default. One file, many processes, durable on commit.
+
+Every process opens the file in WAL mode with `synchronous=FULL` (the WAL is fsynced at
+each commit) and takes the write lock at the start of a transaction (`BEGIN IMMEDIATE`),
+so compares and writes of one `txn` see and change a single state. The store revision
+lives in the file; every write transaction bumps it by one and records its changes in an
+`events` table, which watches poll. Leases are rows with an expiry time; keys of an
+expired lease are deleted by the next writer (or watcher) that notices, and reads skip
+them before that.
+
+On the CNI plugin's start path: standard library only.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import sqlite3
+import time
+
+from ipward.store.base import (
+    DELETE,
+    PUT,
+    Compare,
+    Delete,
+    Event,
+    KeyValue,
+    Put,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    TxnResult,
+    Watch,
+)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (
+    key TEXT PRIMARY KEY,
+    value BLOB NOT NULL,
+    create_revision INTEGER NOT NULL,
+    mod_revision INTEGER NOT NULL,
+    version INTEGER NOT NULL,
+    lease INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('revision', 1), ('compacted', 0);
+CREATE TABLE IF NOT EXISTS events (
+    revision INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value BLOB NOT NULL,
+    create_revision INTEGER NOT NULL,
+    version INTEGER NOT NULL,
+    lease INTEGER NOT NULL,
+    PRIMARY KEY (revision, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS leases (id INTEGER PRIMARY KEY, ttl INTEGER NOT NULL,
+                                   expires_at REAL NOT NULL);
+"""
+
+# Watch history kept in the file: a watcher further behind than this gets StoreError,
+# as with a compacted etcd revision.
+HISTORY_REVISIONS = 50_000
+_COMPACT_EVERY = 1_000
+_LIVE = "(lease = 0 OR lease IN (SELECT id FROM leases WHERE expires_at > ?))"
+_COLUMNS = "key, value, create_revision, mod_revision, version, lease"
+
+
+def _row(row: tuple) -> KeyValue:
+    return KeyValue(row[0], bytes(row[1]), row[2], row[3], row[4], row[5])
+
+
+def _prefix_end(prefix: str) -> str:
+    """The smallest string greater than every string starting with `prefix`."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class SqliteStore(Store):
+    def __init__(self, path: str, busy_timeout: float = 5.0) -> None:
+        self.path = path
+        self._lock = _thread.RLock()
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        try:
+            self._conn = sqlite3.connect(
+                path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            )
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            # Creating the schema is idempotent but takes the write lock; skip it when the
+            # file is already set up, which is every plugin exec after the first.
+            if (
+                self._conn.execute("SELECT 1 FROM sqlite_master WHERE name='leases'").fetchone()
+                is None
+            ):
+                self._conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+        except sqlite3.Error as e:
+            raise StoreUnavailable(f"sqlite store {path}: {e}") from e
+
+    @classmethod
+    def from_url(cls, url: str) -> SqliteStore:
+        path = url[len("sqlite://") :]
+        if not path.startswith("/"):
+            raise StoreError(f"sqlite URL needs an absolute path (sqlite:///PATH): {url!r}")
+        return cls(path)
+
+    def get(self, key: str) -> KeyValue | None:
+        with self._lock:
+            row = self._query_one(
+                f"SELECT {_COLUMNS} FROM kv WHERE key = ? AND {_LIVE}", (key, time.time())
+            )
+        return None if row is None else _row(row)
+
+    def range(self, prefix: str, limit: int = 0) -> tuple[list[KeyValue], int]:
+        sql = f"SELECT {_COLUMNS} FROM kv WHERE key >= ? AND key < ? AND {_LIVE} ORDER BY key"
+        params: tuple = (prefix, _prefix_end(prefix), time.time())
+        if limit:
+            sql += " LIMIT ?"
+            params += (limit,)
+        with self._lock:
+            try:
+                # One read transaction so the rows and the revision agree.
+                self._conn.execute("BEGIN")
+                rows = self._conn.execute(sql, params).fetchall()
+                revision = self._current_revision()
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+        return [_row(r) for r in rows], revision
+
+    def txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Put | Delete],
+        failure: Sequence[Put | Delete] = (),
+    ) -> TxnResult:
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                now = time.time()
+                revision = self._current_revision()
+                revision = self._expire_leases(now, revision)
+                ok = all(c.holds(self._get_live(c.key, now)) for c in compares)
+                ops = success if ok else failure
+                if ops:
+                    revision += 1
+                    self._apply(ops, revision, now)
+                    self._set_revision(revision)
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+        return TxnResult(ok, revision)
+
+    def watch(self, prefix: str, start_revision: int) -> Watch:
+        return _SqliteWatch(self, prefix, start_revision)
+
+    def lease_grant(self, ttl: int) -> int:
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                cur = self._conn.execute(
+                    "INSERT INTO leases (ttl, expires_at) VALUES (?, ?)", (ttl, time.time() + ttl)
+                )
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def lease_keepalive(self, lease: int) -> int:
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                now = time.time()
+                self._set_revision(self._expire_leases(now, self._current_revision()))
+                cur = self._conn.execute(
+                    "UPDATE leases SET expires_at = ? + ttl WHERE id = ? RETURNING ttl",
+                    (now, lease),
+                )
+                row = cur.fetchone()
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+        return 0 if row is None else int(row[0])
+
+    def lease_revoke(self, lease: int) -> None:
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                # Expire it now; the sweep deletes its keys at a new revision.
+                self._conn.execute("UPDATE leases SET expires_at = 0 WHERE id = ?", (lease,))
+                self._set_revision(self._expire_leases(time.time(), self._current_revision()))
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+
+    def revision(self) -> int:
+        with self._lock:
+            row = self._query_one("SELECT value FROM meta WHERE name = 'revision'", ())
+        assert row is not None
+        return int(row[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- inside the lock ---------------------------------------------------------------
+
+    def _query_one(self, sql: str, params: tuple) -> tuple | None:
+        try:
+            row: tuple | None = self._conn.execute(sql, params).fetchone()
+            return row
+        except sqlite3.Error as e:
+            raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+
+    def _rollback(self) -> None:
+        if self._conn.in_transaction:
+            # Not contextlib.suppress: its import costs ~3 ms per plugin exec.
+            try:
+                self._conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # already rolled back on SQLITE_BUSY
+
+    def _current_revision(self) -> int:
+        row = self._conn.execute("SELECT value FROM meta WHERE name = 'revision'").fetchone()
+        return int(row[0])
+
+    def _set_revision(self, revision: int) -> None:
+        self._conn.execute("UPDATE meta SET value = ? WHERE name = 'revision'", (revision,))
+        if revision % _COMPACT_EVERY == 0:
+            floor = revision - HISTORY_REVISIONS
+            self._conn.execute("DELETE FROM events WHERE revision <= ?", (floor,))
+            self._conn.execute(
+                "UPDATE meta SET value = max(value, ?) WHERE name = 'compacted'", (floor,)
+            )
+
+    def _get_live(self, key: str, now: float) -> KeyValue | None:
+        row = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM kv WHERE key = ? AND {_LIVE}", (key, now)
+        ).fetchone()
+        return None if row is None else _row(row)
+
+    def _apply(self, ops: Sequence[Put | Delete], revision: int, now: float) -> None:
+        execute = self._conn.execute
+        for seq, op in enumerate(ops):
+            old = self._get_live(op.key, now)
+            if isinstance(op, Put):
+                create = old.create_revision if old else revision
+                version = old.version + 1 if old else 1
+                execute(
+                    "INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)",
+                    (op.key, op.value, create, revision, version, op.lease),
+                )
+                execute(
+                    "INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (revision, seq, PUT, op.key, op.value, create, version, op.lease),
+                )
+            elif old is not None:
+                execute("DELETE FROM kv WHERE key = ?", (op.key,))
+                execute(
+                    "INSERT INTO events VALUES (?, ?, ?, ?, ?, 0, 0, 0)",
+                    (revision, seq, DELETE, op.key, b""),
+                )
+
+    def _expire_leases(self, now: float, revision: int) -> int:
+        """Delete keys of expired leases, at one new revision if there are any."""
+        expired = [
+            r[0] for r in self._conn.execute("SELECT id FROM leases WHERE expires_at <= ?", (now,))
+        ]
+        if not expired:
+            return revision
+        marks = ",".join("?" * len(expired))
+        keys = [
+            r[0]
+            for r in self._conn.execute(f"SELECT key FROM kv WHERE lease IN ({marks})", expired)
+        ]
+        self._conn.execute(f"DELETE FROM leases WHERE id IN ({marks})", expired)
+        if not keys:
+            return revision
+        revision += 1
+        for seq, key in enumerate(keys):
+            self._conn.execute("DELETE FROM kv WHERE key = ?", (key,))
+            self._conn.execute(
+                "INSERT INTO events VALUES (?, ?, ?, ?, ?, 0, 0, 0)",
+                (revision, seq, DELETE, key, b""),
+            )
+        return revision
+
+    def _has_expired_lease(self) -> bool:
+        return (
+            self._query_one("SELECT 1 FROM leases WHERE expires_at <= ? LIMIT 1", (time.time(),))
+            is not None
+        )
+
+    def _events_since(self, prefix: str, revision: int) -> list[Event]:
+        with self._lock:
+            compacted = self._query_one("SELECT value FROM meta WHERE name = 'compacted'", ())
+            if compacted is not None and revision <= compacted[0]:
+                raise StoreError(f"revision {revision} has been compacted ({compacted[0]})")
+            if self._has_expired_lease():
+                self.txn((), ())  # the sweep runs inside any write transaction
+            try:
+                rows = self._conn.execute(
+                    "SELECT kind, key, value, create_revision, revision, version, lease"
+                    " FROM events WHERE revision >= ? AND key >= ? AND key < ?"
+                    " ORDER BY revision, seq",
+                    (revision, prefix, _prefix_end(prefix)),
+                ).fetchall()
+            except sqlite3.Error as e:
+                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+        return [Event(r[0], KeyValue(r[1], bytes(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
+
+
+class _SqliteWatch(Watch):
+    """Polls the events table; other processes' commits show up within one interval."""
+
+    POLL_SECONDS = 0.05
+
+    def __init__(self, store: SqliteStore, prefix: str, start_revision: int) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._next = start_revision if start_revision > 0 else store.revision() + 1
+        import threading  # only watchers pay for it, not the plugin
+
+        self._cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[Event]:
+        while not self._cancelled.is_set():
+            events = self._store._events_since(self._prefix, self._next)
+            for event in events:
+                if self._cancelled.is_set():
+                    return
+                yield event
+            if events:
+                self._next = events[-1].kv.mod_revision + 1
+            else:
+                self._cancelled.wait(self.POLL_SECONDS)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
