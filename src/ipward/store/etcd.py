@@ -121,9 +121,10 @@ class EtcdStore(Store):
             raise StoreError(f"not an etcd URL: {url!r}")
         if "@" in parts.netloc:
             raise StoreError("etcd URL: give credentials as ?user=NAME&password=SECRET")
-        endpoints = [e if ":" in e else f"{e}:{DEFAULT_PORT}" for e in parts.netloc.split(",")]
-        if not all(endpoints) or parts.path not in ("", "/"):
+        hosts = parts.netloc.split(",")
+        if not all(hosts) or parts.path not in ("", "/"):
             raise StoreError(f"etcd URL must be etcd://HOST:PORT[,HOST:PORT...]: {url!r}")
+        endpoints = [h if ":" in h else f"{h}:{DEFAULT_PORT}" for h in hosts]
         opts = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
         unknown = sorted(set(opts) - set(OPTIONS))
         if unknown:
@@ -270,7 +271,7 @@ class EtcdStore(Store):
                 if code not in RETRYABLE:
                     raise _error(ep.target, code, details) from None
                 self._failed(index)
-                failures.append(f"{ep.target} ({details})")
+                failures.append(f"{ep.target} ({code.name}: {details})")
                 if write and sent and not _never_sent(details):
                     raise StoreUnavailable(
                         f"etcd {ep.target}: {details}; the write may or may not have been applied"

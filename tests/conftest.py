@@ -1,0 +1,94 @@
+"""Shared fixtures: a fresh SQLite store, the plugin installed into a temporary CNI bin
+dir, and a helper to exec it the way a runtime does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ipward.store import open_store
+
+REPO = Path(__file__).resolve().parent.parent
+IPWARD = [sys.executable, "-m", "ipward.cli"]
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite://{tmp_path}/ipward.db"
+
+
+@pytest.fixture
+def sqlite_store(sqlite_url: str):
+    store = open_store(sqlite_url)
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="session")
+def cni_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CNI bin dir holding the installed `ipward` plugin (and nothing else)."""
+    bin_dir = tmp_path_factory.mktemp("cni-bin")
+    subprocess.run(
+        [*IPWARD, "install-cni", "--bin-dir", str(bin_dir)], check=True, capture_output=True
+    )
+    return bin_dir
+
+
+class PluginResult:
+    def __init__(self, proc: subprocess.CompletedProcess) -> None:
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.json = json.loads(proc.stdout) if proc.stdout.strip() else None
+
+    def __repr__(self) -> str:
+        return f"PluginResult(rc={self.returncode}, stdout={self.stdout!r}, stderr={self.stderr!r})"
+
+
+def exec_plugin(
+    plugin: Path,
+    command: str,
+    config: dict | bytes | str,
+    container: str = "c0",
+    ifname: str = "eth0",
+    args: str = "",
+    netns: str = "/var/run/netns/test",
+    env: dict[str, str] | None = None,
+) -> PluginResult:
+    """Exec the plugin as a runtime would: CNI_* environment, config on stdin."""
+    data = json.dumps(config).encode() if isinstance(config, dict) else config
+    if isinstance(data, str):
+        data = data.encode()
+    full_env = {
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": container,
+        "CNI_IFNAME": ifname,
+        "CNI_NETNS": netns,
+        "CNI_PATH": str(plugin.parent),
+        "CNI_ARGS": args,
+    }
+    full_env.update(env or {})
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    proc = subprocess.run([str(plugin)], input=data, env=full_env, capture_output=True, timeout=60)
+    return PluginResult(proc)
+
+
+@pytest.fixture
+def plugin(cni_bin: Path) -> Path:
+    return cni_bin / "ipward"
+
+
+def run_cli(
+    *args: str, store: str | None = None, check: bool = False
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if store:
+        env["IPWARD_STORE"] = store
+    return subprocess.run(
+        [*IPWARD, *args], capture_output=True, text=True, env=env, check=check, timeout=120
+    )

@@ -1,0 +1,251 @@
+"""The ledger on a real SQLite store: allocation order, cooldown, blocks, requested
+addresses, idempotency, precise release."""
+
+from __future__ import annotations
+
+import pytest
+
+from ipward import records as rec
+from ipward.check import check
+from ipward.errors import AddressOutsidePool, AddressTaken, OwnerChanged, PoolExhausted
+from ipward.ledger import Ledger
+from ipward.pool import PoolSpec
+from ipward.records import Attachment, PodInfo
+from ipward.store.base import Put
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def ledger(sqlite_store, clock) -> Ledger:
+    return Ledger(sqlite_store, "node-a", clock=clock)
+
+
+def pool(subnet="10.0.0.0/24", cooldown=30.0, **range_fields) -> PoolSpec:
+    spec = PoolSpec("p", [[{"subnet": subnet, **range_fields}]], cooldown=cooldown)
+    return spec
+
+
+def att(i: int | str) -> Attachment:
+    return Attachment("net", f"c{i}", "eth0")
+
+
+def add(ledger: Ledger, spec: PoolSpec, i, requested=()) -> str:
+    ledger.ensure_pool(spec)
+    return ledger.allocate([spec], att(i), PodInfo("ns", f"pod{i}", f"uid{i}"), requested)[0].ip
+
+
+def keys(store, prefix: str) -> list[str]:
+    return [kv.key for kv in store.range(prefix)[0]]
+
+
+def test_sequential_fresh_addresses_skip_network_and_gateway(ledger):
+    spec = pool(gateway="10.0.0.1")
+    assert [add(ledger, spec, i) for i in range(3)] == ["10.0.0.2", "10.0.0.3", "10.0.0.4"]
+
+
+def test_add_is_idempotent_and_del_of_unknown_succeeds(ledger, sqlite_store):
+    spec = pool()
+    first = add(ledger, spec, 1)
+    assert add(ledger, spec, 1) == first
+    assert len(keys(sqlite_store, "ips/")) == 1
+    assert ledger.release(att(99)) == []
+    assert ledger.release(att(1)) == [f"p/{first}"]
+    revision = sqlite_store.revision()
+    assert ledger.release(att(1)) == []
+    assert sqlite_store.revision() == revision  # a repeated DEL writes nothing
+
+
+def test_cooldown_holds_freed_address_back_while_others_are_free(ledger, clock):
+    spec = pool(cooldown=30)
+    a = add(ledger, spec, 1)
+    ledger.release(att(1))
+    clock.now += 29
+    assert add(ledger, spec, 2) != a  # still cooling, fresh addresses exist
+    clock.now += 2
+    assert add(ledger, spec, 3) == a  # cooled: oldest freed comes first
+
+
+def test_oldest_freed_first(ledger, clock):
+    spec = pool(cooldown=0)
+    ips = [add(ledger, spec, i) for i in range(4)]
+    for i in (2, 0, 3):
+        ledger.release(att(i))
+        clock.now += 1
+    assert [add(ledger, spec, f"n{i}") for i in range(3)] == [ips[2], ips[0], ips[3]]
+
+
+def test_cooling_address_is_used_when_nothing_else_is_free(ledger, clock):
+    spec = pool("10.0.0.0/30", cooldown=300)  # two usable addresses
+    add(ledger, spec, 1)
+    b = add(ledger, spec, 2)
+    ledger.release(att(2))
+    assert add(ledger, spec, 3) == b
+    with pytest.raises(PoolExhausted):
+        add(ledger, spec, 4)
+
+
+def test_exhaustion_leaves_store_unchanged(ledger, sqlite_store):
+    spec = pool("10.0.0.0/30")
+    add(ledger, spec, 1)
+    add(ledger, spec, 2)
+    revision = sqlite_store.revision()
+    with pytest.raises(PoolExhausted):
+        add(ledger, spec, 3)
+    assert sqlite_store.revision() == revision
+
+
+def test_blocks_are_claimed_in_order_as_they_fill(ledger, sqlite_store):
+    spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], block_prefix={4: 30})
+    got = [add(ledger, spec, i) for i in range(6)]
+    # /30 blocks inside a /24: 10.0.0.0/30 loses .0 (network), so .1-.3, then .4-.7
+    assert got == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5", "10.0.0.6"]
+    assert keys(sqlite_store, "blocks/p/") == ["blocks/p/10.0.0.0/30", "blocks/p/10.0.0.4/30"]
+    for kv in sqlite_store.range("blocks/p/")[0]:
+        assert rec.decode(kv.value)["node"] == "node-a"
+
+
+def test_requested_address_is_skipped_by_the_cursor(ledger):
+    spec = pool()
+    assert add(ledger, spec, "static", requested=["10.0.0.2"]) == "10.0.0.2"
+    assert add(ledger, spec, 1) == "10.0.0.1"
+    assert add(ledger, spec, 2) == "10.0.0.3"  # .2 is taken: the cursor skips it
+
+
+def test_requested_address_errors(ledger, sqlite_store):
+    spec = pool(gateway="10.0.0.1")
+    add(ledger, spec, 1, requested=["10.0.0.9"])
+    revision = sqlite_store.revision()
+    with pytest.raises(AddressTaken):
+        add(ledger, spec, 2, requested=["10.0.0.9"])
+    for bad in ("10.0.1.5", "10.0.0.1", "10.0.0.0", "10.0.0.255", "fd00::1"):
+        with pytest.raises(AddressOutsidePool):
+            add(ledger, spec, 3, requested=[bad])
+    assert sqlite_store.revision() == revision
+
+
+def test_requested_address_in_cooldown_takes_it_off_the_queue(ledger, sqlite_store, clock):
+    spec = pool(cooldown=30)
+    a = add(ledger, spec, 1)
+    ledger.release(att(1))
+    assert keys(sqlite_store, "free/") == [f"free/p/{a}"]
+    assert add(ledger, spec, 2, requested=[a]) == a
+    assert keys(sqlite_store, "free/") == []
+    assert keys(sqlite_store, "freeq/") == []
+    assert check(sqlite_store)[0] == []
+
+
+def test_dual_stack_gets_one_address_per_family_in_one_transaction(ledger, sqlite_store):
+    spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}], [{"subnet": "fd00::/64"}]])
+    ledger.ensure_pool(spec)
+    revision = sqlite_store.revision()
+    got = ledger.allocate([spec], att(1), PodInfo())
+    assert sorted(a.family for a in got) == [4, 6]
+    # the two blocks are claimed in their own transactions, then one allocating txn
+    assert sqlite_store.get(att(1).key).mod_revision == sqlite_store.revision()
+    assert sqlite_store.revision() == revision + 3
+
+
+def test_large_pools_cost_what_small_ones_do(ledger, sqlite_store):
+    """A /8 and an IPv6 /64: allocation claims one block and writes one record per
+    address; nothing proportional to the range is ever written."""
+    for subnet in ("10.0.0.0/8", "fd00:1::/64"):
+        spec = PoolSpec("p", [[{"subnet": subnet}]])
+        for i in range(70):
+            add(ledger, spec, f"{subnet}-{i}")
+        for i in range(70):
+            ledger.release(att(f"{subnet}-{i}"))
+        sqlite_store.txn([], [])
+    # 2 pools' worth of blocks: 70 addresses span two /26 (or /122) blocks each
+    assert len(keys(sqlite_store, "blocks/")) == 4
+    assert len(keys(sqlite_store, "free/")) == 140
+    assert keys(sqlite_store, "ips/") == []
+
+
+def test_release_never_frees_an_address_owned_by_another_attachment(ledger, sqlite_store):
+    spec = pool()
+    ip = add(ledger, spec, 1)
+    # Corrupt on purpose: attachment 2's index claims the address of attachment 1.
+    sqlite_store.txn([], [Put(att(2).key, rec.encode({"ips": [f"p/{ip}"]}))])
+    assert ledger.release(att(2)) == []
+    assert sqlite_store.get(rec.ip_key("p", ip)) is not None
+    assert sqlite_store.get(att(2).key) is None  # the stray index entry is dropped
+
+
+def test_release_address_compares_revision(ledger, sqlite_store):
+    spec = pool()
+    ip = add(ledger, spec, 1)
+    kv = sqlite_store.get(rec.ip_key("p", ip))
+    with pytest.raises(OwnerChanged):
+        ledger.release_address("p", ip, kv.mod_revision - 1)
+    assert sqlite_store.get(rec.ip_key("p", ip)) is not None
+    ledger.release_address("p", ip, kv.mod_revision)
+    assert sqlite_store.get(rec.ip_key("p", ip)) is None
+    assert sqlite_store.get(att(1).key) is None
+    assert check(sqlite_store)[0] == []
+
+
+def test_cooldown_survives_a_restart(sqlite_url, clock):
+    from ipward.store import open_store
+
+    spec = pool("10.0.0.0/29", cooldown=30)
+    with open_store(sqlite_url) as store:
+        first = Ledger(store, "node-a", clock=clock)
+        freed = add(first, spec, 1)
+        first.release(att(1))
+    clock.now += 5
+    with open_store(sqlite_url) as store:
+        again = Ledger(store, "node-a", clock=clock)
+        assert add(again, spec, 2) != freed
+
+
+class TestCheck:
+    def test_clean_store_is_clean(self, ledger, sqlite_store):
+        spec = pool()
+        for i in range(5):
+            add(ledger, spec, i)
+        ledger.release(att(3))
+        problems, counts = check(sqlite_store)
+        assert problems == []
+        assert counts["allocations"] == 4 and counts["free"] == 1
+
+    def test_each_broken_invariant_is_reported(self, ledger, sqlite_store):
+        spec = pool()
+        ip1 = add(ledger, spec, 1)
+        ip2 = add(ledger, spec, 2)
+        ledger.release(att(2))
+        other = PoolSpec("q", [[{"subnet": "10.0.0.0/24"}]])
+        ledger.ensure_pool(other)
+        record = rec.decode(sqlite_store.get(rec.ip_key("p", ip1)).value)
+        sqlite_store.txn(
+            [],
+            [
+                # same address on the same network through an overlapping pool
+                Put(rec.ip_key("q", ip1), rec.encode({**record, "container": "dup"})),
+                # an index pointing at nothing
+                Put(att(7).key, rec.encode({"ips": ["p/10.0.0.77"]})),
+                # a record outside its pool
+                Put(rec.ip_key("p", "192.168.1.1"), rec.encode({**record, "container": "x"})),
+                # freed and allocated at once
+                Put(rec.ip_key("p", ip2), rec.encode({**record, "container": "y"})),
+            ],
+        )
+        kinds = {p.kind for p in check(sqlite_store)[0]}
+        assert kinds >= {
+            "duplicate-address",
+            "index-dangling",
+            "index-missing",
+            "outside-pool",
+            "free-and-allocated",
+        }
