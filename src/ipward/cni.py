@@ -7,16 +7,16 @@ go to the log file named in the config (`ipam.logFile`), or stderr. Nothing else
 printed on stdout.
 
 This module is the plugin's start path: what it imports at the top is paid on every pod
-start, so it is standard library only and nothing heavier than `json` and `sqlite3`.
+start, so it is standard library only and nothing heavier than `sqlite3` (JSON goes
+through `jsonc`, see there).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from ipward import log
+from ipward import jsonc, log
 from ipward.config import SUPPORTED_VERSIONS, Call, IpamConfig
 from ipward.errors import (
     DecodeFailure,
@@ -48,7 +48,7 @@ def run(env: dict[str, str], stdin: bytes) -> str:
     if command not in COMMANDS:
         raise InvalidEnvironment(f"CNI_COMMAND {command!r} is not one of {', '.join(COMMANDS)}")
     try:
-        raw = json.loads(stdin) if stdin.strip() else None
+        raw = jsonc.loads(stdin) if stdin.strip() else None
     except (ValueError, UnicodeDecodeError) as e:
         raise DecodeFailure(f"network configuration on stdin is not JSON: {e}") from None
     if command == "VERSION":
@@ -182,13 +182,13 @@ def _status(config: IpamConfig) -> None:
 
 
 def _dump(obj: dict) -> str:
-    return json.dumps(obj, separators=(",", ":")) + "\n"
+    return jsonc.dumps(obj) + "\n"
 
 
 def _error_version(stdin: bytes) -> str:
     """The cniVersion to answer an error in (parsed again only on the error path)."""
     try:
-        version = json.loads(stdin).get("cniVersion")
+        version = jsonc.loads(stdin).get("cniVersion")
     except (ValueError, AttributeError, UnicodeDecodeError):
         version = None
     return version if version in SUPPORTED_VERSIONS else SUPPORTED_VERSIONS[-1]

@@ -7,14 +7,16 @@ there is one way to log.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
+
+from ipward import jsonc
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 _threshold = LEVELS["warning"]
 _sink = sys.stderr
 _component = "ipward"
+_PLAIN = (str, int, float, bool, list, dict, type(None))
 
 
 def configure(path: str | None = None, level: str = "info", component: str = "ipward") -> None:
@@ -31,7 +33,8 @@ def event(level: str, msg: str, **fields: object) -> None:
     line = {"ts": round(time.time(), 3), "level": level, "component": _component, "msg": msg}
     line.update(fields)
     try:
-        _sink.write(json.dumps(line, default=str) + "\n")
+        text = jsonc.dumps({k: v if isinstance(v, _PLAIN) else str(v) for k, v in line.items()})
+        _sink.write(text + "\n")
         _sink.flush()
     except (OSError, ValueError):
         pass  # a full disk or closed log must not fail an allocation

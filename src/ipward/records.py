@@ -14,18 +14,17 @@ One record per fact and one key per address: nothing grows per pool.
 
 from __future__ import annotations
 
-import json
+from ipward import jsonc
 
-_dumps = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
 ACTIVE = "active"
 
 
 def encode(obj: dict) -> bytes:
-    return _dumps(obj).encode()
+    return jsonc.dumps(obj, sort_keys=True).encode()
 
 
 def decode(raw: bytes) -> dict:
-    value = json.loads(raw)
+    value = jsonc.loads(raw)
     if not isinstance(value, dict):
         raise ValueError("record is not an object")
     return value

@@ -294,13 +294,13 @@ class EtcdStore(Store):
     def _failed(self, index: int) -> None:
         """Move on from an endpoint that failed, and drop its channel: a new channel
         connects at once, where the old one would wait out grpc's reconnect backoff
-        (which grows to minutes) while the member may already be back."""
+        (which grows to minutes) while the member may already be back. Not closed here:
+        other threads may be about to call on it (a closed channel raises ValueError);
+        grpc closes it when the last of them lets go."""
         with self._lock:
-            ep = self._endpoints.pop(index, None)
+            self._endpoints.pop(index, None)
             if self._current == index:
                 self._current = (index + 1) % len(self._targets)
-        if ep is not None:
-            ep.channel.close()
 
     def _metadata(self, ep: Endpoint, timeout: float) -> Metadata:
         if self._user is None:

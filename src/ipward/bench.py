@@ -1,0 +1,656 @@
+"""`ipward bench`: measure and print how fast ipward is, each figure next to a reference
+measured on the same machine in the same run. Not a test: nothing here passes or fails on
+speed; targets are printed next to the figures for the reader.
+
+1. Throughput, in-process and sequential: Ledger allocate+release pairs per second next to
+   the raw store's own single-key compare-and-swap (get, then txn comparing mod_revision,
+   put) on the same backend: SQLite (a temp file) and a temporary etcd on loopback.
+2. Plugin exec latency: the installed `ipward` plugin's ADD (single-node mode, SQLite)
+   next to `/usr/bin/python3 -I -S -c pass` and Debian's host-local ADD, interleaved.
+3. Allocate latency in the ledger as a pool fills: an empty /24 next to a /16 that is 90%
+   full, an IPv6 /64 and a 10.0.0.0/8 with 10,000 addresses in use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import click
+
+import ipward
+from ipward.ledger import Ledger
+from ipward.pool import PoolSpec
+from ipward.records import Attachment, PodInfo
+from ipward.store.base import Put, Store, at_revision
+from ipward.store.sqlite import SqliteStore
+
+ETCD = "/usr/bin/etcd"
+PLUGIN_PYTHON = "/usr/bin/python3"
+HOST_LOCAL = "/usr/lib/cni/host-local"
+CNI_BIN_DIR = "/usr/lib/cni"
+NODE = "bench-node"
+CAS_KEY = "bench/cas"
+
+# Targets, printed next to the figures (never asserted).
+TARGET_LEDGER_VS_CAS = 0.5  # ledger pairs/s >= 0.5 x raw CAS/s
+TARGET_EXEC_OVER_PYTHON_MS = 10.0  # plugin ADD median - bare interpreter median
+TARGET_IN_USE_VS_EMPTY = 1.3  # 10,000 in use: median within 1.3 x the empty /24's
+
+
+class BenchError(Exception):
+    """Something the bench needs did not work (not a slow result: those are figures)."""
+
+
+# -- statistics ---------------------------------------------------------------------------
+
+
+def p99(samples: Sequence[float]) -> float:
+    """99th percentile, nearest rank: the smallest sample with >= 99% of samples at or
+    below it (the maximum for fewer than 100 samples)."""
+    if not samples:
+        raise ValueError("p99 of no samples")
+    ordered = sorted(samples)
+    return ordered[max(math.ceil(0.99 * len(ordered)) - 1, 0)]
+
+
+def _summary(samples_s: Sequence[float]) -> tuple[float, float]:
+    """(median, p99) in milliseconds of samples in seconds."""
+    return statistics.median(samples_s) * 1000, p99(samples_s) * 1000
+
+
+# -- 1. throughput ------------------------------------------------------------------------
+
+
+def _cas_loop(store: Store, n: int, key: str = CAS_KEY) -> float:
+    """n single-key CAS transactions; returns the seconds they took."""
+    get, txn = store.get, store.txn
+    start = time.perf_counter()
+    for i in range(n):
+        kv = get(key)
+        result = txn([at_revision(key, kv.mod_revision if kv else 0)], [Put(key, b"%d" % i)])
+        if not result.succeeded:
+            raise BenchError(f"CAS on {key} failed: something else writes the bench key")
+    return time.perf_counter() - start
+
+
+def raw_cas_rate(store: Store, n: int, warmup: int = 20) -> float:
+    """The store's own single-key CAS transactions per second (get + txn comparing the
+    key's mod_revision + put), sequential."""
+    _cas_loop(store, warmup)
+    return n / _cas_loop(store, n)
+
+
+def _pair_pool() -> PoolSpec:
+    return PoolSpec("benchpairs", [[{"subnet": "10.99.0.0/16", "gateway": "10.99.0.1"}]])
+
+
+class _Pairs:
+    """allocate+release pairs through a Ledger, each with a new attachment."""
+
+    def __init__(self, store: Store) -> None:
+        self.ledger = Ledger(store, NODE)
+        self.spec = _pair_pool()
+        self.ledger.ensure_pool(self.spec)
+        self.count = 0
+
+    def loop(self, n: int) -> float:
+        allocate, release, pools = self.ledger.allocate, self.ledger.release, [self.spec]
+        pod = PodInfo("bench", "pair", "uid-pair")
+        start = time.perf_counter()
+        for _ in range(n):
+            attachment = Attachment("benchpairs", f"pair-{self.count}", "eth0")
+            self.count += 1
+            allocate(pools, attachment, pod)
+            if not release(attachment):
+                raise BenchError(f"release of {attachment} freed nothing")
+        return time.perf_counter() - start
+
+
+def ledger_pair_rate(store: Store, n: int, warmup: int = 20) -> float:
+    """Ledger allocate+release pairs per second, sequential, on `store`."""
+    pairs = _Pairs(store)
+    pairs.loop(warmup)
+    return n / pairs.loop(n)
+
+
+def throughput(store: Store, n: int, chunks: int = 4, warmup: int = 20) -> dict[str, float]:
+    """Raw CAS rate and ledger pair rate on one store, measured in alternating chunks so
+    that drift in the machine's speed falls on both alike."""
+    pairs = _Pairs(store)
+    _cas_loop(store, warmup)
+    pairs.loop(warmup)
+    per_chunk = max(n // chunks, 1)
+    cas_s = pair_s = 0.0
+    for _ in range(chunks):
+        cas_s += _cas_loop(store, per_chunk)
+        pair_s += pairs.loop(per_chunk)
+    cas_rate = per_chunk * chunks / cas_s
+    pair_rate = per_chunk * chunks / pair_s
+    return {"raw_cas_per_s": cas_rate, "ledger_pairs_per_s": pair_rate, "n": per_chunk * chunks}
+
+
+# -- a temporary etcd ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _etcd(root: Path, timeout: float = 30.0) -> Iterator[str]:
+    """A one-member etcd on free loopback ports with its data in `root`; yields its
+    etcd:// URL and stops it on exit. etcd's defaults otherwise (fsync on)."""
+    client = f"http://127.0.0.1:{_free_port()}"
+    peer = f"http://127.0.0.1:{_free_port()}"
+    log_path = root / "etcd.log"
+    args = [
+        ETCD,
+        "--name=bench",
+        f"--data-dir={root / 'data'}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=bench={peer}",
+        f"--initial-cluster-token=ipward-bench-{uuid.uuid4().hex}",
+        "--initial-cluster-state=new",
+    ]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while not _etcd_healthy(client):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+                raise BenchError(f"etcd did not become healthy (exit {proc.poll()}):\n{tail}")
+            time.sleep(0.05)
+        yield "etcd://" + client.removeprefix("http://")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _etcd_healthy(client_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(client_url + "/health", timeout=1) as r:
+            return bool(json.load(r).get("health") == "true")
+    except (OSError, ValueError):
+        return False
+
+
+# -- 2. plugin exec -----------------------------------------------------------------------
+
+
+def _install_plugin(bin_dir: Path) -> str:
+    """Put the plugin at bin_dir/ipward: with `ipward install-cni` when the CLI has it,
+    else the same launcher written here. Returns how it was installed."""
+    target = bin_dir / "ipward"
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from ipward.cli import main; sys.argv[0] = 'ipward'; main()",
+                "install-cni",
+                "--bin-dir",
+                str(bin_dir),
+            ],
+            capture_output=True,
+            timeout=60,
+        )
+        if done.returncode == 0 and os.access(target, os.X_OK):
+            return "ipward install-cni"
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ipward.__file__)))
+    target.write_text(
+        f"#!{PLUGIN_PYTHON} -IS\nimport sys\nsys.path.insert(0, {src!r})\n"
+        "from ipward.cni import main\nmain()\n"
+    )
+    target.chmod(0o755)
+    return "bench launcher (ipward install-cni not available)"
+
+
+def _ipam_config(ipam: dict) -> bytes:
+    return json.dumps({"cniVersion": "1.0.0", "name": "benchnet", "ipam": ipam}).encode()
+
+
+class _Exec:
+    """Runs one executable with a CNI environment and stdin, timing each exec."""
+
+    def __init__(self, argv: list[str], stdin: bytes, cni_path: str) -> None:
+        self.argv = argv
+        self.stdin = stdin
+        self.base_env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "CNI_IFNAME": "eth0",
+            "CNI_NETNS": "/var/run/netns/x",
+            "CNI_PATH": cni_path,
+        }
+
+    def run(self, command: str, container: str) -> float:
+        env = dict(self.base_env, CNI_COMMAND=command, CNI_CONTAINERID=container)
+        start = time.perf_counter()
+        done = subprocess.run(self.argv, input=self.stdin, env=env, capture_output=True)
+        elapsed = time.perf_counter() - start
+        if done.returncode != 0:
+            raise BenchError(
+                f"{' '.join(self.argv)} {command} {container} exited {done.returncode}:"
+                f" {done.stdout.decode(errors='replace')}{done.stderr.decode(errors='replace')}"
+            )
+        return elapsed
+
+
+def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float | str]:
+    """ADD exec latency of the installed plugin, of a bare interpreter and of host-local,
+    interleaved run by run; DEL of every ADD afterwards (not timed)."""
+    if not os.access(PLUGIN_PYTHON, os.X_OK):
+        raise BenchError(f"{PLUGIN_PYTHON} is missing: the plugin's interpreter")
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    installed = _install_plugin(bin_dir)
+    cni_path = f"{bin_dir}:{CNI_BIN_DIR}"
+    ipward_cfg = _ipam_config(
+        {
+            "type": "ipward",
+            "store": f"sqlite://{tmp}/b.db",
+            "ranges": [[{"subnet": "10.10.0.0/16"}]],
+        }
+    )
+    host_local_cfg = _ipam_config(
+        {
+            "type": "host-local",
+            "dataDir": str(tmp / "host-local"),
+            "ranges": [[{"subnet": "10.20.0.0/16"}]],
+        }
+    )
+    kinds: dict[str, _Exec] = {
+        "python": _Exec([PLUGIN_PYTHON, "-I", "-S", "-c", "pass"], b"", cni_path),
+        "ipward": _Exec([str(bin_dir / "ipward")], ipward_cfg, cni_path),
+    }
+    if os.access(HOST_LOCAL, os.X_OK):
+        kinds["host_local"] = _Exec([HOST_LOCAL], host_local_cfg, cni_path)
+    samples: dict[str, list[float]] = {k: [] for k in kinds}
+    added: list[str] = []
+    for i in range(-warmup, runs):
+        container = f"bench-{'warm' if i < 0 else 'run'}-{abs(i)}"
+        for kind, ex in kinds.items():
+            elapsed = ex.run("ADD", container)
+            if i >= 0:
+                samples[kind].append(elapsed)
+        added.append(container)
+    for container in added:
+        for kind in ("ipward", "host_local"):
+            if kind in kinds:
+                kinds[kind].run("DEL", container)
+    out: dict[str, float | str] = {"installed": installed}
+    for kind, values in samples.items():
+        out[f"{kind}.median_ms"], out[f"{kind}.p99_ms"] = _summary(values)
+    return out
+
+
+# -- 3. allocate latency as the pool fills ------------------------------------------------
+
+
+class Scenario:
+    __slots__ = ("fill", "label", "name", "subnet")
+
+    def __init__(self, name: str, label: str, subnet: str, fill: int) -> None:
+        self.name = name
+        self.label = label
+        self.subnet = subnet
+        self.fill = fill
+
+
+def _usable(prefix: int) -> int:
+    return (1 << (32 - prefix)) - 2  # IPv4 without network and broadcast
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    full_prefix = 20 if quick else 16
+    full = int(_usable(full_prefix) * 0.9)
+    return [
+        Scenario("empty_24", "empty /24", "10.1.0.0/24", 0),
+        Scenario(
+            f"full90_{full_prefix}",
+            f"/{full_prefix}, 90% full ({full:,} in use)",
+            f"10.2.0.0/{full_prefix}",
+            full,
+        ),
+        Scenario("v6_64_10k", "IPv6 /64, 10,000 in use", "fd00:be::/64", 10_000),
+        Scenario("v4_8_10k", "10.0.0.0/8, 10,000 in use", "10.0.0.0/8", 10_000),
+    ]
+
+
+def _scenario_pool(s: Scenario) -> PoolSpec:
+    # Cooldown 0: from the second round on, every scenario reuses freed addresses the same
+    # way, so the rounds exercise the fresh-address and the reuse path alike everywhere.
+    return PoolSpec(f"bench-{s.name}", [[{"subnet": s.subnet}]], cooldown=0)
+
+
+def _fill(path: str, spec: PoolSpec, count: int) -> None:
+    """`count` allocations through the ledger. The fill is set-up, not measured: the
+    file is written without fsync at each commit (synchronous=OFF) to save time."""
+    store = SqliteStore(path)
+    try:
+        store._conn.execute("PRAGMA synchronous=OFF")
+        ledger = Ledger(store, NODE)
+        ledger.ensure_pool(spec)
+        pod = PodInfo("bench", "fill", "uid-fill")
+        for i in range(count):
+            ledger.allocate([spec], Attachment("benchfill", f"fill-{i}", "eth0"), pod)
+    finally:
+        store.close()
+
+
+def allocate_latency(
+    path: str, spec: PoolSpec, rounds: int, per_round: int, warmup: int = 20
+) -> list[float]:
+    """Seconds per ledger allocate (in-process, SQLite at `path`): `rounds` rounds of
+    `per_round` timed allocations, each round released afterwards (not timed)."""
+    store = SqliteStore(path)
+    try:
+        ledger = Ledger(store, NODE)
+        ledger.ensure_pool(spec)
+        pools, pod = [spec], PodInfo("bench", "lat", "uid-lat")
+        for i in range(warmup):
+            attachment = Attachment("benchlat", f"warm-{i}", "eth0")
+            ledger.allocate(pools, attachment, pod)
+            ledger.release(attachment)
+        samples: list[float] = []
+        for r in range(rounds):
+            attachments = [Attachment("benchlat", f"r{r}-{i}", "eth0") for i in range(per_round)]
+            for attachment in attachments:
+                start = time.perf_counter()
+                ledger.allocate(pools, attachment, pod)
+                samples.append(time.perf_counter() - start)
+            for attachment in attachments:
+                ledger.release(attachment)
+        return samples
+    finally:
+        store.close()
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def _version_of(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "missing"
+    if done.returncode != 0:
+        return "missing"
+    return done.stdout.strip().splitlines()[0] if done.stdout.strip() else "?"
+
+
+def machine() -> dict[str, str | int]:
+    etcd = _version_of([ETCD, "--version"]).removeprefix("etcd Version: ")
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpus": os.cpu_count() or 0,
+        "platform": platform.platform(),
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "plugin_python": _version_of(
+            [PLUGIN_PYTHON, "-I", "-S", "-c", "import sys; print(sys.version.split()[0])"]
+        )
+        + f" ({PLUGIN_PYTHON} -I -S)",
+        "sqlite": sqlite3.sqlite_version,
+        "etcd": etcd,
+    }
+
+
+def _table(rows: list[list[str]], out: Callable[[str], object], indent: str = "  ") -> None:
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(max(map(len, rows)))]
+    for row in rows:
+        cells = []
+        for i, cell in enumerate(row):
+            # First column left-aligned, figures right-aligned.
+            cells.append(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]))
+        out((indent + "  ".join(cells)).rstrip())
+
+
+def _verdict(ok: bool) -> str:
+    return "meets" if ok else "MISSES"
+
+
+def run(quick: bool = False, etcd: bool = True, out: Callable[[str], object] = print) -> dict:
+    """Measure everything, print a report with `out`, and return the figures:
+    {"machine": {...}, "figures": {name: number}, "targets": {name: {...}},
+     "skipped": {part: reason}, "notes": {...}}."""
+    began = time.perf_counter()
+    figures: dict[str, float] = {}
+    targets: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    info = machine()
+    out(f"ipward bench{' --quick' if quick else ''}: {info['nproc']} CPUs ({info['platform']})")
+    out(
+        f"  python {info['python']}; plugin {info['plugin_python']};"
+        f" sqlite {info['sqlite']}; etcd {info['etcd']}"
+    )
+
+    with tempfile.TemporaryDirectory(prefix="ipward-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+
+        # 1. throughput -------------------------------------------------------------
+        rows = [["1. sequential, in-process", "ledger pairs/s", "raw CAS/s", "ratio", "target"]]
+        backends: list[tuple[str, Callable[[], contextlib.AbstractContextManager[Store]]]] = []
+        n_sqlite = 600 if quick else 3000
+        n_etcd = 100 if quick else 500
+        backends.append(("sqlite", lambda: SqliteStore(str(tmp / "throughput.db"))))
+        if not etcd:
+            skipped["etcd"] = "--no-etcd"
+        elif not os.access(ETCD, os.X_OK):
+            skipped["etcd"] = f"{ETCD} is missing (Debian package etcd-server)"
+        else:
+            backends.append(("etcd", lambda: _etcd_store(tmp / "etcd")))
+        for name, opener in backends:
+            n = n_sqlite if name == "sqlite" else n_etcd
+            out(f"  ... {name}: {n} raw CAS and {n} allocate+release pairs, interleaved")
+            with opener() as store:
+                t = throughput(store, n)
+            ratio = t["ledger_pairs_per_s"] / t["raw_cas_per_s"]
+            figures[f"{name}.raw_cas_per_s"] = t["raw_cas_per_s"]
+            figures[f"{name}.ledger_pairs_per_s"] = t["ledger_pairs_per_s"]
+            figures[f"{name}.ledger_vs_cas"] = ratio
+            ok = ratio >= TARGET_LEDGER_VS_CAS
+            targets[f"{name}.ledger_vs_cas"] = {
+                "value": ratio,
+                "target": f">= {TARGET_LEDGER_VS_CAS}",
+                "met": ok,
+            }
+            rows.append(
+                [
+                    f"{name} (n={t['n']:.0f})",
+                    f"{t['ledger_pairs_per_s']:.0f}",
+                    f"{t['raw_cas_per_s']:.0f}",
+                    f"{ratio:.2f}x",
+                    f">= {TARGET_LEDGER_VS_CAS}x {_verdict(ok)}",
+                ]
+            )
+        if "etcd" in skipped:
+            rows.append(["etcd", "skipped:", skipped["etcd"], "", ""])
+
+        # 2. plugin exec ------------------------------------------------------------
+        runs = 40 if quick else 200
+        out(f"  ... plugin exec: {runs} ADDs each of python, ipward and host-local, interleaved")
+        exec_dir = tmp / "exec"
+        exec_dir.mkdir()
+        ex = exec_latency(exec_dir, runs)
+        notes["plugin_installed_by"] = str(ex.pop("installed"))
+        for key, value in ex.items():
+            figures[f"exec.{key}"] = float(value)
+        diff = figures["exec.ipward.median_ms"] - figures["exec.python.median_ms"]
+        figures["exec.ipward_minus_python_ms"] = diff
+        ok = diff <= TARGET_EXEC_OVER_PYTHON_MS
+        targets["exec.ipward_minus_python_ms"] = {
+            "value": diff,
+            "target": f"<= {TARGET_EXEC_OVER_PYTHON_MS} ms",
+            "met": ok,
+        }
+        exec_rows = [[f"2. exec latency ({runs} runs)", "median ms", "p99 ms", "", ""]]
+        labels = {
+            "python": f"{PLUGIN_PYTHON} -I -S -c pass",
+            "host_local": "host-local ADD",
+            "ipward": "ipward ADD (SQLite, in-process)",
+        }
+        for kind, label in labels.items():
+            if f"exec.{kind}.median_ms" in figures:
+                exec_rows.append(
+                    [
+                        label,
+                        f"{figures[f'exec.{kind}.median_ms']:.2f}",
+                        f"{figures[f'exec.{kind}.p99_ms']:.2f}",
+                        "",
+                        "",
+                    ]
+                )
+            else:
+                skipped[f"exec.{kind}"] = f"{HOST_LOCAL} is missing"
+                exec_rows.append([label, "skipped", "", "", ""])
+        exec_rows.append(
+            [
+                "ipward - python (median)",
+                f"{diff:+.2f}",
+                "",
+                "",
+                f"<= {TARGET_EXEC_OVER_PYTHON_MS:.0f} ms {_verdict(ok)}",
+            ]
+        )
+
+        # 3. allocate latency as the pool fills -------------------------------------
+        rounds, per_round = (2, 50) if quick else (5, 100)
+        lat_rows = [
+            [
+                f"3. ledger allocate, SQLite ({rounds * per_round} allocs)",
+                "median ms",
+                "p99 ms",
+                "vs empty",
+                "target",
+            ]
+        ]
+        empty_median = 0.0
+        for s in scenarios(quick):
+            spec = _scenario_pool(s)
+            path = str(tmp / f"latency-{s.name}.db")
+            if s.fill:
+                out(f"  ... filling {s.label} through the ledger")
+                _fill(path, spec, s.fill)
+            samples = allocate_latency(path, spec, rounds, per_round)
+            median, tail = _summary(samples)
+            figures[f"latency.{s.name}.median_ms"] = median
+            figures[f"latency.{s.name}.p99_ms"] = tail
+            if not s.fill:
+                empty_median = median
+                lat_rows.append([s.label, f"{median:.3f}", f"{tail:.3f}", "1.00x", ""])
+                continue
+            ratio = median / empty_median
+            figures[f"latency.{s.name}.vs_empty"] = ratio
+            target = ""
+            if s.fill == 10_000:
+                ok = ratio <= TARGET_IN_USE_VS_EMPTY
+                targets[f"latency.{s.name}.vs_empty"] = {
+                    "value": ratio,
+                    "target": f"<= {TARGET_IN_USE_VS_EMPTY}",
+                    "met": ok,
+                }
+                target = f"<= {TARGET_IN_USE_VS_EMPTY}x {_verdict(ok)}"
+            lat_rows.append([s.label, f"{median:.3f}", f"{tail:.3f}", f"{ratio:.2f}x", target])
+
+    elapsed = time.perf_counter() - began
+    out("")
+    _table(rows, out)
+    out("")
+    _table(exec_rows, out)
+    out("")
+    _table(lat_rows, out)
+    out("")
+    out(f"  plugin installed by: {notes['plugin_installed_by']}")
+    out(
+        "  1: a pair is one allocate and one release, each a full ledger transaction;"
+        " raw CAS is get + txn(compare mod_revision, put) on one key."
+    )
+    out(
+        "  3: rounds of allocations on a pool with cooldown 0, each round released before"
+        " the next (not timed), so later rounds reuse freed addresses."
+    )
+    out(f"  whole run: {elapsed:.1f} s")
+    notes["elapsed_s"] = f"{elapsed:.1f}"
+    return {
+        "machine": info,
+        "figures": figures,
+        "targets": targets,
+        "skipped": skipped,
+        "notes": notes,
+    }
+
+
+@contextlib.contextmanager
+def _etcd_store(root: Path) -> Iterator[Store]:
+    from ipward.store.etcd import EtcdStore  # grpc: only when etcd is measured
+
+    root.mkdir()
+    with _etcd(root) as url:
+        store = EtcdStore.from_url(url)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+@click.command("bench")
+@click.option("--quick", is_flag=True, help="Fewer runs and a /20 instead of a /16 (~30 s).")
+@click.option("--no-etcd", "no_etcd", is_flag=True, help="Skip the etcd measurements.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the figures as JSON (the report goes to stderr)."
+)
+def bench_command(quick: bool, no_etcd: bool, as_json: bool) -> None:
+    """Measure allocation throughput and latency against references from the same run."""
+
+    def report(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    try:
+        result = run(quick=quick, etcd=not no_etcd, out=report)
+    except BenchError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))
+
+
+__all__ = [
+    "BenchError",
+    "allocate_latency",
+    "bench_command",
+    "exec_latency",
+    "ledger_pair_rate",
+    "p99",
+    "raw_cas_rate",
+    "run",
+    "throughput",
+]
