@@ -1,0 +1,169 @@
+"""The `ipward` command line, run as a subprocess against a real SQLite store."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import exec_plugin, run_cli
+from ipward import records as rec
+from ipward.store import open_store
+from ipward.store.base import Put
+
+
+def dump(url: str) -> dict:
+    with open_store(url) as store:
+        return {
+            kv.key: (kv.value, kv.mod_revision)
+            for prefix in ("pools/", "ips/", "attach/", "blocks/", "free", "fill/", "blockcursor/")
+            for kv in store.range(prefix)[0]
+        }
+
+
+def make_pool(url: str, *extra: str) -> None:
+    run_cli(
+        "pool",
+        "create",
+        "web",
+        "--range",
+        "10.9.0.0/24,gateway=10.9.0.1",
+        *extra,
+        store=url,
+        check=True,
+    )
+
+
+def add(plugin, url: str, container: str, pod: str = "p", pool: str = "web") -> dict:
+    config = {
+        "cniVersion": "1.0.0",
+        "name": "net",
+        "ipam": {"type": "ipward", "store": url, "pool": pool},
+    }
+    out = exec_plugin(
+        plugin,
+        "ADD",
+        config,
+        container=container,
+        args=f"IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME={pod}",
+    )
+    assert out.returncode == 0, out
+    return out.json
+
+
+def test_pool_create_list_show_delete(sqlite_url):
+    make_pool(sqlite_url, "--range", "fd09::/64", "--exclude", "10.9.0.100/30")
+    listed = json.loads(run_cli("--json", "pool", "list", store=sqlite_url, check=True).stdout)
+    assert listed[0]["name"] == "web"
+    assert listed[0]["capacity"] == 253 - 4  # .1 gateway, .0/.255, four excluded
+    shown = run_cli("pool", "show", "web", store=sqlite_url, check=True).stdout
+    assert "10.9.0.0/24" in shown and "fd09::/64" in shown and "0.0%" in shown
+    assert run_cli("pool", "delete", "web", store=sqlite_url).returncode == 0
+    assert json.loads(run_cli("--json", "pool", "list", store=sqlite_url).stdout) == []
+
+
+def test_bad_input_names_the_field_and_changes_nothing(sqlite_url):
+    make_pool(sqlite_url)
+    before = dump(sqlite_url)
+    cases = [
+        (["pool", "create", "x", "--range", "10.0.0.0/33"], "prefix"),
+        (["pool", "create", "x", "--range", "10.0.0.0/24,gateway=10.1.0.1"], "gateway"),
+        (["pool", "create", "x", "--range", "10.0.0.0/24,colour=red"], "--range"),
+        (["pool", "create", "bad/name", "--range", "10.0.0.0/24"], "pool name"),
+        (["pool", "create", "web", "--range", "10.0.0.0/24"], "already exists"),
+        (["pool", "create", "x", "--range", "10.0.0.0/24", "--exclude", "nope"], "nope"),
+        (["pool", "show", "missing"], "missing"),
+        (["release", "--pool", "web", "--ip", "10.9.0.7", "--yes"], "not allocated"),
+        (["release", "--pool", "web", "--ip", "not-an-ip", "--yes"], "not-an-ip"),
+    ]
+    for args, needle in cases:
+        proc = run_cli(*args, store=sqlite_url)
+        assert proc.returncode == 2, (args, proc)
+        assert needle in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr + proc.stdout
+    assert dump(sqlite_url) == before
+
+
+def test_alloc_list_filters_and_shows_pods(plugin, sqlite_url):
+    make_pool(sqlite_url)
+    add(plugin, sqlite_url, "c1", pod="alpha")
+    add(plugin, sqlite_url, "c2", pod="beta")
+    rows = json.loads(run_cli("--json", "alloc", "list", store=sqlite_url, check=True).stdout)
+    assert sorted(r["pod"]["name"] for r in rows) == ["alpha", "beta"]
+    only = json.loads(
+        run_cli("--json", "alloc", "list", "--pod", "ns/beta", store=sqlite_url).stdout
+    )
+    assert [r["container"] for r in only] == ["c2"]
+    assert (
+        json.loads(
+            run_cli("--json", "alloc", "list", "--node", "elsewhere", store=sqlite_url).stdout
+        )
+        == []
+    )
+    table = run_cli("alloc", "list", store=sqlite_url).stdout
+    assert "ns/alpha" in table and "10.9.0.2" in table
+
+
+def test_release_refuses_when_owner_changed(plugin, sqlite_url):
+    make_pool(sqlite_url, "--cooldown", "0")  # so the freed address is handed out again
+    result = add(plugin, sqlite_url, "c1")
+    ip = result["ips"][0]["address"].split("/")[0]
+    rows = json.loads(run_cli("--json", "alloc", "list", store=sqlite_url).stdout)
+    shown = rows[0]["revision"]
+    # The pod goes away and another takes the same address before the operator acts.
+    exec_plugin(
+        plugin,
+        "DEL",
+        {
+            "cniVersion": "1.0.0",
+            "name": "net",
+            "ipam": {"type": "ipward", "store": sqlite_url, "pool": "web"},
+        },
+        container="c1",
+    )
+    assert add(plugin, sqlite_url, "c2")["ips"][0]["address"].split("/")[0] == ip
+    proc = run_cli(
+        "release", "--pool", "web", "--ip", ip, "--revision", str(shown), store=sqlite_url
+    )
+    assert proc.returncode == 2 and "changed" in proc.stderr
+    rows = json.loads(run_cli("--json", "alloc", "list", store=sqlite_url).stdout)
+    assert [r["container"] for r in rows] == ["c2"]
+    current = rows[0]["revision"]
+    proc = run_cli(
+        "release",
+        "--pool",
+        "web",
+        "--ip",
+        rows[0]["ip"],
+        "--revision",
+        str(current),
+        store=sqlite_url,
+    )
+    assert proc.returncode == 0, proc
+    assert json.loads(run_cli("--json", "alloc", "list", store=sqlite_url).stdout) == []
+    assert run_cli("check", store=sqlite_url).returncode == 0
+
+
+def test_check_reports_and_exits_one(plugin, sqlite_url):
+    make_pool(sqlite_url)
+    add(plugin, sqlite_url, "c1")
+    assert run_cli("check", store=sqlite_url).returncode == 0
+    with open_store(sqlite_url) as store:
+        store.txn([], [Put("attach/net/ghost/eth0", rec.encode({"ips": ["web/10.9.0.200"]}))])
+    proc = run_cli("--json", "check", store=sqlite_url)
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert [p["kind"] for p in report["problems"]] == ["index-dangling"]
+
+
+def test_status_and_pool_delete_refuses_while_in_use(plugin, sqlite_url):
+    make_pool(sqlite_url)
+    add(plugin, sqlite_url, "c1")
+    status = json.loads(run_cli("--json", "status", store=sqlite_url, check=True).stdout)
+    assert status["pools"] == [{"name": "web", "used": 1, "capacity": 253}]
+    proc = run_cli("pool", "delete", "web", store=sqlite_url)
+    assert proc.returncode == 2 and "allocations" in proc.stderr
+
+
+def test_install_cni_writes_an_isolated_launcher(cni_bin):
+    launcher = (cni_bin / "ipward").read_text()
+    assert launcher.startswith("#!/usr/bin/python3 -IS\n")
+    assert (cni_bin / "ipward").stat().st_mode & 0o111
