@@ -482,6 +482,20 @@ def install_cni(bin_dir: str, name: str) -> None:
     click.echo(f"installed {target}")
 
 
+def _attach_commands() -> None:
+    from ipward.bench import bench_command
+
+    cli.add_command(bench_command, "bench")
+    try:
+        from ipward.demo import demo_command
+    except ImportError:
+        return
+    cli.add_command(demo_command, "demo")
+
+
+_attach_commands()
+
+
 def main() -> None:
     cli(prog_name="ipward")
 

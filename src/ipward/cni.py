@@ -71,21 +71,20 @@ def run(env: dict[str, str], stdin: bytes) -> str:
         _gc(config, raw)
         return ""
     call = Call(env, config.network)
+    # The store is not closed: the process ends with os._exit right after, every commit
+    # is already durable, and closing the last connection would checkpoint the WAL on
+    # every pod start.
     ledger = _ledger(config)
-    try:
-        if command == "ADD":
-            pools = _pools(ledger, config)
-            allocations = ledger.allocate(
-                pools, call.attachment, call.pod, config.requested_ips(call.args)
-            )
-            return _dump(_result(config, pools, allocations))
-        if command == "DEL":
-            ledger.release(call.attachment)
-            return ""
-        _check(ledger, call, raw)
+    if command == "ADD":
+        pools = _pools(ledger, config)
+        requested = config.requested_ips(call.args)
+        allocations = ledger.allocate(pools, call.attachment, call.pod, requested)
+        return _dump(_result(config, pools, allocations))
+    if command == "DEL":
+        ledger.release(call.attachment)
         return ""
-    finally:
-        ledger.store.close()
+    _check(ledger, call, raw)
+    return ""
 
 
 def _ledger(config: IpamConfig) -> Ledger:
@@ -161,22 +160,15 @@ def _gc(config: IpamConfig, raw: dict) -> None:
         if not isinstance(entry, dict) or not isinstance(entry.get("containerID"), str):
             raise InvalidConfig(f"a valid attachment needs 'containerID' and 'ifname': {entry!r}")
         keep.add((entry["containerID"], str(entry.get("ifname", ""))))
-    ledger = _ledger(config)
-    try:
-        ledger.collect_network(config.network, keep)
-    finally:
-        ledger.store.close()
+    _ledger(config).collect_network(config.network, keep)
 
 
 def _status(config: IpamConfig) -> None:
     """STATUS: can an ADD be served now? The store opens and the pools exist."""
     try:
         ledger = _ledger(config)
-        try:
-            for name in config.pool_names:
-                ledger.get_pool(name)
-        finally:
-            ledger.store.close()
+        for name in config.pool_names:
+            ledger.get_pool(name)
     except IpwardError as e:
         raise NotAvailable(f"cannot serve ADD: {e.msg}") from e
 

@@ -49,6 +49,9 @@ REQUIRE_LEADER: Metadata = (("hasleader", "true"),)
 CHANNEL_OPTIONS = [
     # A large range answer must not fail on grpc's 4 MiB default.
     ("grpc.max_receive_message_length", -1),
+    # A connection of its own per channel: grpc otherwise shares one among channels to the
+    # same target, and with it the reconnect backoff that _failed drops a channel to escape.
+    ("grpc.use_local_subchannel_pool", 1),
     # Notice a silently dead peer under a long-lived watch.
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -191,8 +194,7 @@ class EtcdStore(Store):
             key=key or b"\0", range_end=_prefix_end(key), start_revision=start_revision
         )
         # Authenticate (if configured) and pick an endpoint the usual way, then open the
-        # stream on a channel of its own, so that failover and close() of the store's
-        # channels do not cut it.
+        # stream on a channel (and connection) of its own, which cancel() can close.
         ep, metadata = self._call(lambda ep, md, t: (ep, md))
         own = Endpoint(ep.index, ep.target, self._credentials)
         return EtcdWatch(self, own, metadata, create)
