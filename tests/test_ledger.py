@@ -42,7 +42,6 @@ def att(i: int | str) -> Attachment:
 
 
 def add(ledger: Ledger, spec: PoolSpec, i, requested=()) -> str:
-    ledger.ensure_pool(spec)
     return ledger.allocate([spec], att(i), PodInfo("ns", f"pod{i}", f"uid{i}"), requested)[0].ip
 
 
@@ -148,13 +147,27 @@ def test_requested_address_in_cooldown_takes_it_off_the_queue(ledger, sqlite_sto
 
 def test_dual_stack_gets_one_address_per_family_in_one_transaction(ledger, sqlite_store):
     spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}], [{"subnet": "fd00::/64"}]])
-    ledger.ensure_pool(spec)
     revision = sqlite_store.revision()
     got = ledger.allocate([spec], att(1), PodInfo())
     assert sorted(a.family for a in got) == [4, 6]
     # the two blocks are claimed in their own transactions, then one allocating txn
+    # writes both records, the index and the pool spec
     assert sqlite_store.get(att(1).key).mod_revision == sqlite_store.revision()
+    assert sqlite_store.get("pools/p").mod_revision == sqlite_store.revision()
     assert sqlite_store.revision() == revision + 3
+
+
+def test_failed_dual_stack_add_writes_nothing(ledger, sqlite_store):
+    """IPv4 would need a new block but IPv6 is exhausted: no block is claimed."""
+    spec = PoolSpec(
+        "p", [[{"subnet": "10.0.0.0/24"}], [{"subnet": "fd00::/126"}]], block_prefix={4: 30}
+    )
+    for i in range(3):  # fills IPv6 (3 usable) and the first IPv4 /30 block
+        ledger.allocate([spec], att(i), PodInfo())
+    revision = sqlite_store.revision()
+    with pytest.raises(PoolExhausted):
+        ledger.allocate([spec], att(9), PodInfo())
+    assert sqlite_store.revision() == revision
 
 
 def test_large_pools_cost_what_small_ones_do(ledger, sqlite_store):
@@ -226,7 +239,7 @@ class TestCheck:
         ip2 = add(ledger, spec, 2)
         ledger.release(att(2))
         other = PoolSpec("q", [[{"subnet": "10.0.0.0/24"}]])
-        ledger.ensure_pool(other)
+        sqlite_store.txn([], [Put("pools/q", rec.encode(other.to_dict()))])
         record = rec.decode(sqlite_store.get(rec.ip_key("p", ip1)).value)
         sqlite_store.txn(
             [],

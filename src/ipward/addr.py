@@ -41,8 +41,24 @@ def parse_ip(text: str) -> tuple[int, int]:
 
 
 def format_ip(family: int, value: int) -> str:
-    """Canonical text of an address (the form used in store keys)."""
-    return _socket.inet_ntop(_AF[family], value.to_bytes(BITS[family] // 8, "big"))
+    """Canonical text of an address (the form used in store keys). IPv6 follows RFC 5952
+    here rather than the C library's inet_ntop, whose output for some ranges (`::/96`)
+    differs between glibc and musl: keys must be the same on every node."""
+    if family == V4:
+        return _socket.inet_ntop(_socket.AF_INET, value.to_bytes(4, "big"))
+    groups = [(value >> (16 * (7 - i))) & 0xFFFF for i in range(8)]
+    best_start, best_len, start = -1, 1, -1  # compress only runs of two or more
+    for i, group in enumerate([*groups, 1]):
+        if group == 0 and start < 0:
+            start = i
+        elif group != 0 and start >= 0:
+            if i - start > best_len:
+                best_start, best_len = start, i - start
+            start = -1
+    text = [f"{g:x}" for g in groups]
+    if best_start < 0:
+        return ":".join(text)
+    return ":".join(text[:best_start]) + "::" + ":".join(text[best_start + best_len :])
 
 
 def parse_cidr(text: str, strict: bool = False) -> tuple[int, int, int]:
@@ -52,9 +68,12 @@ def parse_cidr(text: str, strict: bool = False) -> tuple[int, int, int]:
         raise InvalidConfig(f"not a CIDR (address/prefix): {text!r}")
     address, _, length = text.partition("/")
     family, value = parse_ip(address)
-    if not length.isdigit() or not 0 <= int(length) <= BITS[family]:
+    digits = length.lstrip("0") or "0"
+    if not (length.isascii() and length.isdigit() and len(length) <= 5) or not (
+        int(digits) <= BITS[family]
+    ):
         raise InvalidConfig(f"bad prefix length in {text!r}")
-    prefix = int(length)
+    prefix = int(digits)
     network = value >> (BITS[family] - prefix) << (BITS[family] - prefix)
     if strict and network != value:
         raise InvalidConfig(f"{text!r} has host bits set")
@@ -129,14 +148,24 @@ class RangeSet:
         self.family = ranges[0].family
         if any(r.family != self.family for r in ranges):
             raise InvalidConfig("a range set mixes IPv4 and IPv6; use one set per family")
-        for i, a in enumerate(ranges):
-            for b in ranges[i + 1 :]:
-                if a.start <= b.end and b.start <= a.end:
-                    raise InvalidConfig(f"ranges {a.subnet} and {b.subnet} overlap")
         self.ranges = ranges
-        self.block_prefix = block_prefix or DEFAULT_BLOCK_PREFIX[self.family]
-        if not 0 < self.block_prefix <= BITS[self.family]:
+        self.block_prefix = (
+            DEFAULT_BLOCK_PREFIX[self.family] if block_prefix is None else block_prefix
+        )
+        if not isinstance(self.block_prefix, int) or not (
+            0 < self.block_prefix <= BITS[self.family]
+        ):
             raise InvalidConfig(f"block size /{self.block_prefix} is not valid")
+        # Blocks are named by CIDR, so two ranges may not reach into one block. (zip, not
+        # itertools.pairwise: itertools is not loaded on the plugin path.)
+        by_span = sorted(((self._block_span(r), r) for r in ranges), key=lambda pair: pair[0])
+        for (a_span, a), (b_span, b) in zip(by_span, by_span[1:], strict=False):  # noqa: RUF007
+            if b_span[0] <= a_span[1]:
+                raise InvalidConfig(
+                    f"ranges {_describe(a)} and {_describe(b)} overlap or share a"
+                    f" /{max(self.block_prefix, a.prefix)} block; merge them into one range"
+                    " (with 'exclude' for the gap) or choose a smaller block size"
+                )
         spans = []
         for text in excludes:
             family, lo, prefix = parse_cidr(text) if "/" in text else (*parse_ip(text), None)
@@ -153,6 +182,10 @@ class RangeSet:
         """Host bits of a block in range `r`: a block never spans beyond the subnet."""
         return BITS[self.family] - max(self.block_prefix, r.prefix)
 
+    def _block_span(self, r: Range) -> tuple[int, int]:
+        bits = self.block_bits(r)
+        return r.start >> bits << bits, ((r.end >> bits) + 1 << bits) - 1
+
     def _first_last_block(self, r: Range) -> tuple[int, int]:
         bits = self.block_bits(r)
         return r.start >> bits, r.end >> bits
@@ -162,6 +195,8 @@ class RangeSet:
 
     def block(self, index: int) -> Block | None:
         """Block number `index` of the set (ranges in order), or None past the end."""
+        if index < 0:
+            return None
         for r, (first, last) in zip(self.ranges, self._block_counts, strict=True):
             count = last - first + 1
             if index < count:
@@ -273,6 +308,10 @@ class Block:
         lo = max(self.base, self.range.start)
         hi = min(self.base + self.size - 1, self.range.end)
         return _count_usable(lo, hi, self.range.gateway, self.range_set.excludes) if lo <= hi else 0
+
+
+def _describe(r: Range) -> str:
+    return f"{r.subnet} ({format_ip(r.family, r.start)}-{format_ip(r.family, r.end)})"
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -105,7 +105,6 @@ class _Pairs:
     def __init__(self, store: Store) -> None:
         self.ledger = Ledger(store, NODE)
         self.spec = _pair_pool()
-        self.ledger.ensure_pool(self.spec)
         self.count = 0
 
     def loop(self, n: int) -> float:
@@ -366,7 +365,6 @@ def _fill(path: str, spec: PoolSpec, count: int) -> None:
     try:
         store._conn.execute("PRAGMA synchronous=OFF")
         ledger = Ledger(store, NODE)
-        ledger.ensure_pool(spec)
         pod = PodInfo("bench", "fill", "uid-fill")
         for i in range(count):
             ledger.allocate([spec], Attachment("benchfill", f"fill-{i}", "eth0"), pod)
@@ -387,7 +385,6 @@ def allocate_latency(
         specs = [[spec] for _, spec in pools]
         pod = PodInfo("bench", "lat", "uid-lat")
         for ledger, (_, spec) in zip(ledgers, pools, strict=True):
-            ledger.ensure_pool(spec)
             for i in range(warmup):
                 attachment = Attachment("benchlat", f"warm-{i}", "eth0")
                 ledger.allocate([spec], attachment, pod)

@@ -49,8 +49,9 @@ def run(env: dict[str, str], stdin: bytes) -> str:
         raise InvalidEnvironment(f"CNI_COMMAND {command!r} is not one of {', '.join(COMMANDS)}")
     try:
         raw = jsonc.loads(stdin) if stdin.strip() else None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise DecodeFailure(f"network configuration on stdin is not JSON: {e}") from None
+    _configure_log(raw)
     if command == "VERSION":
         requested = raw.get("cniVersion", "1.1.0") if isinstance(raw, dict) else "1.1.0"
         return _dump({"cniVersion": requested, "supportedVersions": list(SUPPORTED_VERSIONS)})
@@ -62,8 +63,12 @@ def run(env: dict[str, str], stdin: bytes) -> str:
             f"cniVersion {config.cni_version} is not supported",
             f"supported: {', '.join(SUPPORTED_VERSIONS)}",
         )
-    if config.log_file:
-        log.configure(config.log_file, config.log_level, component="ipward-cni")
+    if command == "CHECK" and _version_key(config.cni_version) < (0, 4, 0):
+        raise IncompatibleVersion(
+            f"CHECK needs cniVersion 0.4.0 or later, not {config.cni_version}"
+        )
+    if command == "GC" and _version_key(config.cni_version) < (1, 1, 0):
+        raise IncompatibleVersion(f"GC needs cniVersion 1.1.0 or later, not {config.cni_version}")
     if command == "STATUS":
         _status(config)
         return ""
@@ -87,6 +92,16 @@ def run(env: dict[str, str], stdin: bytes) -> str:
     return ""
 
 
+def _configure_log(raw: object) -> None:
+    """Send logs where the config says, before anything else can fail."""
+    ipam = raw.get("ipam") if isinstance(raw, dict) else None
+    if isinstance(ipam, dict):
+        path = ipam.get("logFile") or ipam.get("log_file")
+        level = ipam.get("logLevel")
+        if isinstance(path, str) and path:
+            log.configure(path, level if isinstance(level, str) else "info", "ipward-cni")
+
+
 def _ledger(config: IpamConfig) -> Ledger:
     if config.agent_socket:
         raise InvalidConfig("agentSocket: cluster mode is not available in this version")
@@ -108,8 +123,7 @@ def _ledger(config: IpamConfig) -> Ledger:
 
 def _pools(ledger: Ledger, config: IpamConfig) -> list[PoolSpec]:
     if config.inline_pool is not None:
-        ledger.ensure_pool(config.inline_pool)
-        return [config.inline_pool]
+        return [config.inline_pool]  # stored by the allocating transaction itself
     return [ledger.get_pool(name) for name in config.pool_names]
 
 
@@ -157,9 +171,13 @@ def _gc(config: IpamConfig, raw: dict) -> None:
         raise InvalidConfig("GC needs 'cni.dev/valid-attachments' (a list)")
     keep: set[tuple[str, str]] = set()
     for entry in valid:
-        if not isinstance(entry, dict) or not isinstance(entry.get("containerID"), str):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("containerID"), str)
+            and isinstance(entry.get("ifname"), str)
+        ):
             raise InvalidConfig(f"a valid attachment needs 'containerID' and 'ifname': {entry!r}")
-        keep.add((entry["containerID"], str(entry.get("ifname", ""))))
+        keep.add((entry["containerID"], entry["ifname"]))
     _ledger(config).collect_network(config.network, keep)
 
 
@@ -181,7 +199,7 @@ def _error_version(stdin: bytes) -> str:
     """The cniVersion to answer an error in (parsed again only on the error path)."""
     try:
         version = jsonc.loads(stdin).get("cniVersion")
-    except (ValueError, AttributeError, UnicodeDecodeError):
+    except Exception:  # whatever the input: an error answer must still go out
         version = None
     return version if version in SUPPORTED_VERSIONS else SUPPORTED_VERSIONS[-1]
 

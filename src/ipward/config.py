@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ipward.addr import parse_cidr
+from ipward.addr import format_cidr, parse_cidr
 from ipward.errors import InvalidConfig, InvalidEnvironment
 from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name
 from ipward.records import Attachment, PodInfo
@@ -170,8 +170,6 @@ def _whereabouts_range(entry: dict, gateway: object) -> tuple[dict, list[str]]:
         one["rangeStart"], one["rangeEnd"] = first, last
         text = f"{first}/{prefix}"
     family, network, length = parse_cidr(text)
-    from ipward.addr import format_cidr
-
     one["subnet"] = format_cidr(family, network, length)
     if text.split("/")[0] != one["subnet"].split("/")[0] and "rangeStart" not in one:
         one["rangeStart"] = text.split("/")[0]  # whereabouts: a host address starts the range
@@ -179,9 +177,10 @@ def _whereabouts_range(entry: dict, gateway: object) -> tuple[dict, list[str]]:
         if isinstance(entry.get(theirs), str):
             one[ours] = entry[theirs]
     gw = entry.get("gateway", gateway)
-    if isinstance(gw, str):
+    # A top-level gateway (whereabouts) applies to the range of its own family only.
+    if isinstance(gw, str) and (":" in gw) == (family == 6):
         one["gateway"] = gw
-    excluded = entry.get("exclude", []) if entry is not None else []
+    excluded = entry.get("exclude", [])
     if not isinstance(excluded, list):
         raise InvalidConfig("exclude must be a list")
     return one, list(excluded)

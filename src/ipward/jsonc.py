@@ -53,6 +53,14 @@ else:
             value, end = _scan(text, start)
         except StopIteration as e:
             raise ValueError(f"Expecting value: char {e.value}") from None
+        except SystemError:
+            # The C scanner builds its error from `json.decoder` only if that module is
+            # loaded; on malformed input, load it and let `json` report the error.
+            import json
+
+            return json.loads(text)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
         if text[end:].strip(_WHITESPACE):
             raise ValueError(f"Extra data: char {end}")
         return value

@@ -26,7 +26,7 @@ from ipward.addr import format_ip, parse_ip
 from ipward.errors import (
     AddressOutsidePool,
     AddressTaken,
-    IpwardError,
+    InvalidConfig,
     OwnerChanged,
     PoolExhausted,
     TryAgainLater,
@@ -79,6 +79,15 @@ class _Conflict(Exception):
     """What was read changed before it could be used; read again."""
 
 
+class _NeedsBlock(Exception):
+    """This family has no free address in the node's blocks, but the pool has an
+    unclaimed block."""
+
+    def __init__(self, pool: PoolSpec, rs: RangeSet) -> None:
+        self.pool = pool
+        self.rs = rs
+
+
 class Ledger:
     def __init__(self, store: Store, node: str, clock: Callable[[], float] = time.time) -> None:
         self.store = store
@@ -88,28 +97,30 @@ class Ledger:
     # -- pools ------------------------------------------------------------------------
 
     def get_pool(self, name: str) -> PoolSpec:
-        kv = self.store.get(rec.pool_key(name))
+        kv = self._get(rec.pool_key(name))
         if kv is None:
             raise UnknownPool(f"pool {name!r} does not exist (create it with 'ipward pool create')")
-        return PoolSpec.from_dict(rec.decode(kv.value))
+        spec = PoolSpec.from_dict(rec.decode(kv.value))
+        spec.revision = kv.mod_revision
+        return spec
 
-    def ensure_pool(self, spec: PoolSpec) -> None:
-        """Store an inline (CNI config) pool spec, or bring the stored one up to date.
-        A pool created with the CLI is never overwritten from a CNI config."""
+    def _pool_guard(self, spec: PoolSpec) -> tuple[list[Compare], list[Put | Delete]]:
+        """What an allocation must compare (and write) about its pool: a spec read from
+        the store must be unchanged; a declared spec (CNI config) is stored by the
+        allocating transaction itself, so a failed ADD leaves nothing behind."""
         key = rec.pool_key(spec.name)
+        if spec.revision is not None:
+            return [at_revision(key, spec.revision)], []
+        kv = self._get(key)
         wanted = rec.encode(spec.to_dict())
-        for _ in range(MAX_ATTEMPTS):
-            kv = self._get(key)
-            if kv is not None and kv.value == wanted:
-                return
-            if kv is not None and rec.decode(kv.value).get("source") != spec.source:
-                raise IpwardError(
-                    f"pool {spec.name!r} exists and was created with the CLI; name it with"
-                    " 'pool' in the CNI config instead of inline ranges"
-                )
-            if self._txn([at_revision(key, kv.mod_revision if kv else 0)], [Put(key, wanted)]):
-                return
-        raise TryAgainLater(f"pool {spec.name}: too much contention updating its spec")
+        if kv is not None and kv.value == wanted:
+            return [at_revision(key, kv.mod_revision)], []
+        if kv is not None and rec.decode(kv.value).get("source") != spec.source:
+            raise InvalidConfig(
+                f"pool {spec.name!r} exists and was created with the CLI; name it with 'pool'"
+                " in the CNI config instead of inline ranges, or rename the network"
+            )
+        return [at_revision(key, kv.mod_revision if kv else 0)], [Put(key, wanted)]
 
     # -- ADD --------------------------------------------------------------------------
 
@@ -135,11 +146,21 @@ class Ledger:
             if existing is not None:
                 return self._allocations(rec.decode(existing.value)["ips"], pools)
             try:
-                picks = [
-                    (pool, self._pick(pool, i, rs, wanted.get((pool.name, i))))
-                    for pool in pools
-                    for i, rs in enumerate(pool.range_sets)
-                ]
+                picks, needs = [], []
+                for pool in pools:
+                    for i, rs in enumerate(pool.range_sets):
+                        try:
+                            picks.append(
+                                (pool, self._pick(pool, i, rs, wanted.get((pool.name, i))))
+                            )
+                        except _NeedsBlock as e:
+                            needs.append(e)
+                # Claim blocks only once every family is known to have room, so a failed
+                # ADD writes nothing; then pick again from the new blocks.
+                for wanting in needs:
+                    self._claim_block(wanting.pool, wanting.rs)
+                if needs:
+                    continue
             except _Conflict:
                 self._backoff(attempt)
                 continue
@@ -148,6 +169,10 @@ class Ledger:
             ops: list[Put | Delete] = [
                 Put(attachment.key, rec.encode({"ips": [f"{p.name}/{k.ip}" for p, k in picks]}))
             ]
+            for pool in pools:
+                guard_compares, guard_ops = self._pool_guard(pool)
+                compares += guard_compares
+                ops += guard_ops
             for pool, pick in picks:
                 record = rec.ip_record(
                     attachment,
@@ -180,7 +205,7 @@ class Ledger:
                 index = pool.set_of(family)
                 if index is not None and pool.range_sets[index].usable(value):
                     if (pool.name, index) in wanted:
-                        raise AddressTaken(f"two addresses requested for one family: {text}")
+                        raise InvalidConfig(f"two addresses requested for one family: {text}")
                     wanted[(pool.name, index)] = value
                     break
             else:
@@ -200,6 +225,8 @@ class Ledger:
         fresh = self._pick_fresh(pool, index, rs)
         if fresh is not None:
             return fresh
+        if self._next_unclaimed(pool, rs) is not None:
+            raise _NeedsBlock(pool, rs)
         if head is not None:
             return self._pick_queued(pool, index, head)  # still cooling, but the only one
         raise PoolExhausted(
@@ -263,20 +290,17 @@ class Ledger:
         return pick
 
     def _pick_fresh(self, pool: PoolSpec, index: int, rs: RangeSet) -> _Pick | None:
-        """A never-used address from the block this node fills, claiming blocks as they
-        run out; None when the pool has no unclaimed block left."""
-        while True:
-            fill = self._get(rec.fill_key(pool.name, rs.family, self.node))
-            if fill is not None:
-                cidr = rec.decode(fill.value)["block"]
-                block = rs.block_by_cidr(cidr)
-                block_kv = self._get(rec.block_key(pool.name, cidr))
-                if block is not None and block_kv is not None:
-                    pick = self._fresh_in_block(pool, index, block, block_kv)
-                    if pick is not None:
-                        return pick
-            if not self._claim_block(pool, index, rs, fill):
-                return None
+        """A never-used address from the block this node fills, or None when it is used
+        up (or the node fills none yet)."""
+        fill = self._get(rec.fill_key(pool.name, rs.family, self.node))
+        if fill is None:
+            return None
+        cidr = rec.decode(fill.value)["block"]
+        block = rs.block_by_cidr(cidr)
+        block_kv = self._get(rec.block_key(pool.name, cidr))
+        if block is None or block_kv is None:
+            return None
+        return self._fresh_in_block(pool, index, block, block_kv)
 
     def _fresh_in_block(
         self, pool: PoolSpec, index: int, block: Block, block_kv: KeyValue
@@ -301,21 +325,32 @@ class Ledger:
             offset = block.next_usable(offset + 1)
         return None
 
-    def _claim_block(self, pool: PoolSpec, index: int, rs: RangeSet, fill: KeyValue | None) -> bool:
-        """Give this node the pool's next unclaimed block and make it the one it fills.
-        False when every block is claimed."""
-        cursor_key = rec.block_cursor_key(pool.name, rs.family)
-        cursor = self._get(cursor_key)
+    def _next_unclaimed(self, pool: PoolSpec, rs: RangeSet) -> tuple[int, KeyValue | None] | None:
+        """Index of the pool's next unclaimed block of this family and the cursor read,
+        or None when every block is claimed."""
+        cursor = self._get(rec.block_cursor_key(pool.name, rs.family))
         n = rec.decode(cursor.value)["next"] if cursor else 0
         while True:
             block = rs.block(n)
             if block is None:
-                return False
-            key = rec.block_key(pool.name, block.cidr)
-            if self._get(key) is None:
-                break
-            n += 1  # claimed out of order (by request or by the controller)
+                return None
+            if self._get(rec.block_key(pool.name, block.cidr)) is None:
+                return n, cursor
+            n += 1  # claimed out of order (by the controller)
+
+    def _claim_block(self, pool: PoolSpec, rs: RangeSet) -> None:
+        """Give this node the pool's next unclaimed block and make it the one it fills,
+        by CAS on the block cursor, the node's fill record and the block's absence."""
+        found = self._next_unclaimed(pool, rs)
+        if found is None:
+            raise _Conflict  # claimed by others meanwhile: pick again
+        n, cursor = found
+        block = rs.block(n)
+        assert block is not None
+        key = rec.block_key(pool.name, block.cidr)
+        cursor_key = rec.block_cursor_key(pool.name, rs.family)
         fill_key = rec.fill_key(pool.name, rs.family, self.node)
+        fill = self._get(fill_key)
         ok = self._txn(
             [
                 at_revision(cursor_key, cursor.mod_revision if cursor else 0),
@@ -328,10 +363,9 @@ class Ledger:
                 Put(fill_key, rec.encode({"block": block.cidr})),
             ],
         )
-        if ok:
-            log.info("claimed block", pool=pool.name, block=block.cidr, node=self.node)
-            return True
-        raise _Conflict
+        if not ok:
+            raise _Conflict
+        log.info("claimed block", pool=pool.name, block=block.cidr, node=self.node)
 
     def _require_active(self, block_kv: KeyValue, pool: str) -> None:
         if rec.decode(block_kv.value).get("state") != rec.ACTIVE:

@@ -24,7 +24,12 @@ def configure(path: str | None = None, level: str = "info", component: str = "ip
     global _sink, _threshold, _component
     _threshold = LEVELS.get(level, LEVELS["info"])
     _component = component
-    _sink = open(path, "a", encoding="utf-8", buffering=1) if path else sys.stderr  # noqa: SIM115
+    _sink = sys.stderr
+    if path:
+        try:
+            _sink = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        except OSError as e:  # a log that cannot be written must not fail an allocation
+            warning("cannot open log file; logging to stderr", path=path, error=str(e))
 
 
 def event(level: str, msg: str, **fields: object) -> None:

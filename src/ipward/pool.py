@@ -22,7 +22,16 @@ def check_name(name: object, what: str = "pool name") -> str:
 
 
 class PoolSpec:
-    __slots__ = ("block_prefix", "cooldown", "exclude", "name", "range_sets", "routes", "source")
+    __slots__ = (
+        "block_prefix",
+        "cooldown",
+        "exclude",
+        "name",
+        "range_sets",
+        "revision",
+        "routes",
+        "source",
+    )
 
     def __init__(
         self,
@@ -37,12 +46,15 @@ class PoolSpec:
         self.name = check_name(name)
         self.exclude = [str(e) for e in exclude]
         self.routes = [dict(r) for r in routes]
-        if not isinstance(cooldown, int | float) or cooldown < 0:
+        if not isinstance(cooldown, int | float) or not 0 <= cooldown <= 10**9:  # NaN too
             raise InvalidConfig(f"cooldown must be a number of seconds >= 0, not {cooldown!r}")
         self.cooldown = float(cooldown)
         self.block_prefix = dict(DEFAULT_BLOCK_PREFIX)
         self.block_prefix.update(block_prefix or {})
         self.source = source
+        # mod_revision of `pools/<name>` when the spec was read from the store; None for a
+        # spec declared by its user (a CNI config), which the allocation stores itself.
+        self.revision: int | None = None
         if not ranges:
             raise InvalidConfig(f"pool {name}: no ranges")
         self.range_sets = []
@@ -64,6 +76,8 @@ class PoolSpec:
         if not isinstance(d, dict):
             raise InvalidConfig("pool spec must be an object")
         block = d.get("blockSize", {})
+        if not isinstance(block, dict) or not all(isinstance(v, int) for v in block.values()):
+            raise InvalidConfig('blockSize must be like {"4": 26, "6": 122}')
         return cls(
             name=d.get("name"),  # type: ignore[arg-type]
             ranges=d.get("ranges", []),

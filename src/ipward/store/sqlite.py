@@ -84,10 +84,10 @@ class SqliteStore(Store):
     def __init__(self, path: str, busy_timeout: float = 5.0) -> None:
         self.path = path
         self._lock = _thread.RLock()
-        directory = os.path.dirname(path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
         try:
+            directory = os.path.dirname(path)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
             self._conn = sqlite3.connect(
                 path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
             )
@@ -100,7 +100,7 @@ class SqliteStore(Store):
                 is None
             ):
                 self._conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
             raise StoreUnavailable(f"sqlite store {path}: {e}") from e
 
     @classmethod
