@@ -145,6 +145,8 @@ class Ledger:
             existing = self._get(attachment.key)
             if existing is not None:
                 return self._allocations(rec.decode(existing.value)["ips"], pools)
+            # The pool guard first: a pool that may not be used must not see block claims.
+            guards = [self._pool_guard(pool) for pool in pools]
             try:
                 picks, needs = [], []
                 for pool in pools:
@@ -169,8 +171,7 @@ class Ledger:
             ops: list[Put | Delete] = [
                 Put(attachment.key, rec.encode({"ips": [f"{p.name}/{k.ip}" for p, k in picks]}))
             ]
-            for pool in pools:
-                guard_compares, guard_ops = self._pool_guard(pool)
+            for guard_compares, guard_ops in guards:
                 compares += guard_compares
                 ops += guard_ops
             for pool, pick in picks:
