@@ -170,7 +170,16 @@ class Watch(abc.ABC):
 
 
 class Store(abc.ABC):
-    """What ipward needs of a store. Every method may raise StoreUnavailable."""
+    """What ipward needs of a store. Every method may raise StoreUnavailable.
+
+    A `txn` that raises StoreUnavailable may or may not have been applied (the answer
+    was lost, not necessarily the write): callers make their writes idempotent and
+    re-read rather than assume either. A `txn` that changes nothing (only deletes of
+    missing keys) makes no new revision. A Put with an unknown or expired lease fails
+    the whole `txn` with StoreError. Revoking a lease that is gone is not an error.
+    A watch reports a broken stream by raising StoreUnavailable from iteration; watch
+    again from the last revision seen plus one. etcd raises lease TTLs below 2 s to 2 s.
+    """
 
     @abc.abstractmethod
     def get(self, key: str) -> KeyValue | None: ...

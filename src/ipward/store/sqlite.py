@@ -149,14 +149,16 @@ class SqliteStore(Store):
                 revision = self._expire_leases(now, revision)
                 ok = all(c.holds(self._get_live(c.key, now)) for c in compares)
                 ops = success if ok else failure
-                if ops:
+                if ops and self._apply(ops, revision + 1, now):
                     revision += 1
-                    self._apply(ops, revision, now)
                     self._set_revision(revision)
                 self._conn.execute("COMMIT")
             except sqlite3.Error as e:
                 self._rollback()
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+            except StoreError:
+                self._rollback()
+                raise
         return TxnResult(ok, revision)
 
     def watch(self, prefix: str, start_revision: int) -> Watch:
@@ -251,11 +253,21 @@ class SqliteStore(Store):
         ).fetchone()
         return None if row is None else _row(row)
 
-    def _apply(self, ops: Sequence[Put | Delete], revision: int, now: float) -> None:
+    def _apply(self, ops: Sequence[Put | Delete], revision: int, now: float) -> bool:
+        """Write `ops` at `revision`; False if nothing changed (as etcd, no new revision)."""
         execute = self._conn.execute
+        changed = False
         for seq, op in enumerate(ops):
             old = self._get_live(op.key, now)
             if isinstance(op, Put):
+                if (
+                    op.lease
+                    and not execute(
+                        "SELECT 1 FROM leases WHERE id = ? AND expires_at > ?", (op.lease, now)
+                    ).fetchone()
+                ):
+                    raise StoreError(f"requested lease not found: {op.lease}")
+                changed = True
                 create = old.create_revision if old else revision
                 version = old.version + 1 if old else 1
                 execute(
@@ -267,11 +279,13 @@ class SqliteStore(Store):
                     (revision, seq, PUT, op.key, op.value, create, version, op.lease),
                 )
             elif old is not None:
+                changed = True
                 execute("DELETE FROM kv WHERE key = ?", (op.key,))
                 execute(
                     "INSERT INTO events VALUES (?, ?, ?, ?, ?, 0, 0, 0)",
                     (revision, seq, DELETE, op.key, b""),
                 )
+        return changed
 
     def _expire_leases(self, now: float, revision: int) -> int:
         """Delete keys of expired leases, at one new revision if there are any."""

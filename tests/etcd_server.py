@@ -1,0 +1,246 @@
+"""Real etcd servers for tests: one member or a small cluster, on loopback, in a temp dir.
+
+Uses the Debian `etcd` (3.4) binary. Every process is stopped when its context manager
+exits, also on failure. Settings are etcd's defaults apart from addresses: no unsafe
+flags, so a write etcd acknowledged is on disk (WAL fsync) as in production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+ETCD = "/usr/bin/etcd"
+ETCDCTL = "/usr/bin/etcdctl"
+READY_TIMEOUT = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdServer:
+    """One etcd member. Its ports and data dir stay the same across restarts."""
+
+    def __init__(
+        self,
+        data_root: Path,
+        name: str = "m0",
+        extra_args: Sequence[str] = (),
+        client_scheme: str = "http",
+    ) -> None:
+        """`client_scheme` https needs --cert-file and --key-file among `extra_args`."""
+        self.name = name
+        self.client_scheme = client_scheme
+        self.dir = Path(data_root) / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = self.dir / "data"
+        self.log_path = self.dir / "etcd.log"
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.metrics_port = free_port()
+        self.extra_args = list(extra_args)
+        self.initial_cluster = f"{name}={self.peer_url}"
+        self.cluster_token = uuid.uuid4().hex
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        scheme = "etcds" if self.client_scheme == "https" else "etcd"
+        return f"{scheme}://{self.endpoint}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def start(self) -> None:
+        """Start the process without waiting; see wait_ready."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        client = f"{self.client_scheme}://{self.endpoint}"
+        args = [
+            ETCD,
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--listen-metrics-urls=http://127.0.0.1:{self.metrics_port}",
+            f"--initial-cluster={self.initial_cluster}",
+            f"--initial-cluster-token={self.cluster_token}",
+            "--initial-cluster-state=new",
+            "--logger=zap",
+            "--log-outputs=stderr",
+            *self.extra_args,
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+
+    def healthy(self) -> bool:
+        """The member answers /health with a leader (so it can serve requests)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                return bool(json.load(r).get("health") == "true")
+        except (OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise RuntimeError(f"etcd {self.name} exited ({code}):\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"etcd {self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (a clean shutdown), then SIGKILL if it lingers."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing flushed that was not already written."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the socket still accepts connections but nothing answers."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running:
+            assert self.proc is not None
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+        self.wait_ready()
+
+    def etcdctl(self, *args: str, stdin: str = "") -> str:
+        return run_etcdctl([self.endpoint], *args, stdin=stdin)
+
+
+def run_etcdctl(endpoints: Sequence[str], *args: str, stdin: str = "") -> str:
+    env = dict(os.environ, ETCDCTL_API="3")
+    out = subprocess.run(
+        [ETCDCTL, f"--endpoints={','.join(endpoints)}", "--command-timeout=5s", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"etcdctl {' '.join(args)} failed: {out.stderr.strip()}")
+    return out.stdout
+
+
+@contextlib.contextmanager
+def etcd_server(
+    tmp_dir: Path, extra_args: Sequence[str] = (), client_scheme: str = "http"
+) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_dir, extra_args=extra_args, client_scheme=client_scheme)
+    try:
+        server.start()
+        server.wait_ready()
+        yield server
+    finally:
+        server.resume()  # a paused process does not act on SIGTERM until continued
+        server.stop()
+
+
+class EtcdCluster:
+    def __init__(self, tmp_dir: Path, members: int = 3) -> None:
+        self.members = [EtcdServer(tmp_dir, f"m{i}") for i in range(members)]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        token = uuid.uuid4().hex
+        for m in self.members:
+            m.initial_cluster = initial
+            m.cluster_token = token
+
+    @property
+    def url(self) -> str:
+        return "etcd://" + ",".join(m.endpoint for m in self.members)
+
+    def start(self) -> None:
+        # All at once: each member waits for the others to form a quorum.
+        for m in self.members:
+            m.start()
+        for m in self.members:
+            m.wait_ready()
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def leader(self, timeout: float = 10.0) -> EtcdServer:
+        """The live member that is leader, waiting out an election in progress."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = [m for m in self.members if m.running]
+            statuses = json.loads(
+                run_etcdctl([m.endpoint for m in live], "endpoint", "status", "-w", "json")
+            )
+            for st in statuses:
+                status = st["Status"]
+                if status["leader"] == status["header"]["member_id"]:
+                    return next(m for m in live if m.endpoint == st["Endpoint"])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no leader among {[m.name for m in live]}")
+            time.sleep(0.1)
+
+    def kill(self, member: EtcdServer) -> None:
+        member.kill()
+
+    def restart(self, member: EtcdServer) -> None:
+        member.restart()
+
+
+@contextlib.contextmanager
+def etcd_cluster(tmp_dir: Path, members: int = 3) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_dir, members)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
