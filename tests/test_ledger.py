@@ -262,3 +262,47 @@ class TestCheck:
             "outside-pool",
             "free-and-allocated",
         }
+
+
+class TestMemory:
+    """Two ledgers on one store, as two processes of one node: each remembers what it
+    read and wrote, and the other changes it behind its back."""
+
+    @pytest.fixture
+    def other(self, sqlite_url, clock):
+        from ipward.store import open_store
+
+        store = open_store(sqlite_url)
+        yield Ledger(store, "node-a", clock=clock)
+        store.close()
+
+    def test_stale_memory_never_frees_another_attachments_address(self, ledger, other):
+        spec = pool(cooldown=0)
+        ip = add(ledger, spec, 1)
+        other.release(att(1))  # behind ledger's back
+        assert add(other, spec, 2, requested=[ip]) == ip
+        assert ledger.release(att(1)) == []  # its memory of att 1 is stale: nothing freed
+        assert other.lookup(att(2))[0].ip == ip
+
+    def test_refusal_on_stale_memory_is_checked_again(self, ledger, other):
+        spec = pool(cooldown=0)
+        ip = add(ledger, spec, 1)
+        other.release(att(1))
+        # ledger still remembers ip as allocated; the refusal is re-checked on fresh reads
+        assert add(ledger, spec, 3, requested=[ip]) == ip
+
+    def test_interleaved_ledgers_never_hand_out_one_address_twice(
+        self, ledger, other, sqlite_store
+    ):
+        spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], block_prefix={4: 28}, cooldown=0)
+        got = []
+        for i in range(120):
+            who = ledger if i % 3 else other
+            got.append(add(who, spec, i))
+            if i % 4 == 0:
+                (other if i % 3 else ledger).release(att(i - 1))
+        live = {kv.key for kv in sqlite_store.range("ips/")[0]}
+        assert check(sqlite_store)[0] == []
+        held = [ledger.lookup(att(i)) for i in range(120)]
+        owned = [a[0].ip for a in held if a]
+        assert len(owned) == len(set(owned)) == len(live)

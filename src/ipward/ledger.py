@@ -13,6 +13,14 @@ Where an address comes from, in order:
   4. the oldest freed address still cooling down, when nothing else is free.
 None of these reads grows with the size of the pool or the number of allocations.
 
+A ledger remembers the keys it last read or wrote present (pool specs, its blocks, its
+fill records, its own allocations), so a long-lived ledger (agent, benchmark) mostly
+reads nothing but the free-queue head before it writes. That is safe because every
+decision made on a remembered key is pinned by a compare in the same transaction: a
+stale key fails the transaction, which forgets the compared keys and reads again.
+Absence is never remembered, and a refusal (exhausted, taken, block being released)
+is only given after reading everything again.
+
 Standard library only: this runs inside the CNI plugin in single-node mode.
 """
 
@@ -27,13 +35,15 @@ from ipward.errors import (
     AddressOutsidePool,
     AddressTaken,
     InvalidConfig,
+    IpwardError,
     OwnerChanged,
     PoolExhausted,
+    StoreUnreachable,
     TryAgainLater,
     UnknownPool,
 )
 from ipward.pool import PoolSpec
-from ipward.store.base import Delete, Put, StoreUnavailable, absent, at_revision
+from ipward.store.base import Delete, KeyValue, Put, StoreUnavailable, absent, at_revision
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -41,9 +51,10 @@ if TYPE_CHECKING:
 
     from ipward.addr import Block, RangeSet
     from ipward.records import Attachment, PodInfo
-    from ipward.store.base import Compare, KeyValue, Store
+    from ipward.store.base import Compare, Store
 
 MAX_ATTEMPTS = 100
+KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
 
 
 class Allocation:
@@ -93,6 +104,7 @@ class Ledger:
         self.store = store
         self.node = node
         self.clock = clock
+        self._known: dict[str, KeyValue] = {}  # keys as last read or written, present
 
     # -- pools ------------------------------------------------------------------------
 
@@ -125,8 +137,9 @@ class Ledger:
     # -- ADD --------------------------------------------------------------------------
 
     def lookup(self, attachment: Attachment) -> list[Allocation] | None:
-        """The attachment's addresses, or None if it has none."""
-        kv = self._get(attachment.key)
+        """The attachment's addresses, or None if it has none (read from the store: an
+        answer, not a decision a compare would check)."""
+        kv = self._get(attachment.key, fresh=True)
         if kv is None:
             return None
         return self._allocations(rec.decode(kv.value)["ips"])
@@ -141,19 +154,21 @@ class Ledger:
         """One address per range set of each pool for the attachment, or the addresses it
         already has. `requested` addresses (bare, no prefix) are used for their family."""
         wanted = self._requested_by_pool(pools, requested)
+        refused_once = False
         for attempt in range(MAX_ATTEMPTS):
+            careful = attempt > 0  # a retry reads what the first attempt left to compares
             existing = self._get(attachment.key)
             if existing is not None:
                 return self._allocations(rec.decode(existing.value)["ips"], pools)
-            # The pool guard first: a pool that may not be used must not see block claims.
-            guards = [self._pool_guard(pool) for pool in pools]
             try:
+                # The pool guard first: a pool that may not be used sees no block claims.
+                guards = [self._pool_guard(pool) for pool in pools]
                 picks, needs = [], []
                 for pool in pools:
                     for i, rs in enumerate(pool.range_sets):
                         try:
                             picks.append(
-                                (pool, self._pick(pool, i, rs, wanted.get((pool.name, i))))
+                                (pool, self._pick(pool, i, rs, wanted.get((pool.name, i)), careful))
                             )
                         except _NeedsBlock as e:
                             needs.append(e)
@@ -165,6 +180,14 @@ class Ledger:
                     continue
             except _Conflict:
                 self._backoff(attempt)
+                continue
+            except StoreUnreachable:
+                raise
+            except IpwardError:
+                if refused_once:
+                    raise
+                refused_once = True  # maybe decided on remembered keys: read all again
+                self._known.clear()
                 continue
             now = self.clock()
             compares: list[Compare] = [absent(attachment.key)]
@@ -217,13 +240,15 @@ class Ledger:
                 )
         return wanted
 
-    def _pick(self, pool: PoolSpec, index: int, rs: RangeSet, requested: int | None) -> _Pick:
+    def _pick(
+        self, pool: PoolSpec, index: int, rs: RangeSet, requested: int | None, careful: bool
+    ) -> _Pick:
         if requested is not None:
             return self._pick_requested(pool, index, rs, requested)
         head = self._queue_head(pool, index)
         if head is not None and self._cooled(pool, head):
             return self._pick_queued(pool, index, head)
-        fresh = self._pick_fresh(pool, index, rs)
+        fresh = self._pick_fresh(pool, index, rs, careful)
         if fresh is not None:
             return fresh
         if self._next_unclaimed(pool, rs) is not None:
@@ -270,7 +295,13 @@ class Ledger:
         record = self._get(rec.ip_key(pool.name, ip))
         if record is not None:
             # Allocated meanwhile by request: drop the stale queue entry and read again.
-            self._txn([at_revision(head.key, head.mod_revision)], [Delete(head.key)])
+            self._txn(
+                [
+                    at_revision(head.key, head.mod_revision),
+                    at_revision(record.key, record.mod_revision),
+                ],
+                [Delete(head.key)],
+            )
             raise _Conflict
         block = pool.range_sets[index].block_of(parse_ip(ip)[1])
         if block is None:
@@ -290,7 +321,7 @@ class Ledger:
         pick.ops += [Delete(head.key), Delete(rec.free_key(pool.name, ip))]
         return pick
 
-    def _pick_fresh(self, pool: PoolSpec, index: int, rs: RangeSet) -> _Pick | None:
+    def _pick_fresh(self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool) -> _Pick | None:
         """A never-used address from the block this node fills, or None when it is used
         up (or the node fills none yet)."""
         fill = self._get(rec.fill_key(pool.name, rs.family, self.node))
@@ -301,10 +332,10 @@ class Ledger:
         block_kv = self._get(rec.block_key(pool.name, cidr))
         if block is None or block_kv is None:
             return None
-        return self._fresh_in_block(pool, index, block, block_kv)
+        return self._fresh_in_block(pool, index, block, block_kv, careful)
 
     def _fresh_in_block(
-        self, pool: PoolSpec, index: int, block: Block, block_kv: KeyValue
+        self, pool: PoolSpec, index: int, block: Block, block_kv: KeyValue, careful: bool
     ) -> _Pick | None:
         state = rec.decode(block_kv.value)
         if state.get("node") != self.node or state.get("state") != rec.ACTIVE:
@@ -313,8 +344,9 @@ class Ledger:
         while offset is not None:
             ip = block.address(offset)
             ip_k, free_k = rec.ip_key(pool.name, ip), rec.free_key(pool.name, ip)
-            # A requested address may sit ahead of the cursor: skip what is taken or queued.
-            if self._get(ip_k) is None and self._get(free_k) is None:
+            # A requested address may sit ahead of the cursor. The first attempt trusts the
+            # compares to find out; a retry reads and skips what is taken or queued.
+            if not careful or (self._get(ip_k) is None and self._get(free_k) is None):
                 pick = _Pick(index, ip, block.cidr)
                 pick.compares += [
                     at_revision(block_kv.key, block_kv.mod_revision),
@@ -388,14 +420,18 @@ class Ledger:
             now = self.clock()
             for ref in refs:
                 pool_name, ip = rec.split_pool_ip(ref)
-                record_kv = self._get(rec.ip_key(pool_name, ip))
+                key = rec.ip_key(pool_name, ip)
+                record_kv = self._get(key)
+                # Every decision below is pinned by a compare, so it holds at commit.
+                compares.append(at_revision(key, record_kv.mod_revision if record_kv else 0))
                 if record_kv is None:
                     continue  # index out of step with records: drop the index entry only
                 record = rec.decode(record_kv.value)
                 if rec.record_attachment(record) != attachment:
                     continue  # the address belongs to someone else now: never touch it
-                compares.append(at_revision(record_kv.key, record_kv.mod_revision))
-                ops += self._free_ops(pool_name, ip, record, now)
+                free_ops, block_compare = self._free_ops(pool_name, ip, record, now)
+                ops += free_ops
+                compares += block_compare
                 freed.append(ref)
             if self._txn(compares, ops):
                 if freed:
@@ -404,24 +440,29 @@ class Ledger:
             self._backoff(attempt)
         raise TryAgainLater(f"{attachment}: too much contention, nothing released")
 
-    def _free_ops(self, pool_name: str, ip: str, record: dict, now: float) -> list[Put | Delete]:
-        """Delete a record and queue its address on the node that owns its block."""
+    def _free_ops(
+        self, pool_name: str, ip: str, record: dict, now: float
+    ) -> tuple[list[Put | Delete], list[Compare]]:
+        """Delete a record and queue its address on the node that owns its block (pinned
+        by a compare on the block)."""
         owner = record.get("node", self.node)
-        block_kv = self._get(rec.block_key(pool_name, record["block"]))
+        block_key = rec.block_key(pool_name, record["block"])
+        block_kv = self._get(block_key)
         if block_kv is not None:
             owner = rec.decode(block_kv.value).get("node", owner)
         queue = rec.queue_key(pool_name, 6 if ":" in ip else 4, owner, now, ip)
-        return [
+        ops: list[Put | Delete] = [
             Delete(rec.ip_key(pool_name, ip)),
             Put(rec.free_key(pool_name, ip), rec.encode({"released_at": now, "queue": queue})),
             Put(queue, b""),
         ]
+        return ops, [at_revision(block_key, block_kv.mod_revision if block_kv else 0)]
 
     def release_address(self, pool: str, ip: str, expected_mod_revision: int) -> dict:
         """Compare-and-delete one record (the CLI's `release`): refuses when the record is
         not exactly the one the caller saw. Returns the record freed."""
         key = rec.ip_key(pool, ip)
-        record_kv = self._get(key)
+        record_kv = self._get(key, fresh=True)
         if record_kv is None or record_kv.mod_revision != expected_mod_revision:
             raise OwnerChanged(
                 f"{pool}/{ip} changed since it was read (revision {expected_mod_revision});"
@@ -429,8 +470,8 @@ class Ledger:
             )
         record = rec.decode(record_kv.value)
         attachment = rec.record_attachment(record)
-        compares: list[Compare] = [at_revision(key, record_kv.mod_revision)]
-        ops = self._free_ops(pool, ip, record, self.clock())
+        ops, compares = self._free_ops(pool, ip, record, self.clock())
+        compares.append(at_revision(key, record_kv.mod_revision))
         index_kv = self._get(attachment.key)
         if index_kv is not None:
             refs = [r for r in rec.decode(index_kv.value)["ips"] if r != f"{pool}/{ip}"]
@@ -480,23 +521,52 @@ class Ledger:
             out.append(Allocation(pool_name, ip, family, r.prefix, gateway))
         return out
 
-    def _get(self, key: str) -> KeyValue | None:
+    def _get(self, key: str, fresh: bool = False) -> KeyValue | None:
+        """The key as last read or written here, or as the store has it now when it is
+        not remembered (or `fresh`)."""
+        if not fresh:
+            known = self._known.get(key)
+            if known is not None:
+                return known
         try:
-            return self.store.get(key)
+            kv = self.store.get(key)
         except StoreUnavailable as e:
-            raise TryAgainLater(f"store unreachable: {e}") from e
+            raise StoreUnreachable(f"store unreachable: {e}") from e
+        if kv is None:
+            self._known.pop(key, None)
+        else:
+            self._remember(kv)
+        return kv
+
+    def _remember(self, kv: KeyValue) -> None:
+        if len(self._known) >= KNOWN_LIMIT:
+            self._known.clear()
+        self._known[kv.key] = kv
 
     def store_range(self, prefix: str, limit: int = 0) -> tuple[list[KeyValue], int]:
         try:
             return self.store.range(prefix, limit)
         except StoreUnavailable as e:
-            raise TryAgainLater(f"store unreachable: {e}") from e
+            raise StoreUnreachable(f"store unreachable: {e}") from e
 
     def _txn(self, compares: list[Compare], ops: list[Put | Delete]) -> bool:
         try:
-            return self.store.txn(compares, ops).succeeded
+            result = self.store.txn(compares, ops)
         except StoreUnavailable as e:
-            raise TryAgainLater(f"store unreachable: {e}") from e
+            # Applied or not, nobody can tell: forget all it touched.
+            for key in {c.key for c in compares} | {op.key for op in ops}:
+                self._known.pop(key, None)
+            raise StoreUnreachable(f"store unreachable: {e}") from e
+        if not result.succeeded:
+            for c in compares:
+                self._known.pop(c.key, None)
+            return False
+        for op in ops:
+            if isinstance(op, Put):
+                self._remember(KeyValue(op.key, op.value, 0, result.revision, 0, op.lease))
+            else:
+                self._known.pop(op.key, None)
+        return True
 
     @staticmethod
     def _backoff(attempt: int) -> None:
