@@ -156,10 +156,14 @@ class Ledger:
         wanted = self._requested_by_pool(pools, requested)
         refused_once = False
         for attempt in range(MAX_ATTEMPTS):
-            careful = attempt > 0  # a retry reads what the first attempt left to compares
-            existing = self._get(attachment.key)
-            if existing is not None:
-                return self._allocations(rec.decode(existing.value)["ips"], pools)
+            # The first attempt leaves the attachment's absence to a compare; a retry reads
+            # it (from the store: returning it is an answer) and whatever else the first
+            # attempt left to compares.
+            careful = attempt > 0
+            if careful:
+                existing = self._get(attachment.key, fresh=True)
+                if existing is not None:
+                    return self._allocations(rec.decode(existing.value)["ips"], pools)
             try:
                 # The pool guard first: a pool that may not be used sees no block claims.
                 guards = [self._pool_guard(pool) for pool in pools]
@@ -174,6 +178,8 @@ class Ledger:
                             needs.append(e)
                 # Claim blocks only once every family is known to have room, so a failed
                 # ADD writes nothing; then pick again from the new blocks.
+                if needs and not careful:
+                    continue  # claim only after checking the attachment is new
                 for wanting in needs:
                     self._claim_block(wanting.pool, wanting.rs)
                 if needs:

@@ -69,6 +69,10 @@ HISTORY_REVISIONS = 50_000
 _COMPACT_EVERY = 1_000
 _LIVE = "(lease = 0 OR lease IN (SELECT id FROM leases WHERE expires_at > ?))"
 _COLUMNS = "key, value, create_revision, mod_revision, version, lease"
+_HEADER = (
+    "SELECT value, EXISTS (SELECT 1 FROM leases WHERE expires_at <= ?)"
+    " FROM meta WHERE name = 'revision'"
+)
 
 
 def _row(row: tuple) -> KeyValue:
@@ -118,22 +122,22 @@ class SqliteStore(Store):
         return None if row is None else _row(row)
 
     def range(self, prefix: str, limit: int = 0) -> tuple[list[KeyValue], int]:
-        sql = f"SELECT {_COLUMNS} FROM kv WHERE key >= ? AND key < ? AND {_LIVE} ORDER BY key"
+        # One statement, so one snapshot: the rows, then a last row carrying the revision.
+        sql = (
+            f"SELECT * FROM (SELECT {_COLUMNS} FROM kv WHERE key >= ? AND key < ? AND {_LIVE}"
+            f" ORDER BY key{' LIMIT ?' if limit else ''})"
+            " UNION ALL SELECT NULL, NULL, NULL, value, NULL, NULL FROM meta"
+            " WHERE name = 'revision'"
+        )
         params: tuple = (prefix, _prefix_end(prefix), time.time())
         if limit:
-            sql += " LIMIT ?"
             params += (limit,)
         with self._lock:
             try:
-                # One read transaction so the rows and the revision agree.
-                self._conn.execute("BEGIN")
                 rows = self._conn.execute(sql, params).fetchall()
-                revision = self._current_revision()
-                self._conn.execute("COMMIT")
             except sqlite3.Error as e:
-                self._rollback()
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
-        return [_row(r) for r in rows], revision
+        return [_row(r) for r in rows[:-1]], int(rows[-1][3])
 
     def txn(
         self,
@@ -141,15 +145,22 @@ class SqliteStore(Store):
         success: Sequence[Put | Delete],
         failure: Sequence[Put | Delete] = (),
     ) -> TxnResult:
+        # A fixed handful of statements whatever the number of keys: a transaction of
+        # the ledger costs about what a single-key one does (the fsync dominates).
         with self._lock:
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
                 now = time.time()
-                revision = self._current_revision()
-                revision = self._expire_leases(now, revision)
-                ok = all(c.holds(self._get_live(c.key, now)) for c in compares)
+                revision, expired = self._conn.execute(_HEADER, (now,)).fetchone()
+                if expired:
+                    revision = self._expire_leases(now, revision)
+                keys = {c.key for c in compares}
+                keys.update(op.key for op in success)
+                keys.update(op.key for op in failure)
+                current = self._read_keys(keys)
+                ok = all(c.holds(current.get(c.key)) for c in compares)
                 ops = success if ok else failure
-                if ops and self._apply(ops, revision + 1, now):
+                if ops and self._apply(ops, revision + 1, current, now):
                     revision += 1
                     self._set_revision(revision)
                 self._conn.execute("COMMIT")
@@ -183,7 +194,7 @@ class SqliteStore(Store):
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
                 now = time.time()
-                self._set_revision(self._expire_leases(now, self._current_revision()))
+                self._expire_leases(now, self._current_revision())
                 cur = self._conn.execute(
                     "UPDATE leases SET expires_at = ? + ttl WHERE id = ? RETURNING ttl",
                     (now, lease),
@@ -201,7 +212,7 @@ class SqliteStore(Store):
                 self._conn.execute("BEGIN IMMEDIATE")
                 # Expire it now; the sweep deletes its keys at a new revision.
                 self._conn.execute("UPDATE leases SET expires_at = 0 WHERE id = ?", (lease,))
-                self._set_revision(self._expire_leases(time.time(), self._current_revision()))
+                self._expire_leases(time.time(), self._current_revision())
                 self._conn.execute("COMMIT")
             except sqlite3.Error as e:
                 self._rollback()
@@ -247,48 +258,61 @@ class SqliteStore(Store):
                 "UPDATE meta SET value = max(value, ?) WHERE name = 'compacted'", (floor,)
             )
 
-    def _get_live(self, key: str, now: float) -> KeyValue | None:
-        row = self._conn.execute(
-            f"SELECT {_COLUMNS} FROM kv WHERE key = ? AND {_LIVE}", (key, now)
-        ).fetchone()
-        return None if row is None else _row(row)
+    def _read_keys(self, keys: set[str]) -> dict[str, KeyValue]:
+        """Current state of `keys`, inside a write transaction (expired leases already
+        swept, so no lease filter is needed)."""
+        if not keys:
+            return {}
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM kv WHERE key IN ({','.join('?' * len(keys))})", tuple(keys)
+        ).fetchall()
+        return {row[0]: _row(row) for row in rows}
 
-    def _apply(self, ops: Sequence[Put | Delete], revision: int, now: float) -> bool:
+    def _apply(
+        self,
+        ops: Sequence[Put | Delete],
+        revision: int,
+        current: dict[str, KeyValue],
+        now: float,
+    ) -> bool:
         """Write `ops` at `revision`; False if nothing changed (as etcd, no new revision)."""
-        execute = self._conn.execute
-        changed = False
+        leases = {op.lease for op in ops if isinstance(op, Put) and op.lease}
+        if leases:
+            live = {
+                r[0]
+                for r in self._conn.execute(
+                    f"SELECT id FROM leases WHERE expires_at > ? AND id IN"
+                    f" ({','.join('?' * len(leases))})",
+                    (now, *leases),
+                )
+            }
+            if leases - live:
+                raise StoreError(f"requested lease not found: {min(leases - live)}")
+        upserts, deletes, events = [], [], []
         for seq, op in enumerate(ops):
-            old = self._get_live(op.key, now)
+            old = current.get(op.key)
             if isinstance(op, Put):
-                if (
-                    op.lease
-                    and not execute(
-                        "SELECT 1 FROM leases WHERE id = ? AND expires_at > ?", (op.lease, now)
-                    ).fetchone()
-                ):
-                    raise StoreError(f"requested lease not found: {op.lease}")
-                changed = True
                 create = old.create_revision if old else revision
                 version = old.version + 1 if old else 1
-                execute(
-                    "INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)",
-                    (op.key, op.value, create, revision, version, op.lease),
-                )
-                execute(
-                    "INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (revision, seq, PUT, op.key, op.value, create, version, op.lease),
-                )
+                upserts.append((op.key, op.value, create, revision, version, op.lease))
+                events.append((revision, seq, PUT, op.key, op.value, create, version, op.lease))
+                current[op.key] = KeyValue(op.key, op.value, create, revision, version, op.lease)
             elif old is not None:
-                changed = True
-                execute("DELETE FROM kv WHERE key = ?", (op.key,))
-                execute(
-                    "INSERT INTO events VALUES (?, ?, ?, ?, ?, 0, 0, 0)",
-                    (revision, seq, DELETE, op.key, b""),
-                )
-        return changed
+                deletes.append((op.key,))
+                events.append((revision, seq, DELETE, op.key, b"", 0, 0, 0))
+                del current[op.key]
+        execute_many = self._conn.executemany
+        if upserts:
+            execute_many("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)", upserts)
+        if deletes:
+            execute_many("DELETE FROM kv WHERE key = ?", deletes)
+        if events:
+            execute_many("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)", events)
+        return bool(events)
 
     def _expire_leases(self, now: float, revision: int) -> int:
-        """Delete keys of expired leases, at one new revision if there are any."""
+        """Delete keys of expired leases, at one new revision (stored) if there are any;
+        returns the revision after it."""
         expired = [
             r[0] for r in self._conn.execute("SELECT id FROM leases WHERE expires_at <= ?", (now,))
         ]
@@ -309,6 +333,7 @@ class SqliteStore(Store):
                 "INSERT INTO events VALUES (?, ?, ?, ?, ?, 0, 0, 0)",
                 (revision, seq, DELETE, key, b""),
             )
+        self._set_revision(revision)
         return revision
 
     def _has_expired_lease(self) -> bool:
