@@ -92,20 +92,38 @@ class SqliteStore(Store):
             directory = os.path.dirname(path)
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            self._conn = sqlite3.connect(
-                path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
-            )
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            # Creating the schema is idempotent but takes the write lock; skip it when the
-            # file is already set up, which is every plugin exec after the first.
-            if (
-                self._conn.execute("SELECT 1 FROM sqlite_master WHERE name='leases'").fetchone()
-                is None
-            ):
-                self._conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+            self._conn = self._open(path, busy_timeout)
         except (sqlite3.Error, OSError) as e:
             raise StoreUnavailable(f"sqlite store {path}: {e}") from e
+
+    @staticmethod
+    def _open(path: str, busy_timeout: float) -> sqlite3.Connection:
+        """Connect and set the file up. Switching a new file to WAL does not wait on the
+        busy timeout (SQLite answers "locked" at once while another process does the
+        same), so the first use of a file by several processes at once retries here."""
+        deadline = time.monotonic() + busy_timeout
+        while True:
+            conn = sqlite3.connect(
+                path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            )
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+                # Creating the schema is idempotent but takes the write lock; skip it when
+                # the file is already set up, which is every plugin exec after the first.
+                if (
+                    conn.execute("SELECT 1 FROM sqlite_master WHERE name='leases'").fetchone()
+                    is None
+                ):
+                    conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+                return conn
+            except sqlite3.OperationalError as e:
+                conn.close()
+                if "locked" not in str(e) and "busy" not in str(e):
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.002)
 
     @classmethod
     def from_url(cls, url: str) -> SqliteStore:
