@@ -10,8 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from ipward.store import open_store
+
+# CI is a gate: the same examples every run. Local runs explore new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parent.parent
 IPWARD = [sys.executable, "-m", "ipward.cli"]

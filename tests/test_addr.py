@@ -334,8 +334,12 @@ def check_block_cidrs(spec: SetSpec, rs: RangeSet, orc: list[RangeOracle]) -> No
     for o in orc:
         for sub in o.net.subnets(new_prefix=max(block_prefix, o.net.prefixlen)):
             got = rs.block_by_cidr(str(sub))
-            meets = int(sub.network_address) <= o.window[-1] and o.window[0] <= int(
-                sub.broadcast_address
+            # a block of any range of that block size (subnets may overlap)
+            meets = any(
+                max(block_prefix, o2.net.prefixlen) == sub.prefixlen
+                and int(sub.network_address) <= o2.window[-1]
+                and o2.window[0] <= int(sub.broadcast_address)
+                for o2 in orc
             )
             assert (got is not None) == meets, sub
             if got is not None:
