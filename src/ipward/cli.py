@@ -193,14 +193,26 @@ def _bar(used: int, total: int) -> str:
     return f"[{color}]{'█' * filled}[/][dim]{'░' * (BAR_WIDTH - filled)}[/] {share:6.1%}"
 
 
+def _pools_in_use(c: Context) -> list[tuple[PoolSpec, int]]:
+    """Every pool with how many attachments it serves (each holds one address of every
+    family, so: the most records of any one family), to set against its capacity."""
+    out = []
+    for kv in c.store.range("pools/")[0]:
+        spec = PoolSpec.from_dict(rec.decode(kv.value))
+        per_family: dict[bool, int] = {}
+        for record in c.store.range(f"ips/{spec.name}/")[0]:
+            v6 = ":" in record.key
+            per_family[v6] = per_family.get(v6, 0) + 1
+        out.append((spec, max(per_family.values(), default=0)))
+    return out
+
+
 @pool.command("list")
 @pass_ctx
 def pool_list(c: Context) -> None:
     """All pools with their size and use."""
     rows: list[dict[str, Any]] = []
-    for kv in c.store.range("pools/")[0]:
-        spec = PoolSpec.from_dict(rec.decode(kv.value))
-        used = len(c.store.range(f"ips/{spec.name}/")[0])
+    for spec, used in _pools_in_use(c):
         ranges = [r.subnet for rs in spec.range_sets for r in rs.ranges]
         rows.append(
             {
@@ -433,11 +445,10 @@ def release_command(c: Context, pool_name: str, ip: str, revision: int | None, y
 @pass_ctx
 def status_command(c: Context) -> None:
     """Store, revision, pools and how full they are."""
-    pools: list[dict[str, Any]] = []
-    for kv in c.store.range("pools/")[0]:
-        spec = PoolSpec.from_dict(rec.decode(kv.value))
-        used = len(c.store.range(f"ips/{spec.name}/")[0])
-        pools.append({"name": spec.name, "used": used, "capacity": spec.attachments_capacity()})
+    pools: list[dict[str, Any]] = [
+        {"name": spec.name, "used": used, "capacity": spec.attachments_capacity()}
+        for spec, used in _pools_in_use(c)
+    ]
     data = {"store": c.store_url, "revision": c.store.revision(), "pools": pools}
     lines = [f"store     {c.store_url}", f"revision  {data['revision']}"]
     for p in pools:
