@@ -412,9 +412,9 @@ class Ledger:
 
     # -- DEL --------------------------------------------------------------------------
 
-    def release(self, attachment: Attachment) -> list[str]:
+    def release(self, attachment: Attachment, reason: str = "CNI DEL") -> list[str]:
         """Free the attachment's addresses; an unknown attachment is not an error.
-        Returns the addresses freed."""
+        Returns the addresses freed; each is logged with `reason`."""
         for attempt in range(MAX_ATTEMPTS):
             index_kv = self._get(attachment.key)
             if index_kv is None:
@@ -441,7 +441,7 @@ class Ledger:
                 freed.append(ref)
             if self._txn(compares, ops):
                 if freed:
-                    log.info("released", attachment=repr(attachment), ips=freed, reason="DEL")
+                    log.info("released", attachment=repr(attachment), ips=freed, reason=reason)
                 return freed
             self._backoff(attempt)
         raise TryAgainLater(f"{attachment}: too much contention, nothing released")
@@ -487,6 +487,12 @@ class Ledger:
             )
         if not self._txn(compares, ops):
             raise OwnerChanged(f"{pool}/{ip} changed while being released; look again")
+        log.info(
+            "released",
+            attachment=repr(attachment),
+            ips=[f"{pool}/{ip}"],
+            reason=f"ipward release by an operator (record at revision {expected_mod_revision})",
+        )
         return record
 
     def collect_network(self, network: str, keep: set[tuple[str, str]]) -> list[str]:
@@ -498,14 +504,7 @@ class Ledger:
             _, _, container, ifname = kv.key.split("/", 3)
             if (container, ifname) not in keep:
                 attachment = rec.Attachment(network, container, ifname)
-                for ref in self.release(attachment):
-                    log.info(
-                        "released",
-                        attachment=repr(attachment),
-                        ip=ref,
-                        reason="CNI GC: not in cni.dev/valid-attachments",
-                    )
-                    freed.append(ref)
+                freed += self.release(attachment, "CNI GC: not in cni.dev/valid-attachments")
         return freed
 
     # -- plumbing ---------------------------------------------------------------------
