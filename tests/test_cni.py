@@ -707,7 +707,10 @@ ERROR_CASES = [
     pytest.param("ADD", _cfg({**V4, "exclude": "10.0.0.5"}), {}, 7, id="exclude-not-list"),
     pytest.param("ADD", _cfg({**V4, "routes": [{"gw": "1.2.3.4"}]}), {}, 7, id="route-no-dst"),
     pytest.param("ADD", _cfg({**V4, "dns": ["8.8.8.8"]}), {}, 7, id="dns-not-object"),
-    pytest.param("ADD", _cfg({**V4, "agentSocket": "/run/x.sock"}), {}, 7, id="agent-socket"),
+    pytest.param("ADD", _cfg({**V4, "agentSocket": "/run/x.sock"}), {}, 11, id="agent-unreachable"),
+    pytest.param(
+        "DEL", _cfg({**V4, "agentSocket": "/run/x.sock"}), {}, 11, id="agent-unreachable-del"
+    ),
     pytest.param("ADD", _cfg(runtimeConfig={"ips": "10.0.0.9"}), {}, 7, id="ips-not-list"),
     pytest.param("ADD", _cfg(runtimeConfig={"ips": ["nope"]}), {}, 7, id="ips-not-address"),
     pytest.param("ADD", _cfg({"pool": "nope"}), {}, 103, id="unknown-pool"),

@@ -466,7 +466,7 @@ LAUNCHER = """#!/usr/bin/python3 -IS
 # isolated, no site: fast start; the package is found at the path below.
 import sys
 sys.path.insert(0, {path!r})
-from ipward.cni import main
+from ipward.plugin import main
 main()
 """
 
@@ -495,12 +495,9 @@ def install_cni(bin_dir: str, name: str) -> None:
 
 def _attach_commands() -> None:
     from ipward.bench import bench_command
+    from ipward.demo import demo_command
 
     cli.add_command(bench_command, "bench")
-    try:
-        from ipward.demo import demo_command
-    except ImportError:
-        return
     cli.add_command(demo_command, "demo")
 
 

@@ -42,8 +42,9 @@ def _version_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".") if p.isdigit())
 
 
-def run(env: dict[str, str], stdin: bytes) -> str:
-    """Do one plugin call; returns what goes on stdout. Raises IpwardError."""
+def run(env: dict[str, str], stdin: bytes, ledger: Ledger | None = None) -> str:
+    """Do one plugin call; returns what goes on stdout. Raises IpwardError. The agent
+    passes its own `ledger` (its store, its node); the plugin opens one on SQLite."""
     command = env.get("CNI_COMMAND", "")
     if command not in COMMANDS:
         raise InvalidEnvironment(f"CNI_COMMAND {command!r} is not one of {', '.join(COMMANDS)}")
@@ -69,17 +70,17 @@ def run(env: dict[str, str], stdin: bytes) -> str:
         )
     if command == "GC" and _version_key(config.cni_version) < (1, 1, 0):
         raise IncompatibleVersion(f"GC needs cniVersion 1.1.0 or later, not {config.cni_version}")
+    # The plugin does not close its store: the process ends with os._exit right after,
+    # every commit is already durable, and closing the last connection would checkpoint
+    # the WAL on every pod start.
     if command == "STATUS":
-        _status(config)
+        _status(config, ledger)
         return ""
     if command == "GC":
-        _gc(config, raw)
+        _gc(config, raw, ledger)
         return ""
     call = Call(env, config.network)
-    # The store is not closed: the process ends with os._exit right after, every commit
-    # is already durable, and closing the last connection would checkpoint the WAL on
-    # every pod start.
-    ledger = _ledger(config)
+    ledger = ledger or _ledger(config)
     if command == "ADD":
         pools = _pools(ledger, config)
         requested = config.requested_ips(call.args)
@@ -104,7 +105,9 @@ def _configure_log(raw: object) -> None:
 
 def _ledger(config: IpamConfig) -> Ledger:
     if config.agent_socket:
-        raise InvalidConfig("agentSocket: cluster mode is not available in this version")
+        # The executable forwards to the agent before it gets here; only a path it could
+        # not read plainly (escapes) reaches this point.
+        raise InvalidConfig("ipam.agentSocket must be a plain path without escapes")
     from ipward.ledger import Ledger
     from ipward.store import StoreError, StoreUnavailable, open_store
 
@@ -164,7 +167,7 @@ def _check(ledger: Ledger, call: Call, raw: dict) -> None:
                 )
 
 
-def _gc(config: IpamConfig, raw: dict) -> None:
+def _gc(config: IpamConfig, raw: dict, ledger: Ledger | None) -> None:
     """GC: free every attachment of this network the runtime does not list as valid."""
     valid = raw.get("cni.dev/valid-attachments")
     if not isinstance(valid, list):
@@ -178,13 +181,13 @@ def _gc(config: IpamConfig, raw: dict) -> None:
         ):
             raise InvalidConfig(f"a valid attachment needs 'containerID' and 'ifname': {entry!r}")
         keep.add((entry["containerID"], entry["ifname"]))
-    _ledger(config).collect_network(config.network, keep)
+    (ledger or _ledger(config)).collect_network(config.network, keep)
 
 
-def _status(config: IpamConfig) -> None:
+def _status(config: IpamConfig, ledger: Ledger | None) -> None:
     """STATUS: can an ADD be served now? The store opens and the pools exist."""
     try:
-        ledger = _ledger(config)
+        ledger = ledger or _ledger(config)
         for name in config.pool_names:
             ledger.get_pool(name)
     except IpwardError as e:
@@ -204,13 +207,11 @@ def _error_version(stdin: bytes) -> str:
     return version if version in SUPPORTED_VERSIONS else SUPPORTED_VERSIONS[-1]
 
 
-def main() -> None:
-    env = dict(os.environ)
-    stdin = b""
+def answer(env: dict[str, str], stdin: bytes, ledger: Ledger | None = None) -> tuple[int, str]:
+    """One call as the runtime sees it: exit status and stdout. Every failure becomes the
+    CNI error object; nothing raises."""
     try:
-        stdin = sys.stdin.buffer.read()
-        sys.stdout.write(run(env, stdin))
-        code = 0
+        return 0, run(env, stdin, ledger)
     except IpwardError as e:
         log.warning(
             e.msg,
@@ -219,16 +220,26 @@ def main() -> None:
             container=env.get("CNI_CONTAINERID"),
             ifname=env.get("CNI_IFNAME"),
         )
-        sys.stdout.write(_dump(e.to_cni(_error_version(stdin))))
-        code = 1
-    except BaseException as e:  # never a traceback on stdout
+        return 1, _dump(e.to_cni(_error_version(stdin)))
+    except Exception as e:  # never a traceback on stdout
         import traceback
 
         log.error(
             "internal error", command=env.get("CNI_COMMAND"), traceback=traceback.format_exc()
         )
         error = {"code": INTERNAL_ERROR, "msg": f"internal error: {type(e).__name__}: {e}"}
-        sys.stdout.write(_dump({"cniVersion": _error_version(stdin), **error}))
-        code = 1
+        return 1, _dump({"cniVersion": _error_version(stdin), **error})
+
+
+def main(stdin: bytes | None = None) -> None:
+    """The in-process plugin (single-node mode); `ipward.plugin.main` calls it with the
+    stdin it already read."""
+    env = dict(os.environ)
+    try:
+        data = sys.stdin.buffer.read() if stdin is None else stdin
+    except OSError:
+        data = b""
+    status, out = answer(env, data)
+    sys.stdout.write(out)
     sys.stdout.flush()
-    os._exit(code)  # skip interpreter teardown: nothing is left to flush; saves ~1 ms
+    os._exit(status)  # skip interpreter teardown: nothing is left to flush; saves ~1 ms
