@@ -31,6 +31,7 @@ import time
 from ipward import log
 from ipward import records as rec
 from ipward.addr import format_ip, parse_ip
+from ipward.blocks import cidr_of
 from ipward.errors import (
     AddressOutsidePool,
     AddressTaken,
@@ -90,13 +91,38 @@ class _Conflict(Exception):
     """What was read changed before it could be used; read again."""
 
 
-class _NeedsBlock(Exception):
-    """This family has no free address in the node's blocks, but the pool has an
-    unclaimed block."""
+class _Plan:
+    """How the node gets room in a range set: `kind` is "switch" (fill another of its
+    blocks), "reactivate" (take back one of its blocks from the release handshake),
+    "reclaim" (a released block) or "claim" (the next never-claimed block)."""
 
-    def __init__(self, pool: PoolSpec, rs: RangeSet) -> None:
+    __slots__ = ("cidr", "cursor", "family", "index", "kind", "kv", "pool")
+
+    def __init__(
+        self,
+        kind: str,
+        pool: PoolSpec,
+        family: int,
+        cidr: str,
+        kv: KeyValue | None = None,
+        cursor: KeyValue | None = None,
+        index: int = 0,
+    ) -> None:
+        self.kind = kind
         self.pool = pool
-        self.rs = rs
+        self.family = family
+        self.cidr = cidr
+        self.kv = kv  # the block (switch, reactivate) or the released-block entry (reclaim)
+        self.cursor = cursor
+        self.index = index
+
+
+class _NeedsBlock(Exception):
+    """This family has no free address in the blocks the node fills, and a plan to get
+    one; carried out only once every family of the ADD is known to have room."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
 
 
 class Ledger:
@@ -181,7 +207,7 @@ class Ledger:
                 if needs and not careful:
                     continue  # claim only after checking the attachment is new
                 for wanting in needs:
-                    self._claim_block(wanting.pool, wanting.rs)
+                    self._carry_out(wanting.plan)
                 if needs:
                     continue
             except _Conflict:
@@ -253,14 +279,23 @@ class Ledger:
             return self._pick_requested(pool, index, rs, requested)
         head = self._queue_head(pool, index)
         if head is not None and self._cooled(pool, head):
-            return self._pick_queued(pool, index, head)
+            queued = self._pick_queued(pool, index, head)
+            if queued is not None:
+                return queued
         fresh = self._pick_fresh(pool, index, rs, careful)
         if fresh is not None:
             return fresh
-        if self._next_unclaimed(pool, rs) is not None:
-            raise _NeedsBlock(pool, rs)
+        plan = self._block_plan(pool, rs)
+        if plan is not None:
+            raise _NeedsBlock(plan)
         if head is not None:
-            return self._pick_queued(pool, index, head)  # still cooling, but the only one
+            queued = self._pick_queued(pool, index, head)  # still cooling, but the only one
+            if queued is not None:
+                return queued
+        if pool.borrow:
+            borrowed = self._borrow(pool, index, rs, careful)
+            if borrowed is not None:
+                return borrowed
         raise PoolExhausted(
             f"pool {pool.name} has no free {'IPv6' if rs.family == 6 else 'IPv4'} address"
             f" ({rs.capacity()} in all)"
@@ -296,7 +331,10 @@ class Ledger:
         released_ms = int(head.key.rsplit("/", 2)[-2])
         return released_ms / 1000 + pool.cooldown <= self.clock()
 
-    def _pick_queued(self, pool: PoolSpec, index: int, head: KeyValue) -> _Pick:
+    def _pick_queued(self, pool: PoolSpec, index: int, head: KeyValue) -> _Pick | None:
+        """The queue head's address, or None when its block is not this node's active
+        block (being released: the ledger looks elsewhere, and takes the block back only
+        if it must)."""
         ip = head.key.rsplit("/", 1)[-1]
         record = self._get(rec.ip_key(pool.name, ip))
         if record is not None:
@@ -315,15 +353,25 @@ class Ledger:
             free = rec.free_key(pool.name, ip)
             self._txn([at_revision(head.key, head.mod_revision)], [Delete(head.key), Delete(free)])
             raise _Conflict
-        block_kv = self._get(rec.block_key(pool.name, block.cidr))
+        block_key = rec.block_key(pool.name, block.cidr)
+        block_kv = self._get(block_key)
+        if block_kv is None:
+            # A released block's entries are deleted before it; one left over is stale.
+            free = rec.free_key(pool.name, ip)
+            self._txn(
+                [at_revision(head.key, head.mod_revision), absent(block_key)],
+                [Delete(head.key), Delete(free)],
+            )
+            raise _Conflict
+        state = rec.decode(block_kv.value)
+        if state.get("state") != rec.ACTIVE or state.get("node") != self.node:
+            return None
         pick = _Pick(index, ip, block.cidr)
         pick.compares += [
             at_revision(head.key, head.mod_revision),
             absent(rec.ip_key(pool.name, ip)),
+            at_revision(block_kv.key, block_kv.mod_revision),
         ]
-        if block_kv is not None:
-            self._require_active(block_kv, pool.name)
-            pick.compares.append(at_revision(block_kv.key, block_kv.mod_revision))
         pick.ops += [Delete(head.key), Delete(rec.free_key(pool.name, ip))]
         return pick
 
@@ -341,10 +389,16 @@ class Ledger:
         return self._fresh_in_block(pool, index, block, block_kv, careful)
 
     def _fresh_in_block(
-        self, pool: PoolSpec, index: int, block: Block, block_kv: KeyValue, careful: bool
+        self,
+        pool: PoolSpec,
+        index: int,
+        block: Block,
+        block_kv: KeyValue,
+        careful: bool,
+        borrow: bool = False,
     ) -> _Pick | None:
         state = rec.decode(block_kv.value)
-        if state.get("node") != self.node or state.get("state") != rec.ACTIVE:
+        if state.get("state") != rec.ACTIVE or (state.get("node") != self.node and not borrow):
             return None
         offset = block.next_usable(state["next"])
         while offset is not None:
@@ -364,9 +418,39 @@ class Ledger:
             offset = block.next_usable(offset + 1)
         return None
 
-    def _next_unclaimed(self, pool: PoolSpec, rs: RangeSet) -> tuple[int, KeyValue | None] | None:
-        """Index of the pool's next unclaimed block of this family and the cursor read,
-        or None when every block is claimed."""
+    def _own_blocks(self, pool: PoolSpec, family: int) -> list[tuple[str, KeyValue]]:
+        """This node's blocks of one family (from the affinity index, not a pool scan)."""
+        kvs, _ = self.store_range(rec.affinity_prefix(pool.name, self.node))
+        out = []
+        for kv in kvs:
+            cidr = cidr_of(kv.key)
+            if (":" in cidr) == (family == 6):
+                block_kv = self._get(rec.block_key(pool.name, cidr))
+                if block_kv is not None:
+                    out.append((cidr, block_kv))
+        return out
+
+    def _block_plan(self, pool: PoolSpec, rs: RangeSet) -> _Plan | None:
+        """How this node could get room in `rs`, without changing anything yet."""
+        fill = self._get(rec.fill_key(pool.name, rs.family, self.node))
+        filling = rec.decode(fill.value)["block"] if fill else None
+        taken_back = None
+        for cidr, kv in self._own_blocks(pool, rs.family):
+            state = rec.decode(kv.value)
+            block = rs.block_by_cidr(cidr)
+            if block is None or state.get("node") != self.node:
+                continue
+            if state.get("state") == rec.ACTIVE:
+                if cidr != filling and block.next_usable(state["next"]) is not None:
+                    return _Plan("switch", pool, rs.family, cidr, kv)
+            elif taken_back is None:
+                taken_back = _Plan("reactivate", pool, rs.family, cidr, kv)
+        if taken_back is not None:
+            return taken_back  # the node needs space again: abort that handshake
+        released, _ = self.store_range(rec.released_block_prefix(pool.name, rs.family), limit=1)
+        if released:
+            cidr = cidr_of(released[0].key)
+            return _Plan("reclaim", pool, rs.family, cidr, released[0])
         cursor = self._get(rec.block_cursor_key(pool.name, rs.family))
         n = rec.decode(cursor.value)["next"] if cursor else 0
         while True:
@@ -374,37 +458,65 @@ class Ledger:
             if block is None:
                 return None
             if self._get(rec.block_key(pool.name, block.cidr)) is None:
-                return n, cursor
+                return _Plan("claim", pool, rs.family, block.cidr, cursor=cursor, index=n)
             n += 1  # claimed out of order (by the controller)
 
-    def _claim_block(self, pool: PoolSpec, rs: RangeSet) -> None:
-        """Give this node the pool's next unclaimed block and make it the one it fills,
-        by CAS on the block cursor, the node's fill record and the block's absence."""
-        found = self._next_unclaimed(pool, rs)
-        if found is None:
-            raise _Conflict  # claimed by others meanwhile: pick again
-        n, cursor = found
-        block = rs.block(n)
-        assert block is not None
-        key = rec.block_key(pool.name, block.cidr)
-        cursor_key = rec.block_cursor_key(pool.name, rs.family)
-        fill_key = rec.fill_key(pool.name, rs.family, self.node)
+    def _carry_out(self, plan: _Plan) -> None:
+        """Make the plan's block the one this node fills, by CAS on everything the plan
+        was made from; _Conflict if any of it changed."""
+        pool, cidr = plan.pool.name, plan.cidr
+        key = rec.block_key(pool, cidr)
+        fill_key = rec.fill_key(pool, plan.family, self.node)
         fill = self._get(fill_key)
-        ok = self._txn(
-            [
-                at_revision(cursor_key, cursor.mod_revision if cursor else 0),
-                at_revision(fill_key, fill.mod_revision if fill else 0),
-                absent(key),
-            ],
-            [
-                Put(key, rec.encode({"node": self.node, "state": rec.ACTIVE, "next": 0})),
-                Put(cursor_key, rec.encode({"next": n + 1})),
-                Put(fill_key, rec.encode({"block": block.cidr})),
-            ],
-        )
-        if not ok:
+        compares = [at_revision(fill_key, fill.mod_revision if fill else 0)]
+        ops: list[Put | Delete] = [Put(fill_key, rec.encode({"block": cidr}))]
+        if plan.kind in ("switch", "reactivate"):
+            assert plan.kv is not None
+            compares.append(at_revision(key, plan.kv.mod_revision))
+            if plan.kind == "reactivate":
+                # next = 0: addresses whose free entries the controller already cleaned
+                # are found again as fresh (the cursor skips those still queued).
+                state = rec.decode(plan.kv.value)
+                state = {k: v for k, v in state.items() if k not in ("marked_at", "answered_at")}
+                ops.append(Put(key, rec.encode({**state, "state": rec.ACTIVE, "next": 0})))
+        else:
+            new_block = {"node": self.node, "state": rec.ACTIVE, "next": 0}
+            compares.append(absent(key))
+            ops += [
+                Put(key, rec.encode(new_block)),
+                Put(rec.affinity_key(pool, self.node, cidr), b""),
+            ]
+            if plan.kind == "reclaim":
+                assert plan.kv is not None
+                compares.append(at_revision(plan.kv.key, plan.kv.mod_revision))
+                ops.append(Delete(plan.kv.key))
+            else:
+                cursor_key = rec.block_cursor_key(pool, plan.family)
+                cursor = plan.cursor
+                compares.append(at_revision(cursor_key, cursor.mod_revision if cursor else 0))
+                ops.append(Put(cursor_key, rec.encode({"next": plan.index + 1})))
+        if not self._txn(compares, ops):
             raise _Conflict
-        log.info("claimed block", pool=pool.name, block=block.cidr, node=self.node)
+        reason = {
+            "switch": "fills another of its blocks",
+            "reactivate": "needs the space again: release handshake aborted",
+            "reclaim": "claimed a released block",
+            "claim": "claimed a new block",
+        }[plan.kind]
+        log.info("block", pool=pool, block=cidr, node=self.node, reason=reason)
+
+    def _borrow(self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool) -> _Pick | None:
+        """One never-used address from another node's active block (the pool allows
+        borrowing and no block is free). Scans the pool's blocks: only when exhausted."""
+        kvs, _ = self.store_range(f"blocks/{pool.name}/")
+        for kv in kvs:
+            block = rs.block_by_cidr(kv.key.split("/", 2)[2])
+            if block is None or rec.decode(kv.value).get("node") == self.node:
+                continue
+            pick = self._fresh_in_block(pool, index, block, kv, careful, borrow=True)
+            if pick is not None:
+                return pick
+        return None
 
     def _require_active(self, block_kv: KeyValue, pool: str) -> None:
         if rec.decode(block_kv.value).get("state") != rec.ACTIVE:

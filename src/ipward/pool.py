@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 DEFAULT_COOLDOWN = 30.0
+DEFAULT_WARM = 16  # free addresses the controller keeps on every node, per family
+DEFAULT_RELEASE_DELAY = 180.0  # how long a surplus block stays empty before it is asked back
+# A block's release compares each of its addresses absent in one etcd transaction, whose
+# compares etcd caps at 128 by default: larger blocks are never asked back.
+MAX_RELEASABLE_BLOCK = 128
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -24,13 +29,16 @@ def check_name(name: object, what: str = "pool name") -> str:
 class PoolSpec:
     __slots__ = (
         "block_prefix",
+        "borrow",
         "cooldown",
         "exclude",
         "name",
         "range_sets",
+        "release_delay",
         "revision",
         "routes",
         "source",
+        "warm",
     )
 
     def __init__(
@@ -42,6 +50,9 @@ class PoolSpec:
         cooldown: float = DEFAULT_COOLDOWN,
         block_prefix: dict[int, int] | None = None,
         source: str = "cli",
+        warm: int = DEFAULT_WARM,
+        release_delay: float = DEFAULT_RELEASE_DELAY,
+        borrow: bool = False,
     ) -> None:
         self.name = check_name(name)
         self.exclude = [str(e) for e in exclude]
@@ -52,6 +63,15 @@ class PoolSpec:
         self.block_prefix = dict(DEFAULT_BLOCK_PREFIX)
         self.block_prefix.update(block_prefix or {})
         self.source = source
+        if not isinstance(warm, int) or warm < 0:
+            raise InvalidConfig(f"warm must be a number of addresses >= 0, not {warm!r}")
+        if not isinstance(release_delay, int | float) or not 0 <= release_delay <= 10**9:
+            raise InvalidConfig(f"release_delay must be seconds >= 0, not {release_delay!r}")
+        if not isinstance(borrow, bool):
+            raise InvalidConfig(f"borrow must be true or false, not {borrow!r}")
+        self.warm = warm
+        self.release_delay = float(release_delay)
+        self.borrow = borrow
         # mod_revision of `pools/<name>` when the spec was read from the store; None for a
         # spec declared by its user (a CNI config), which the allocation stores itself.
         self.revision: int | None = None
@@ -89,6 +109,9 @@ class PoolSpec:
                 V6: block.get("6", DEFAULT_BLOCK_PREFIX[V6]),
             },
             source=d.get("source", "cli"),
+            warm=d.get("warm", DEFAULT_WARM),
+            release_delay=d.get("releaseDelay", DEFAULT_RELEASE_DELAY),
+            borrow=d.get("borrow", False),
         )
 
     def to_dict(self) -> dict:
@@ -100,6 +123,9 @@ class PoolSpec:
             "cooldown": self.cooldown,
             "blockSize": {"4": self.block_prefix[V4], "6": self.block_prefix[V6]},
             "source": self.source,
+            "warm": self.warm,
+            "releaseDelay": self.release_delay,
+            "borrow": self.borrow,
         }
 
     def set_of(self, value_family: int) -> int | None:

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from ipward import jsonc
 
+# Block states (DESIGN 5.3): a block takes allocations only while active.
 ACTIVE = "active"
+MARKED = "marked"  # the controller asks for it back
+READY = "ready"  # the agent agrees: no records, nothing in flight
+REFUSED = "refused"  # the agent needs it
 
 
 def encode(obj: dict) -> bytes:
@@ -36,6 +40,22 @@ def pool_key(pool: str) -> str:
 
 def block_key(pool: str, cidr: str) -> str:
     return f"blocks/{pool}/{cidr}"
+
+
+def affinity_prefix(pool: str, node: str) -> str:
+    return f"affinity/{pool}/{node}/"
+
+
+def affinity_key(pool: str, node: str, cidr: str) -> str:
+    return f"{affinity_prefix(pool, node)}{cidr}"
+
+
+def released_block_prefix(pool: str, family: int) -> str:
+    return f"blockfree/{pool}/{family}/"
+
+
+def released_block_key(pool: str, family: int, cidr: str) -> str:
+    return f"{released_block_prefix(pool, family)}{cidr}"
 
 
 def fill_key(pool: str, family: int, node: str) -> str:

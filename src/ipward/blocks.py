@@ -1,0 +1,195 @@
+"""Blocks leaving and joining nodes: the release handshake (DESIGN 5.3) and assignment.
+
+Every step is one compare-and-swap on the block record, so the controller and the agent
+can each stop at any point and the other, or a successor, resumes from the store:
+
+    active --mark (controller)--> marked --answer (agent)--> ready | refused
+    ready  --release (controller, after release_delay)--> deleted, listed in blockfree/
+    refused --resume (controller)--> active
+    marked | ready | refused --take back (agent needing space, in the ledger)--> active
+
+Why it is safe: an allocation compares its block `active` at the revision it read, so
+nothing lands in a block once it is marked. The agent answers `ready` in a transaction
+that compares every address of the block absent, at a revision after the mark; from
+then on the block is not active, so it stays empty until the controller deletes it by
+CAS on that same revision. A take-back resets the block's cursor, so addresses whose
+free entries were already cleaned are found again as fresh.
+"""
+
+from __future__ import annotations
+
+from ipward import log
+from ipward import records as rec
+from ipward.pool import MAX_RELEASABLE_BLOCK, PoolSpec
+from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.addr import Block
+
+CLEANUP_CHUNK = 40  # free entries deleted per transaction (two keys each; etcd caps ops)
+
+
+def cidr_of(key: str) -> str:
+    """The CIDR at the end of a key (`.../10.0.0.64/26`)."""
+    head, _, length = key.rpartition("/")
+    return f"{head.rpartition('/')[2]}/{length}"
+
+
+def block_of(spec: PoolSpec, cidr: str) -> Block | None:
+    for rs in spec.range_sets:
+        block = rs.block_by_cidr(cidr)
+        if block is not None:
+            return block
+    return None
+
+
+def addresses(block: Block) -> list[str]:
+    out = []
+    offset = block.next_usable(0)
+    while offset is not None:
+        out.append(block.address(offset))
+        offset = block.next_usable(offset + 1)
+    return out
+
+
+def releasable(block: Block) -> bool:
+    """Small enough for the agent's one-transaction emptiness check."""
+    return block.size <= MAX_RELEASABLE_BLOCK
+
+
+def mark(store: Store, pool: str, kv: KeyValue, now: float) -> bool:
+    """Controller: ask for an active block back."""
+    state = rec.decode(kv.value)
+    if state.get("state") != rec.ACTIVE:
+        return False
+    marked = {**state, "state": rec.MARKED, "marked_at": now}
+    done = store.txn([at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(marked))])
+    if done.succeeded:
+        log.info("block marked", pool=pool, block=cidr_of(kv.key), node=state.get("node"))
+    return done.succeeded
+
+
+def answer(store: Store, spec: PoolSpec, kv: KeyValue, now: float) -> str | None:
+    """Agent: answer a marked block of its own: `ready` when none of its addresses is
+    allocated (checked by compares in the same transaction), else `refused`. None when
+    the block changed meanwhile (read it again)."""
+    state = rec.decode(kv.value)
+    block = block_of(spec, cidr_of(kv.key))
+    if state.get("state") != rec.MARKED or block is None:
+        return None
+    pinned = at_revision(kv.key, kv.mod_revision)
+    if releasable(block):
+        empty = [absent(rec.ip_key(spec.name, ip)) for ip in addresses(block)]
+        ready = {**state, "state": rec.READY, "answered_at": now}
+        if store.txn([pinned, *empty], [Put(kv.key, rec.encode(ready))]).succeeded:
+            log.info("block ready", pool=spec.name, block=block.cidr, node=state.get("node"))
+            return rec.READY
+    refused = {**state, "state": rec.REFUSED, "answered_at": now}
+    if store.txn([pinned], [Put(kv.key, rec.encode(refused))]).succeeded:
+        log.info(
+            "block refused",
+            pool=spec.name,
+            block=block.cidr,
+            node=state.get("node"),
+            reason="addresses allocated" if releasable(block) else "block too large",
+        )
+        return rec.REFUSED
+    return None
+
+
+def resume(store: Store, pool: str, kv: KeyValue) -> bool:
+    """Controller: a refused block goes back to work."""
+    state = rec.decode(kv.value)
+    if state.get("state") != rec.REFUSED:
+        return False
+    active = {k: v for k, v in state.items() if k not in ("marked_at", "answered_at")}
+    active["state"] = rec.ACTIVE
+    ok = store.txn([at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(active))])
+    return ok.succeeded
+
+
+def release(store: Store, spec: PoolSpec, kv: KeyValue) -> bool:
+    """Controller: delete a block its agent answered `ready` for. Its free entries go
+    first, in chunks, each pinned to the block's `ready` revision; then the block, its
+    affinity entry, and a `blockfree/` entry so it is claimed again before new blocks.
+    False (nothing more done) as soon as the block changes."""
+    state = rec.decode(kv.value)
+    cidr = cidr_of(kv.key)
+    block = block_of(spec, cidr)
+    if state.get("state") != rec.READY or block is None:
+        return False
+    pinned = at_revision(kv.key, kv.mod_revision)
+    ips = addresses(block)
+    # Defence in depth: the agent's answer proved the block empty, and nothing can land
+    # in a block that is not active; a record here is a bug, so refuse and say so.
+    for ip in ips:
+        if store.get(rec.ip_key(spec.name, ip)) is not None:
+            log.error(
+                "ready block holds an allocation; not released", pool=spec.name, block=cidr, ip=ip
+            )
+            return False
+    frees = [f for f in (store.get(rec.free_key(spec.name, ip)) for ip in ips) if f]
+    for start in range(0, len(frees), CLEANUP_CHUNK):
+        chunk = frees[start : start + CLEANUP_CHUNK]
+        ops: list[Put | Delete] = []
+        for free in chunk:
+            ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
+        if not store.txn([pinned], ops).succeeded:
+            return False
+    family = 6 if ":" in cidr else 4
+    node = state.get("node", "")
+    done = store.txn(
+        [pinned],
+        [
+            Delete(kv.key),
+            Delete(rec.affinity_key(spec.name, node, cidr)),
+            Put(rec.released_block_key(spec.name, family, cidr), b""),
+        ],
+    )
+    if done.succeeded:
+        log.info(
+            "block released",
+            pool=spec.name,
+            block=cidr,
+            node=node,
+            reason="surplus: empty past release_delay, agent answered ready",
+        )
+    return done.succeeded
+
+
+def assign(store: Store, spec: PoolSpec, family: int, node: str) -> str | None:
+    """Controller: give `node` a block of this family (a released one first, else the
+    next never claimed), by CAS. The node's agent starts filling it when its current
+    block runs out. None when the pool has no block left or a race was lost."""
+    index = spec.set_of(family)
+    if index is None:
+        return None
+    rs = spec.range_sets[index]
+    released, _ = store.range(rec.released_block_prefix(spec.name, family), limit=1)
+    new_block = rec.encode({"node": node, "state": rec.ACTIVE, "next": 0})
+    if released:
+        cidr = cidr_of(released[0].key)
+        compares = [at_revision(released[0].key, released[0].mod_revision)]
+        ops: list[Put | Delete] = [Delete(released[0].key)]
+    else:
+        cursor_key = rec.block_cursor_key(spec.name, family)
+        cursor = store.get(cursor_key)
+        n = rec.decode(cursor.value)["next"] if cursor else 0
+        while True:
+            block = rs.block(n)
+            if block is None:
+                return None
+            if store.get(rec.block_key(spec.name, block.cidr)) is None:
+                break
+            n += 1
+        cidr = block.cidr
+        compares = [at_revision(cursor_key, cursor.mod_revision if cursor else 0)]
+        ops = [Put(cursor_key, rec.encode({"next": n + 1}))]
+    key = rec.block_key(spec.name, cidr)
+    compares.append(absent(key))
+    ops += [Put(key, new_block), Put(rec.affinity_key(spec.name, node, cidr), b"")]
+    if not store.txn(compares, ops).succeeded:
+        return None
+    log.info("block assigned", pool=spec.name, block=cidr, node=node, reason="warm target")
+    return cidr

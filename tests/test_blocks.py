@@ -1,0 +1,202 @@
+"""Blocks with node affinity and the release handshake, step by step on a real store:
+the ledger of two nodes, and the controller's and agent's steps from `ipward.blocks`."""
+
+from __future__ import annotations
+
+import pytest
+
+from ipward import blocks
+from ipward import records as rec
+from ipward.check import check
+from ipward.errors import PoolExhausted
+from ipward.ledger import Ledger
+from ipward.pool import PoolSpec
+from ipward.records import Attachment, PodInfo
+
+
+class Clock:
+    now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def spec(**kw) -> PoolSpec:
+    # /28 blocks (13..16 addresses) in a /26: four blocks in all.
+    s = PoolSpec("p", [[{"subnet": "10.0.0.0/26"}]], block_prefix={4: 28}, cooldown=0, **kw)
+    return s
+
+
+def att(name: str) -> Attachment:
+    return Attachment("net", name, "eth0")
+
+
+def stored(store, pool: PoolSpec) -> PoolSpec:
+    """Store the spec (as `ipward pool create` does) and read it back with its revision."""
+    store.txn([], [rec_put(pool)])
+    return Ledger(store, "reader").get_pool(pool.name)
+
+
+def rec_put(pool: PoolSpec):
+    from ipward.store.base import Put
+
+    return Put(rec.pool_key(pool.name), rec.encode(pool.to_dict()))
+
+
+def block_state(store, cidr: str) -> dict | None:
+    kv = store.get(rec.block_key("p", cidr))
+    return None if kv is None else rec.decode(kv.value)
+
+
+def owned(store, node: str) -> list[str]:
+    return [blocks.cidr_of(kv.key) for kv in store.range(rec.affinity_prefix("p", node))[0]]
+
+
+@pytest.fixture
+def a(sqlite_store, clock) -> Ledger:
+    return Ledger(sqlite_store, "node-a", clock=clock)
+
+
+@pytest.fixture
+def b(sqlite_store, clock) -> Ledger:
+    return Ledger(sqlite_store, "node-b", clock=clock)
+
+
+def test_nodes_allocate_only_from_their_own_blocks(sqlite_store, a, b):
+    pool = spec()
+    got_a = [a.allocate([pool], att(f"a{i}"), PodInfo())[0].ip for i in range(20)]
+    got_b = [b.allocate([pool], att(f"b{i}"), PodInfo())[0].ip for i in range(5)]
+    assert owned(sqlite_store, "node-a") == ["10.0.0.0/28", "10.0.0.16/28"]
+    assert owned(sqlite_store, "node-b") == ["10.0.0.32/28"]
+    assert all(ip.startswith("10.0.0.") and int(ip.rsplit(".")[-1]) < 32 for ip in got_a)
+    assert all(32 <= int(ip.rsplit(".")[-1]) < 48 for ip in got_b)
+    for kv in sqlite_store.range("ips/")[0]:
+        record = rec.decode(kv.value)
+        assert block_state(sqlite_store, record["block"])["node"] == record["node"]
+
+
+def test_exhaustion_without_borrow_and_a_borrowed_address_with_it(sqlite_store, a, b):
+    pool = spec()
+    for i in range(3 * 16 - 1):  # three blocks for node a (the first lacks .0)
+        a.allocate([pool], att(f"a{i}"), PodInfo())
+    b.allocate([pool], att("b0"), PodInfo())  # the last block goes to b
+    with pytest.raises(PoolExhausted):
+        a.allocate([pool], att("more"), PodInfo())
+    lending = spec(borrow=True)
+    borrowed = a.allocate([lending], att("borrower"), PodInfo())[0].ip
+    record = rec.decode(sqlite_store.get(rec.ip_key("p", borrowed)).value)
+    assert record["node"] == "node-a"
+    assert block_state(sqlite_store, record["block"])["node"] == "node-b"
+    # released, it goes back to the owner's queue
+    a.release(att("borrower"))
+    assert sqlite_store.range("freeq/p/4/node-b/")[0]
+    assert check(sqlite_store)[0] == []
+
+
+def test_controller_assigned_block_is_filled_when_the_current_one_runs_out(sqlite_store, a, clock):
+    pool = stored(sqlite_store, spec())
+    first = a.allocate([pool], att("first"), PodInfo())[0].ip
+    assigned = blocks.assign(sqlite_store, pool, 4, "node-a")
+    assert assigned == "10.0.0.16/28"
+    for i in range(14):  # the rest of the first block (.1-.15)
+        a.allocate([pool], att(f"x{i}"), PodInfo())
+    nxt = a.allocate([pool], att("next"), PodInfo())[0].ip
+    assert first == "10.0.0.1" and nxt == "10.0.0.16"  # switched, not a new claim
+    assert owned(sqlite_store, "node-a") == ["10.0.0.0/28", "10.0.0.16/28"]
+
+
+def test_full_handshake_releases_an_empty_block(sqlite_store, a, clock):
+    pool = stored(sqlite_store, spec())
+    a.allocate([pool], att("x"), PodInfo())
+    extra = blocks.assign(sqlite_store, pool, 4, "node-a")
+    kv = sqlite_store.get(rec.block_key("p", extra))
+    assert blocks.mark(sqlite_store, "p", kv, clock.now)
+    kv = sqlite_store.get(kv.key)
+    assert blocks.answer(sqlite_store, pool, kv, clock.now) == rec.READY
+    kv = sqlite_store.get(kv.key)
+    assert blocks.release(sqlite_store, pool, kv)
+    assert block_state(sqlite_store, extra) is None
+    assert owned(sqlite_store, "node-a") == ["10.0.0.0/28"]
+    assert [blocks.cidr_of(k.key) for k in sqlite_store.range("blockfree/p/4/")[0]] == [extra]
+    # the released block is claimed again before any new one
+    assert blocks.assign(sqlite_store, pool, 4, "node-b") == extra
+    assert check(sqlite_store)[0] == []
+
+
+def test_agent_refuses_a_block_holding_allocations(sqlite_store, a, clock):
+    pool = stored(sqlite_store, spec())
+    a.allocate([pool], att("x"), PodInfo())
+    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    assert blocks.mark(sqlite_store, "p", kv, clock.now)
+    kv = sqlite_store.get(kv.key)
+    assert blocks.answer(sqlite_store, pool, kv, clock.now) == rec.REFUSED
+    kv = sqlite_store.get(kv.key)
+    assert not blocks.release(sqlite_store, pool, kv)  # never without `ready`
+    assert blocks.resume(sqlite_store, "p", kv)
+    assert block_state(sqlite_store, "10.0.0.0/28")["state"] == rec.ACTIVE
+
+
+def test_mark_stops_allocation_in_the_block(sqlite_store, a, clock):
+    pool = stored(sqlite_store, spec())
+    a.allocate([pool], att("x"), PodInfo())
+    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    blocks.mark(sqlite_store, "p", kv, clock.now)
+    ip = a.allocate([pool], att("y"), PodInfo())[0].ip
+    # the marked block takes nothing new: a's next address comes from elsewhere...
+    assert (
+        not ip.startswith("10.0.0.")
+        or int(ip.rsplit(".")[-1]) >= 16
+        or (
+            # ...unless a needed the space and took the block back (handshake aborted)
+            block_state(sqlite_store, "10.0.0.0/28")["state"] == rec.ACTIVE
+        )
+    )
+
+
+def test_node_needing_space_takes_its_block_back(sqlite_store, a, clock):
+    pool = stored(
+        sqlite_store, PoolSpec("p", [[{"subnet": "10.0.0.0/28"}]], block_prefix={4: 28}, cooldown=0)
+    )
+    a.allocate([pool], att("x"), PodInfo())
+    a.release(att("x"))
+    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    blocks.mark(sqlite_store, "p", kv, clock.now)
+    kv = sqlite_store.get(kv.key)
+    assert blocks.answer(sqlite_store, pool, kv, clock.now) == rec.READY
+    ready_kv = sqlite_store.get(kv.key)
+    # the only block of the pool: a new ADD aborts the handshake
+    assert a.allocate([pool], att("y"), PodInfo())[0].ip
+    state = block_state(sqlite_store, "10.0.0.0/28")
+    assert state["state"] == rec.ACTIVE
+    assert not blocks.release(sqlite_store, pool, ready_kv)  # the controller's CAS fails
+    assert block_state(sqlite_store, "10.0.0.0/28") is not None
+    assert check(sqlite_store)[0] == []
+
+
+def test_take_back_after_partial_cleanup_loses_no_address(sqlite_store, a, clock):
+    """The controller cleaned the free entries of a ready block, then lost the final
+    CAS to the agent taking the block back: every address is still allocatable."""
+    pool = stored(
+        sqlite_store, PoolSpec("p", [[{"subnet": "10.0.0.0/28"}]], block_prefix={4: 28}, cooldown=0)
+    )
+    for i in range(14):  # the whole /28: .1-.14
+        a.allocate([pool], att(f"x{i}"), PodInfo())
+    for i in range(14):
+        a.release(att(f"x{i}"))
+    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    blocks.mark(sqlite_store, "p", kv, clock.now)
+    blocks.answer(sqlite_store, pool, sqlite_store.get(kv.key), clock.now)
+    ready = sqlite_store.get(kv.key)
+    from ipward.store.base import Delete
+
+    for free in sqlite_store.range("free/p/")[0][:7]:  # half the cleanup, then stop
+        sqlite_store.txn([], [Delete(free.key), Delete(rec.decode(free.value)["queue"])])
+    got = {a.allocate([pool], att(f"y{i}"), PodInfo())[0].ip for i in range(14)}
+    assert len(got) == 14
+    assert not blocks.release(sqlite_store, pool, ready)
+    assert check(sqlite_store)[0] == []
