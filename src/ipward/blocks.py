@@ -25,7 +25,10 @@ from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ipward.addr import Block
+    from ipward.store.base import Compare
 
 CLEANUP_CHUNK = 40  # free entries deleted per transaction (two keys each; etcd caps ops)
 
@@ -58,13 +61,16 @@ def releasable(block: Block) -> bool:
     return block.size <= MAX_RELEASABLE_BLOCK
 
 
-def mark(store: Store, pool: str, kv: KeyValue, now: float) -> bool:
-    """Controller: ask for an active block back."""
+def mark(store: Store, pool: str, kv: KeyValue, now: float, fence: Sequence[Compare] = ()) -> bool:
+    """Controller: ask for an active block back. `fence` (here and in every controller
+    step): compares that hold only while the caller is the leader."""
     state = rec.decode(kv.value)
     if state.get("state") != rec.ACTIVE:
         return False
     marked = {**state, "state": rec.MARKED, "marked_at": now}
-    done = store.txn([at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(marked))])
+    done = store.txn(
+        [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(marked))]
+    )
     if done.succeeded:
         log.info("block marked", pool=pool, block=cidr_of(kv.key), node=state.get("node"))
     return done.succeeded
@@ -98,18 +104,28 @@ def answer(store: Store, spec: PoolSpec, kv: KeyValue, now: float) -> str | None
     return None
 
 
-def resume(store: Store, pool: str, kv: KeyValue) -> bool:
+def resume(store: Store, pool: str, kv: KeyValue, fence: Sequence[Compare] = ()) -> bool:
     """Controller: a refused block goes back to work."""
     state = rec.decode(kv.value)
     if state.get("state") != rec.REFUSED:
         return False
     active = {k: v for k, v in state.items() if k not in ("marked_at", "answered_at")}
     active["state"] = rec.ACTIVE
-    ok = store.txn([at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(active))])
+    ok = store.txn(
+        [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(active))]
+    )
+    if ok.succeeded:
+        log.info(
+            "block resumed",
+            pool=pool,
+            block=cidr_of(kv.key),
+            node=state.get("node"),
+            reason="agent refused the release",
+        )
     return ok.succeeded
 
 
-def release(store: Store, spec: PoolSpec, kv: KeyValue) -> bool:
+def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare] = ()) -> bool:
     """Controller: delete a block its agent answered `ready` for. Its free entries go
     first, in chunks, each pinned to the block's `ready` revision; then the block, its
     affinity entry, and a `blockfree/` entry so it is claimed again before new blocks.
@@ -121,6 +137,7 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue) -> bool:
         return False
     pinned = at_revision(kv.key, kv.mod_revision)
     ips = addresses(block)
+    fenced = [*fence, pinned]
     # Defence in depth: the agent's answer proved the block empty, and nothing can land
     # in a block that is not active; a record here is a bug, so refuse and say so.
     for ip in ips:
@@ -135,12 +152,12 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue) -> bool:
         ops: list[Put | Delete] = []
         for free in chunk:
             ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
-        if not store.txn([pinned], ops).succeeded:
+        if not store.txn(fenced, ops).succeeded:
             return False
     family = 6 if ":" in cidr else 4
     node = state.get("node", "")
     done = store.txn(
-        [pinned],
+        fenced,
         [
             Delete(kv.key),
             Delete(rec.affinity_key(spec.name, node, cidr)),
@@ -158,7 +175,9 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue) -> bool:
     return done.succeeded
 
 
-def assign(store: Store, spec: PoolSpec, family: int, node: str) -> str | None:
+def assign(
+    store: Store, spec: PoolSpec, family: int, node: str, fence: Sequence[Compare] = ()
+) -> str | None:
     """Controller: give `node` a block of this family (a released one first, else the
     next never claimed), by CAS. The node's agent starts filling it when its current
     block runs out. None when the pool has no block left or a race was lost."""
@@ -187,7 +206,7 @@ def assign(store: Store, spec: PoolSpec, family: int, node: str) -> str | None:
         compares = [at_revision(cursor_key, cursor.mod_revision if cursor else 0)]
         ops = [Put(cursor_key, rec.encode({"next": n + 1}))]
     key = rec.block_key(spec.name, cidr)
-    compares.append(absent(key))
+    compares += [*fence, absent(key)]
     ops += [Put(key, new_block), Put(rec.affinity_key(spec.name, node, cidr), b"")]
     if not store.txn(compares, ops).succeeded:
         return None

@@ -20,7 +20,7 @@ from ipward.addr import format_ip, parse_cidr, parse_ip
 from ipward.config import DEFAULT_STORE
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import Ledger
-from ipward.pool import DEFAULT_COOLDOWN, PoolSpec
+from ipward.pool import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM, PoolSpec
 from ipward.store import Store, StoreError, open_store
 
 # Scripts and CI pipe the output: give tables room instead of rich's 80-column default.
@@ -127,6 +127,26 @@ def parse_range_option(text: str) -> dict:
 )
 @click.option("--block-v4", type=int, default=26, show_default=True, help="IPv4 block prefix.")
 @click.option("--block-v6", type=int, default=122, show_default=True, help="IPv6 block prefix.")
+@click.option(
+    "--warm",
+    type=int,
+    default=DEFAULT_WARM,
+    show_default=True,
+    help="Free addresses (per family) the controller keeps on every node.",
+)
+@click.option(
+    "--release-delay",
+    type=float,
+    default=DEFAULT_RELEASE_DELAY,
+    show_default=True,
+    help="Seconds a surplus block stays empty before the controller asks it back.",
+)
+@click.option(
+    "--borrow/--no-borrow",
+    default=False,
+    show_default=True,
+    help="Let a node take one address from another node's block when no block is free.",
+)
 @pass_ctx
 def pool_create(
     c: Context,
@@ -137,6 +157,9 @@ def pool_create(
     cooldown: float,
     block_v4: int,
     block_v6: int,
+    warm: int,
+    release_delay: float,
+    borrow: bool,
 ) -> None:
     """Create pool NAME (refuses if it exists)."""
     by_family: dict[int, list[dict]] = {}
@@ -155,6 +178,9 @@ def pool_create(
         routes,
         cooldown,
         {4: block_v4, 6: block_v6},
+        warm=warm,
+        release_delay=release_delay,
+        borrow=borrow,
     )
     from ipward.store.base import Put, absent
 
@@ -499,6 +525,7 @@ def _attach_commands() -> None:
 
     cli.add_command(bench_command, "bench")
     cli.add_command(demo_command, "demo")
+    cli.add_command(__import__("ipward.agent").agent.agent_command, "agent")
 
 
 _attach_commands()
