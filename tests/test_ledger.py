@@ -306,3 +306,16 @@ class TestMemory:
         held = [ledger.lookup(att(i)) for i in range(120)]
         owned = [a[0].ip for a in held if a]
         assert len(owned) == len(set(owned)) == len(live)
+
+    def test_a_pool_deleted_behind_a_long_lived_ledger_is_unknown_not_busy(
+        self, ledger, sqlite_store
+    ):
+        from ipward.errors import UnknownPool
+        from ipward.store.base import Delete
+
+        sqlite_store.txn([], [Put("pools/p", rec.encode(pool().to_dict()))])
+        named = ledger.get_pool("p")
+        ledger.allocate([named], att(1), PodInfo())
+        sqlite_store.txn([], [Delete("pools/p")])  # `ipward pool delete` elsewhere
+        with pytest.raises(UnknownPool):
+            ledger.allocate([ledger.get_pool("p")], att(2), PodInfo())

@@ -336,8 +336,10 @@ def pool_delete(c: Context, name: str) -> None:
         k.key
         for prefix in (
             f"blocks/{name}/",
+            f"affinity/{name}/",
             f"fill/{name}/",
             f"blockcursor/{name}/",
+            f"blockfree/{name}/",
             f"free/{name}/",
             f"freeq/{name}/",
         )
@@ -520,12 +522,13 @@ def install_cni(bin_dir: str, name: str) -> None:
 
 
 def _attach_commands() -> None:
+    from ipward.agent import agent_command
     from ipward.bench import bench_command
     from ipward.demo import demo_command
 
+    cli.add_command(agent_command, "agent")
     cli.add_command(bench_command, "bench")
     cli.add_command(demo_command, "demo")
-    cli.add_command(__import__("ipward.agent").agent.agent_command, "agent")
 
 
 _attach_commands()

@@ -52,7 +52,10 @@ def run(env: dict[str, str], stdin: bytes, ledger: Ledger | None = None) -> str:
         raw = jsonc.loads(stdin) if stdin.strip() else None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise DecodeFailure(f"network configuration on stdin is not JSON: {e}") from None
-    _configure_log(raw)
+    if ledger is None:
+        # In-process only: the agent keeps its own log; a config's logFile must not
+        # redirect (or reopen, per request) the log of a process serving many calls.
+        _configure_log(raw)
     if command == "VERSION":
         requested = raw.get("cniVersion", "1.1.0") if isinstance(raw, dict) else "1.1.0"
         return _dump({"cniVersion": requested, "supportedVersions": list(SUPPORTED_VERSIONS)})
@@ -189,7 +192,7 @@ def _status(config: IpamConfig, ledger: Ledger | None) -> None:
     try:
         ledger = ledger or _ledger(config)
         for name in config.pool_names:
-            ledger.get_pool(name)
+            ledger.get_pool(name, fresh=True)
     except IpwardError as e:
         raise NotAvailable(f"cannot serve ADD: {e.msg}") from e
 

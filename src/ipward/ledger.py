@@ -134,8 +134,8 @@ class Ledger:
 
     # -- pools ------------------------------------------------------------------------
 
-    def get_pool(self, name: str) -> PoolSpec:
-        kv = self._get(rec.pool_key(name))
+    def get_pool(self, name: str, fresh: bool = False) -> PoolSpec:
+        kv = self._get(rec.pool_key(name), fresh)
         if kv is None:
             raise UnknownPool(f"pool {name!r} does not exist (create it with 'ipward pool create')")
         spec = PoolSpec.from_dict(rec.decode(kv.value))
@@ -190,6 +190,8 @@ class Ledger:
                 existing = self._get(attachment.key, fresh=True)
                 if existing is not None:
                     return self._allocations(rec.decode(existing.value)["ips"], pools)
+                # A pool read from the store may have changed (or gone): read it again.
+                pools = [self.get_pool(p.name) if p.revision is not None else p for p in pools]
             try:
                 # The pool guard first: a pool that may not be used sees no block claims.
                 guards = [self._pool_guard(pool) for pool in pools]

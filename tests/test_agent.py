@@ -1,0 +1,605 @@
+"""The node agent (`ipward agent`), always as a real process, with the real installed
+plugin exec'd against it (`agentSocket` in the ipam config), on SQLite and on a real
+etcd: the CNI flow, the store and node the agent serves (never the config's), socket
+and peer permissions, agent down, graceful stop under a burst, SIGKILL mid-allocation,
+metrics and health, protocol garbage."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import IPWARD, PluginResult, exec_plugin, run_cli
+from etcd_server import etcd_server
+from ipward import records as rec
+from ipward.plugin import forward
+from ipward.store import open_store
+from ipward.wire import encode_env, frame, recv_frame
+
+NODE = "agent-node"
+SETPRIV = "/usr/bin/setpriv"
+NOBODY = 65534
+OTHER_GID = 4242
+READY_TIMEOUT = 30.0
+
+
+class AgentProcess:
+    """One `ipward agent` process; its log (JSON lines, debug) in its own file."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        store: str,
+        socket_path: Path,
+        node: str = NODE,
+        metrics: bool = False,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        self.store = store
+        self.socket = socket_path
+        self.log_path = tmp / f"agent-{time.monotonic_ns()}.log"
+        self.stderr_path = self.log_path.with_suffix(".stderr")
+        args = [
+            *IPWARD,
+            "agent",
+            "--node",
+            node,
+            "--store",
+            store,
+            "--socket",
+            str(socket_path),
+            "--metrics-address",
+            "127.0.0.1:0" if metrics else "off",
+            "--log-file",
+            str(self.log_path),
+            "--log-level",
+            "debug",
+            *extra,
+        ]
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+            )
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> AgentProcess:
+        """Until a VERSION call through the socket is answered."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                status, _ = forward(
+                    str(self.socket), {"CNI_COMMAND": "VERSION"}, b"{}", timeout=5.0
+                )
+                if status == 0:
+                    return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"agent not ready after {timeout}s:\n{self.output()}")
+            time.sleep(0.02)
+
+    def output(self) -> str:
+        text = self.stderr_path.read_text(errors="replace")
+        if self.log_path.exists():
+            text += self.log_path.read_text(errors="replace")
+        return text[-5000:]
+
+    def log(self) -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line]
+
+    @property
+    def metrics_url(self) -> str:
+        started = next(e for e in self.log() if e["msg"] == "agent started")
+        return str(started["metrics"])
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.running:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """Start agents (ready to serve); every one still running is killed at teardown."""
+    started: list[AgentProcess] = []
+
+    def start(
+        store: str,
+        socket_path: Path | None = None,
+        wait: bool = True,
+        **kwargs: object,
+    ) -> AgentProcess:
+        path = socket_path or tmp_path / "run" / "ipward" / "agent.sock"
+        agent = AgentProcess(tmp_path, store, path, **kwargs)  # type: ignore[arg-type]
+        started.append(agent)
+        return agent.wait_ready() if wait else agent
+
+    yield start
+    for agent in started:
+        agent.kill()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path):
+    with etcd_server(tmp_path / "etcd") as server:
+        yield server
+
+
+def config(socket_path: Path, **ipam: object) -> dict:
+    section: dict = {"type": "ipward", "agentSocket": str(socket_path)}
+    section.update(ipam or {"ranges": [[{"subnet": "10.20.0.0/24", "gateway": "10.20.0.1"}]]})
+    return {"cniVersion": "1.0.0", "name": "net", "ipam": section}
+
+
+def address(result: PluginResult) -> str:
+    assert result.returncode == 0, result
+    assert result.json is not None
+    return str(result.json["ips"][0]["address"]).split("/")[0]
+
+
+def snapshot(url: str) -> dict[str, tuple[bytes, int]]:
+    """Every key of the ledger with its value and revision, and the store revision."""
+    with open_store(url) as store:
+        out = {
+            kv.key: (kv.value, kv.mod_revision)
+            for prefix in ("pools/", "ips/", "attach/", "blocks/", "free", "fill/", "block")
+            for kv in store.range(prefix)[0]
+        }
+        out["<revision>"] = (b"", store.revision())
+    return out
+
+
+def records(url: str) -> dict[str, dict]:
+    """Allocation records by address: ip -> record."""
+    with open_store(url) as store:
+        kvs, _ = store.range("ips/")
+    return {kv.key.rsplit("/", 1)[1]: rec.decode(kv.value) for kv in kvs}
+
+
+def holders(url: str) -> dict[str, list[str]]:
+    """container -> the addresses its records hold."""
+    out: dict[str, list[str]] = {}
+    for ip, record in records(url).items():
+        out.setdefault(rec.record_attachment(record).container, []).append(ip)
+    return out
+
+
+def assert_check_clean(url: str) -> None:
+    proc = run_cli("--json", "check", store=url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def cni_flow(plugin: Path, url: str, cfg: dict) -> None:
+    """ADD, repeated ADD, CHECK, DEL, DEL of an unknown attachment, through the agent."""
+    args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web-0"
+    first = exec_plugin(plugin, "ADD", cfg, container="c1", args=args)
+    ip = address(first)
+    again = exec_plugin(plugin, "ADD", cfg, container="c1", args=args)
+    assert address(again) == ip and again.json == first.json
+    [record] = records(url).values()
+    assert record["node"] == NODE  # the agent's --node, not the config's
+    assert rec.record_attachment(record) == rec.Attachment("net", "c1", "eth0")
+    check = exec_plugin(plugin, "CHECK", {**cfg, "prevResult": first.json}, container="c1")
+    assert check.returncode == 0 and check.stdout == b"", check
+    status = exec_plugin(plugin, "STATUS", cfg)
+    assert status.returncode == 0, status
+    assert exec_plugin(plugin, "DEL", cfg, container="c1").returncode == 0
+    assert records(url) == {}
+    check = exec_plugin(plugin, "CHECK", {**cfg, "prevResult": first.json}, container="c1")
+    assert check.returncode == 1 and check.json["code"] == 3, check
+    before = snapshot(url)
+    assert exec_plugin(plugin, "DEL", cfg, container="never-added").returncode == 0
+    assert exec_plugin(plugin, "DEL", cfg, container="c1").returncode == 0  # repeated
+    assert snapshot(url) == before
+    # The address is usable again (the pool's cooldown permits it when nothing else is
+    # free, so just ask for it by name).
+    reuse = exec_plugin(plugin, "ADD", cfg, container="c2", args=f"IP={ip}")
+    assert address(reuse) == ip
+    assert exec_plugin(plugin, "DEL", cfg, container="c2").returncode == 0
+    assert_check_clean(url)
+
+
+def test_sqlite_flow_serves_its_own_store_and_node(plugin, sqlite_url, start_agent, tmp_path):
+    agent = start_agent(sqlite_url)
+    socket_dir = agent.socket.parent
+    assert socket_dir.stat().st_mode & 0o777 == 0o750  # created by the agent
+    assert agent.socket.stat().st_mode & 0o777 == 0o660
+    elsewhere = tmp_path / "elsewhere.db"
+    cni_log = tmp_path / "cni.log"
+    cfg = config(
+        agent.socket,
+        ranges=[[{"subnet": "10.20.0.0/24", "gateway": "10.20.0.1"}]],
+        node="config-node",
+        store=f"sqlite://{elsewhere}",
+        logFile=str(cni_log),
+    )
+    cni_flow(plugin, sqlite_url, cfg)
+    assert not elsewhere.exists()  # the config's store is never opened
+    assert not cni_log.exists()  # nor its log file: the agent keeps its own
+    requests = [e for e in agent.log() if e["msg"] == "request"]
+    assert {e["command"] for e in requests} >= {"ADD", "DEL", "CHECK", "STATUS"}
+    assert agent.stop() == 0
+    assert not agent.socket.exists()
+
+
+def test_etcd_flow_never_uses_the_configs_store(plugin, etcd, start_agent, tmp_path):
+    run_cli("pool", "create", "web", "--range", "10.30.0.0/24", store=etcd.url, check=True)
+    agent = start_agent(etcd.url)
+    # The config names stores the agent must not touch: the agent serves its own.
+    cfg = config(agent.socket, pool="web", store="etcd://127.0.0.1:1", node="config-node")
+    cni_flow(plugin, etcd.url, cfg)
+    cfg = config(agent.socket, pool="web", store="sqlite:///proc/nope/x.db")
+    ip = address(exec_plugin(plugin, "ADD", cfg, container="c9"))
+    assert records(etcd.url)[ip]["node"] == NODE
+    assert agent.stop() == 0
+    assert_check_clean(etcd.url)
+
+
+def test_second_agent_refuses_to_start_and_a_stale_socket_is_replaced(
+    sqlite_url, start_agent, tmp_path
+):
+    first = start_agent(sqlite_url)
+    second = start_agent(sqlite_url, wait=False)
+    assert second.proc.wait(30) == 2
+    assert "another agent" in second.output()
+    assert first.running and first.socket.exists()
+    first.kill()  # SIGKILL leaves its socket file behind
+    assert first.socket.exists()
+    third = start_agent(sqlite_url)
+    assert any(e["msg"].startswith("removed a stale socket") for e in third.log())
+    assert third.stop() == 0
+    # Something that is not a socket is never removed.
+    third.socket.write_text("not a socket")
+    fourth = start_agent(sqlite_url, wait=False)
+    assert fourth.proc.wait(30) == 2
+    assert "not a socket" in fourth.output()
+    assert third.socket.read_text() == "not a socket"
+
+
+# -- permissions ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory others may enter (pytest's tmp dirs are 0700 to root)."""
+    path = Path(tempfile.mkdtemp(prefix="ipward-agent-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def exec_as(user: list[str], plugin: Path, command: str, cfg: dict, container: str) -> PluginResult:
+    env = {
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": container,
+        "CNI_IFNAME": "eth0",
+        "CNI_NETNS": "/var/run/netns/test",
+        "CNI_PATH": str(plugin.parent),
+    }
+    proc = subprocess.run(
+        [SETPRIV, *user, str(plugin)],
+        input=json.dumps(cfg).encode(),
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    return PluginResult(proc)
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not Path(SETPRIV).exists(), reason="needs root, setpriv")
+def test_other_users_are_refused_by_the_peer_check(plugin, sqlite_url, start_agent, open_dir):
+    # A plugin copy and a socket others can reach: so the agent's peer check, not file
+    # permissions, is what decides.
+    launcher = open_dir / "ipward"
+    shutil.copy(plugin, launcher)
+    launcher.chmod(0o755)
+    agent = start_agent(sqlite_url, open_dir / "agent.sock", extra=("--allow-gid", str(OTHER_GID)))
+    assert any(e["msg"].startswith("socket directory is more open") for e in agent.log())
+    assert agent.socket.stat().st_mode & 0o777 == 0o660
+    assert agent.socket.stat().st_gid == OTHER_GID  # the allowed group can connect
+    agent.socket.chmod(0o666)
+    cfg = config(agent.socket)
+    as_root = exec_plugin(launcher, "ADD", cfg, container="mine")
+    held = address(as_root)
+    before = snapshot(sqlite_url)
+
+    nobody = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    for command in ("ADD", "DEL"):
+        for container in ("theirs", "mine"):
+            refused = exec_as(nobody, launcher, command, cfg, container)
+            assert refused.returncode == 1, refused
+            assert refused.json["code"] == 5, refused
+            assert refused.json["cniVersion"] == "1.0.0"
+            assert "permission denied" in refused.json["msg"]
+    assert snapshot(sqlite_url) == before  # nothing was done for them
+    refusals = [e for e in agent.log() if e["msg"] == "refused a peer"]
+    assert len(refusals) == 4 and {e["peer_uid"] for e in refusals} == {NOBODY}
+
+    # The --allow-gid group is served, as primary or as a supplementary group.
+    primary = [f"--reuid={NOBODY}", f"--regid={OTHER_GID}", "--clear-groups"]
+    supplementary = [f"--reuid={NOBODY}", f"--regid={NOBODY}", f"--groups={OTHER_GID}"]
+    assert address(exec_as(primary, launcher, "ADD", cfg, "theirs")) != held
+    assert exec_as(supplementary, launcher, "DEL", cfg, "theirs").returncode == 0
+    assert list(records(sqlite_url)) == [held]
+    assert agent.stop() == 0
+
+
+# -- agent down ----------------------------------------------------------------------------
+
+
+def test_agent_not_running_is_try_again_later(plugin, sqlite_url, tmp_path):
+    run_cli("pool", "create", "web", "--range", "10.40.0.0/24", store=sqlite_url, check=True)
+    before = snapshot(sqlite_url)
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # a socket file nobody listens on: what a killed agent leaves
+    for path in (tmp_path / "missing" / "agent.sock", stale):
+        cfg = config(path, pool="web")
+        add = exec_plugin(plugin, "ADD", cfg, container="c1")
+        assert add.returncode == 1 and add.json["code"] == 11, add
+        assert "try again later" in add.json["msg"]
+        delete = exec_plugin(plugin, "DEL", cfg, container="c1")
+        assert delete.returncode == 1 and delete.json["code"] == 11, delete
+        assert (
+            "retry the DEL" in delete.json["msg"] and "nothing was released" in delete.json["msg"]
+        )
+    assert snapshot(sqlite_url) == before
+
+
+# -- stopping ------------------------------------------------------------------------------
+
+
+def test_graceful_stop_drains_and_refuses(plugin, sqlite_url, start_agent):
+    agent = start_agent(sqlite_url)
+    cfg = config(agent.socket)
+    # A call in flight when the stop comes: its first frame is sent, the rest comes late.
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.settimeout(30)
+    slow.connect(str(agent.socket))
+    env = {
+        "CNI_COMMAND": "ADD",
+        "CNI_CONTAINERID": "slow",
+        "CNI_IFNAME": "eth0",
+        "CNI_NETNS": "/x",
+    }
+    slow.sendall(frame(encode_env(env)))
+
+    # A burst of plugin execs, with the SIGTERM in the middle of it.
+    results: dict[str, PluginResult] = {}
+    containers = [f"b{i}" for i in range(40)]
+
+    def one(container: str) -> None:
+        results[container] = exec_plugin(plugin, "ADD", cfg, container=container)
+
+    # Launch until a few have answered, SIGTERM, then launch some more: the stop falls
+    # in the middle of the burst whatever the machine's speed.
+    threads: list[threading.Thread] = []
+    after_stop = 0
+    while after_stop < 8:
+        if len(threads) < len(containers):
+            threads.append(threading.Thread(target=one, args=(containers[len(threads)],)))
+            threads[-1].start()
+        if agent.proc.returncode is None and after_stop == 0 and len(results) >= 4:
+            agent.proc.send_signal(signal.SIGTERM)
+            after_stop = 1
+        elif after_stop:
+            after_stop += 1
+        time.sleep(0.004)
+    deadline = time.monotonic() + 10
+    while agent.socket.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not agent.socket.exists()
+    late = exec_plugin(plugin, "ADD", cfg, container="late")  # after the stop began
+    assert late.returncode == 1 and late.json["code"] == 11, late
+    for t in threads:
+        t.join(60)
+
+    slow.sendall(frame(json.dumps(cfg).encode()))  # finished after the stop: still served
+    answer = recv_frame(slow.recv)
+    slow.close()
+    assert answer[0] == 0, answer
+    slow_ip = json.loads(answer[1:])["ips"][0]["address"].split("/")[0]
+    assert agent.proc.wait(30) == 0
+
+    held = holders(sqlite_url)
+    assert held.pop("slow") == [slow_ip]
+    assert "late" not in held
+    succeeded = {c: address(r) for c, r in results.items() if r.returncode == 0}
+    for container, result in results.items():
+        if container in succeeded:
+            assert held.get(container) == [succeeded[container]]  # recorded exactly once
+        else:
+            assert result.json["code"] == 11, result
+            assert container not in held  # a refused call left nothing
+    assert set(held) == set(succeeded)
+    assert succeeded and len(succeeded) < len(containers), "the stop fell outside the burst"
+    stopped = [e["msg"] for e in agent.log()]
+    assert "drained" in stopped and stopped[-1] == "agent stopped"
+    assert_check_clean(sqlite_url)
+
+
+def test_sigkill_mid_allocation_leaves_the_retry_its_address(plugin, sqlite_url, start_agent):
+    rng = random.Random(20261122)
+    socket_path = None
+    cfg: dict = {}
+    outcome: dict[str, str | None] = {}  # container -> address returned (None: failed)
+    for round_ in range(6):
+        agent = start_agent(sqlite_url, socket_path)
+        socket_path = agent.socket
+        cfg = config(socket_path)
+        # Retries of last round's failed ADDs: what the store holds for them is theirs.
+        before = holders(sqlite_url)
+        for container, ip in list(outcome.items()):
+            if ip is None:
+                retry = address(exec_plugin(plugin, "ADD", cfg, container=container))
+                if container in before:
+                    assert before[container] == [retry]
+                outcome[container] = retry
+        results: dict[str, PluginResult] = {}
+        batch = [f"r{round_}c{i}" for i in range(12)]
+
+        def one(container: str, results: dict = results, cfg: dict = cfg) -> None:
+            results[container] = exec_plugin(plugin, "ADD", cfg, container=container)
+
+        threads = [threading.Thread(target=one, args=(c,)) for c in batch]
+        for t in threads:
+            t.start()
+        # Kill while calls stream through: a few ms after the first answer.
+        deadline = time.monotonic() + 10
+        while not results and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.015))
+        agent.kill()
+        for t in threads:
+            t.join(60)
+        held = holders(sqlite_url)
+        for container, result in results.items():
+            if result.returncode == 0:
+                outcome[container] = address(result)
+                assert held[container] == [outcome[container]]
+            else:
+                assert result.json["code"] == 11, result
+                outcome[container] = None
+                assert len(held.get(container, [])) <= 1
+    agent = start_agent(sqlite_url, socket_path)
+    before = holders(sqlite_url)
+    for container, ip in outcome.items():
+        if ip is None:
+            retry = address(exec_plugin(plugin, "ADD", cfg, container=container))
+            if container in before:
+                assert before[container] == [retry]
+            outcome[container] = retry
+    assert agent.stop() == 0
+    held = holders(sqlite_url)
+    assert held == {c: [ip] for c, ip in outcome.items()}
+    assert len({ip for ips in held.values() for ip in ips}) == len(held)
+    assert_check_clean(sqlite_url)
+
+
+# -- metrics and health --------------------------------------------------------------------
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_metrics_and_health(plugin, etcd, start_agent):
+    run_cli("pool", "create", "web", "--range", "10.50.0.0/24", store=etcd.url, check=True)
+    agent = start_agent(etcd.url, metrics=True)
+    base = agent.metrics_url
+    assert base.startswith("http://127.0.0.1:")  # loopback
+    cfg = config(agent.socket, pool="web")
+    address(exec_plugin(plugin, "ADD", cfg, container="m1"))
+    address(exec_plugin(plugin, "ADD", cfg, container="m2"))
+    assert exec_plugin(plugin, "DEL", cfg, container="m1").returncode == 0
+    unknown = exec_plugin(plugin, "ADD", config(agent.socket, pool="nope"), container="m3")
+    assert unknown.json["code"] == 103, unknown
+
+    code, text = http_get(f"{base}/metrics")
+    assert code == 200
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples['ipward_agent_requests_total{code="0",command="ADD"}'] == 2
+    assert samples['ipward_agent_requests_total{code="0",command="DEL"}'] == 1
+    assert samples['ipward_agent_requests_total{code="103",command="ADD"}'] == 1
+    assert samples['ipward_agent_request_seconds_count{command="ADD"}'] == 3
+    assert samples["ipward_agent_in_flight"] == 0
+    assert samples[f'ipward_agent_info{{node="{NODE}"}}'] == 1
+    assert not any(k.startswith("python_gc") for k in samples)  # its own registry
+    assert http_get(f"{base}/healthz") == (200, "ok\n")
+
+    etcd.stop()
+    deadline = time.monotonic() + 15
+    while (health := http_get(f"{base}/healthz"))[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert health[0] == 503 and "store" in health[1], health
+    down = exec_plugin(plugin, "ADD", cfg, container="m4")
+    assert down.returncode == 1 and down.json["code"] == 11, down
+    code, text = http_get(f"{base}/metrics")
+    assert 'ipward_agent_requests_total{code="11",command="ADD"} 1.0' in text
+    assert agent.stop() == 0
+
+
+# -- protocol garbage ----------------------------------------------------------------------
+
+
+def test_protocol_garbage_does_not_stop_the_agent(plugin, sqlite_url, start_agent):
+    agent = start_agent(sqlite_url)
+    good_env = encode_env({"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "g", "CNI_IFNAME": "eth0"})
+    garbage = [
+        random.Random(7).randbytes(4096),
+        b"\xff\xff\xff\xff",  # a 4 GiB frame
+        (2**20 + 1).to_bytes(4, "big") + b"x" * 100,  # just over the limit
+        frame(good_env),  # then gone before the config
+        frame(good_env) + b"\x00\x00\x10\x00abc",  # a config frame cut short
+        frame(b"\xff\xfe not utf-8"),
+        frame(b"HOME=/root\n") + frame(b"{}"),  # not a CNI variable
+        b"",  # connect and leave
+    ]
+    for payload in garbage:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(agent.socket))
+            if payload:
+                s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            try:
+                assert s.recv(100) == b""  # closed without an answer
+            except ConnectionResetError:
+                pass  # closed with our bytes unread: the same
+    # A client that sends nothing and keeps the connection open does not block others.
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    idle.connect(str(agent.socket))
+    try:
+        assert address(exec_plugin(plugin, "ADD", config(agent.socket), container="ok"))
+    finally:
+        idle.close()
+    assert agent.running
+    errors = [e for e in agent.log() if e["msg"].startswith("protocol error")]
+    assert len(errors) >= len(garbage) - 1
+    assert agent.stop() == 0
+    assert_check_clean(sqlite_url)
+
+
+def test_cli_exposes_the_agent():
+    out = subprocess.run(
+        [sys.executable, "-m", "ipward.cli", "agent", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for option in ("--node", "--store", "--socket", "--metrics-address", "--drain-seconds"):
+        assert option in out
