@@ -26,8 +26,10 @@ import pytest
 
 from conftest import IPWARD, PluginResult, exec_plugin, run_cli
 from etcd_server import etcd_server
+from ipward import blocks
 from ipward import records as rec
 from ipward.plugin import forward
+from ipward.pool import PoolSpec
 from ipward.store import open_store
 from ipward.wire import encode_env, frame, recv_frame
 
@@ -603,3 +605,53 @@ def test_cli_exposes_the_agent():
     ).stdout
     for option in ("--node", "--store", "--socket", "--metrics-address", "--drain-seconds"):
         assert option in out
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 20.0) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_agent_registers_its_node_and_answers_the_handshake(
+    plugin, sqlite_url, start_agent, tmp_path
+):
+    """The agent keeps nodes/<node> under a lease, answers `ready` for an empty marked
+    block of its own and `refused` for one holding an allocation, and deregisters when
+    it stops."""
+    run_cli(
+        "pool",
+        "create",
+        "web",
+        "--range",
+        "10.5.0.0/24",
+        "--block-v4",
+        "28",
+        store=sqlite_url,
+        check=True,
+    )
+    agent = start_agent(sqlite_url, extra=("--duty-interval", "0.1", "--node-ttl", "2"))
+    cfg = config(agent.socket, pool="web")
+    held = exec_plugin(plugin, "ADD", cfg, container="held")
+    assert held.returncode == 0, held
+    with open_store(sqlite_url) as store:
+        assert wait_for(lambda: store.get(rec.node_key(NODE)), "registration").lease
+        spec = PoolSpec.from_dict(rec.decode(store.get("pools/web").value))
+        spare = blocks.assign(store, spec, 4, NODE)
+        busy = "10.5.0.0/28"
+        for cidr in (spare, busy):
+            kv = store.get(rec.block_key("web", cidr))
+            assert blocks.mark(store, "web", kv, time.time())
+
+        def state(cidr: str) -> str:
+            return rec.decode(store.get(rec.block_key("web", cidr)).value)["state"]
+
+        wait_for(lambda: state(spare) == rec.READY, "ready for the empty block")
+        wait_for(lambda: state(busy) == rec.REFUSED, "refused for the block in use")
+        assert agent.stop() == 0
+        assert wait_for(lambda: store.get(rec.node_key(NODE)) is None, "deregistration")

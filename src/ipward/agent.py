@@ -57,10 +57,13 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ipward import cni, jsonc, log
+from ipward import blocks, cni, jsonc, log
+from ipward import records as rec
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import Ledger
+from ipward.pool import PoolSpec
 from ipward.store import Store, StoreError, open_store
+from ipward.store.base import Put
 from ipward.wire import MAX_FRAME, WireError, decode_env, frame, recv_frame
 
 DEFAULT_SOCKET = "/run/ipward/agent.sock"
@@ -588,6 +591,65 @@ class Agent:
         self.store.close()
 
 
+class NodeDuties:
+    """What the agent owes the cluster besides answering plugins, every `interval`:
+    keep `nodes/<node>` alive under a lease (the controller serves registered nodes),
+    and answer the release handshake for this node's marked blocks (DESIGN 5.3)."""
+
+    def __init__(self, store: Store, node: str, interval: float, ttl: int) -> None:
+        self.store = store
+        self.node = node
+        self.interval = interval
+        self.ttl = ttl
+        self.lease = 0
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="duties", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._thread.join(timeout=self.interval + 5)
+        if self.lease:
+            try:
+                self.store.lease_revoke(self.lease)
+            except StoreError as e:
+                log.warning("could not deregister the node", node=self.node, error=str(e))
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.register()
+                self.answer_handshakes()
+            except StoreError as e:
+                log.warning("node duties: store unreachable", node=self.node, error=str(e))
+            self.stopping.wait(self.interval)
+
+    def register(self) -> None:
+        if self.lease and self.store.lease_keepalive(self.lease) > 0:
+            return
+        self.lease = self.store.lease_grant(self.ttl)
+        value = rec.encode({"node": self.node, "pid": os.getpid(), "since": time.time()})
+        self.store.txn([], [Put(rec.node_key(self.node), value, lease=self.lease)])
+        log.info("node registered", node=self.node, lease=self.lease, ttl=self.ttl)
+
+    def answer_handshakes(self) -> list[tuple[str, str]]:
+        """Answer every marked block of this node; returns (block, answer) pairs."""
+        answered = []
+        for pool_kv in self.store.range("pools/")[0]:
+            spec = PoolSpec.from_dict(rec.decode(pool_kv.value))
+            owned, _ = self.store.range(rec.affinity_prefix(spec.name, self.node))
+            for entry in owned:
+                kv = self.store.get(rec.block_key(spec.name, blocks.cidr_of(entry.key)))
+                if kv is None or rec.decode(kv.value).get("state") != rec.MARKED:
+                    continue
+                result = blocks.answer(self.store, spec, kv, time.time())
+                if result is not None:
+                    answered.append((blocks.cidr_of(kv.key), result))
+        return answered
+
+
 def run_agent(
     node: str,
     store_url: str,
@@ -597,6 +659,8 @@ def run_agent(
     allow_gid: int | None,
     max_workers: int,
     drain_seconds: float,
+    duty_interval: float = 1.0,
+    node_ttl: int = 10,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
     signals = [0]
@@ -636,6 +700,8 @@ def run_agent(
         store.close()
         raise
     agent.start()
+    duties = NodeDuties(store, node, duty_interval, node_ttl)
+    duties.start()
     log.info(
         "agent started",
         node=node,
@@ -653,6 +719,7 @@ def run_agent(
     log.info("agent stopping: new connections refused, draining", signal_count=signals[0])
     started = time.monotonic()
     agent.begin_stop()
+    duties.stop()
     left = agent.drain(drain_seconds, cut_short)
     fields = {"seconds": round(time.monotonic() - started, 3), "abandoned": left}
     if left:
@@ -724,6 +791,20 @@ def _parse_gid(text: str | None) -> int | None:
     show_default=True,
     help="On SIGTERM/SIGINT, how long calls in flight may take to finish.",
 )
+@click.option(
+    "--duty-interval",
+    type=click.FloatRange(0.05),
+    default=1.0,
+    show_default=True,
+    help="Seconds between keeping the node registered and answering block handshakes.",
+)
+@click.option(
+    "--node-ttl",
+    type=click.IntRange(1),
+    default=10,
+    show_default=True,
+    help="Lease TTL of the node's registration (etcd raises it to at least 2).",
+)
 @click.pass_context
 def agent_command(
     ctx: click.Context,
@@ -736,6 +817,8 @@ def agent_command(
     log_level: str,
     max_workers: int,
     drain_seconds: float,
+    duty_interval: float,
+    node_ttl: int,
 ) -> None:
     """Serve the CNI plugin of this node over a Unix socket (one agent per node)."""
     log.configure(log_file, log_level, "ipward-agent")
@@ -752,6 +835,8 @@ def agent_command(
         allow_gid=_parse_gid(allow_gid),
         max_workers=max_workers,
         drain_seconds=drain_seconds,
+        duty_interval=duty_interval,
+        node_ttl=node_ttl,
     )
     ctx.exit(status)
 

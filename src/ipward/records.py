@@ -8,6 +8,8 @@
     attach/<network>/<container>/<ifname>         {ips: ["<pool>/<ip>", ...]}
     free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
     freeq/<pool>/<family>/<node>/<ms>/<ip>           the same fact ordered by release time
+    nodes/<node>                                  agent registration, held by its lease
+    controller/leader                             {id, since}, held by the leader's lease
 
 One record per fact and one key per address: nothing grows per pool.
 """
@@ -32,6 +34,10 @@ def decode(raw: bytes) -> dict:
     if not isinstance(value, dict):
         raise ValueError("record is not an object")
     return value
+
+
+def node_key(node: str) -> str:
+    return f"nodes/{node}"
 
 
 def pool_key(pool: str) -> str:
