@@ -319,3 +319,44 @@ class TestMemory:
         sqlite_store.txn([], [Delete("pools/p")])  # `ipward pool delete` elsewhere
         with pytest.raises(UnknownPool):
             ledger.allocate([ledger.get_pool("p")], att(2), PodInfo())
+
+
+def test_concurrent_callers_are_combined_and_get_distinct_addresses(sqlite_url, clock):
+    """Threads of one process (an agent) allocating at once: every address distinct,
+    fewer allocating transactions than allocations, the ledger consistent."""
+    import threading
+
+    from ipward.store import open_store
+
+    store = open_store(sqlite_url)
+    ledger = Ledger(store, "node-a", clock=clock)
+    spec = pool("10.1.0.0/20", cooldown=0)
+    ledger.allocate([spec], att("first"), PodInfo())  # the block is claimed up front
+    commits = []
+    real_txn = ledger._txn
+
+    def counting(compares, ops):
+        done = real_txn(compares, ops)
+        if done and any(op.key.startswith("attach/") for op in ops):
+            commits.append(sum(op.key.startswith("attach/") for op in ops))
+        return done
+
+    ledger._txn = counting
+    got: list[str] = []
+    barrier = threading.Barrier(16)
+
+    def work(t: int) -> None:
+        barrier.wait()
+        for i in range(25):
+            got.append(ledger.allocate([spec], att(f"{t}-{i}"), PodInfo())[0].ip)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == len(set(got)) == 400
+    assert sum(commits) == 400
+    assert len(commits) < 400  # some transactions carried several allocations
+    assert check(store)[0] == []
+    store.close()

@@ -26,6 +26,7 @@ Standard library only: this runs inside the CNI plugin in single-node mode.
 
 from __future__ import annotations
 
+import _thread
 import time
 
 from ipward import log
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from ipward.store.base import Compare, Store
 
 MAX_ATTEMPTS = 100
+MAX_BATCH = 24  # allocations per combined transaction (etcd caps a txn at 128 ops)
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
 
 
@@ -85,6 +87,49 @@ class _Pick:
         self.block = block
         self.compares: list[Compare] = []
         self.ops: list[Put | Delete] = []
+
+
+class _Request:
+    """One ADD waiting to be combined into a batch (see Ledger.allocate)."""
+
+    __slots__ = ("attachment", "done", "error", "pod", "pools", "result", "wake")
+
+    def __init__(self, pools: list[PoolSpec], attachment: Attachment, pod: PodInfo) -> None:
+        self.pools = pools
+        self.attachment = attachment
+        self.pod = pod
+        self.result: list[Allocation] | None = None
+        self.error: Exception | None = None
+        self.done = False
+        self.wake = _thread.allocate_lock()  # not `threading`: it costs the plugin ~1 ms
+        self.wake.acquire()
+
+
+class _Taken:
+    """What earlier requests of a batch picked: addresses, and block cursors moved."""
+
+    __slots__ = ("ips", "next")
+
+    def __init__(self) -> None:
+        self.ips: set[str] = set()
+        self.next: dict[str, int] = {}
+
+
+def _unique_compares(compares: list[Compare]) -> list[Compare]:
+    seen = set()
+    out = []
+    for c in compares:
+        mark = (c.key, c.target, c.op, c.operand)
+        if mark not in seen:
+            seen.add(mark)
+            out.append(c)
+    return out
+
+
+def _last_write_per_key(ops: list[Put | Delete]) -> list[Put | Delete]:
+    """A batch writes a block's cursor once per pick: keep the last (furthest) write."""
+    last = {op.key: op for op in ops}
+    return list(last.values())
 
 
 class _Conflict(Exception):
@@ -131,6 +176,9 @@ class Ledger:
         self.node = node
         self.clock = clock
         self._known: dict[str, KeyValue] = {}  # keys as last read or written, present
+        self._combining = _thread.allocate_lock()
+        self._waiting: dict[tuple[str, ...], list[_Request]] = {}
+        self._leading: set[tuple[str, ...]] = set()
 
     # -- pools ------------------------------------------------------------------------
 
@@ -178,7 +226,119 @@ class Ledger:
         requested: Sequence[str] = (),
     ) -> list[Allocation]:
         """One address per range set of each pool for the attachment, or the addresses it
-        already has. `requested` addresses (bare, no prefix) are used for their family."""
+        already has. `requested` addresses (bare, no prefix) are used for their family.
+
+        Concurrent calls for the same pools are combined: one caller commits a batch of
+        them in one transaction (distinct addresses, every compare kept), instead of all
+        of them racing for the same queue head and block cursor. A batch that fails falls
+        back to one transaction per request. Alone, a call is its own batch of one."""
+        if requested:
+            return self._allocate_one(pools, attachment, pod, requested)
+        me = _Request(pools, attachment, pod)
+        key = tuple(p.name for p in pools)
+        with self._combining:
+            waiting = self._waiting.setdefault(key, [])
+            waiting.append(me)
+            leads = key not in self._leading
+            if leads:
+                self._leading.add(key)
+        if not leads:
+            me.wake.acquire()  # served, or handed the lead
+        if not me.done:
+            self._lead(key)
+        if me.error is not None:
+            raise me.error
+        assert me.result is not None
+        return me.result
+
+    def _lead(self, key: tuple[str, ...]) -> None:
+        """Serve one batch of the waiting requests (this caller's among them), then hand
+        the lead to the next waiting request, so no caller serves others forever."""
+        with self._combining:
+            batch = self._waiting[key][:MAX_BATCH]
+            del self._waiting[key][:MAX_BATCH]
+        self._serve(batch)
+        for request in batch:
+            request.done = True
+        with self._combining:
+            successor = self._waiting[key][0] if self._waiting[key] else None
+            if successor is None:
+                self._leading.discard(key)
+                del self._waiting[key]
+        for request in batch:
+            if request.wake.locked():
+                request.wake.release()
+        if successor is not None:
+            successor.wake.release()  # it wakes not done, so it leads
+
+    def _serve(self, batch: list[_Request]) -> None:
+        results: list[list[Allocation]] | None = None
+        if len(batch) > 1:
+            try:
+                results = self._allocate_group(batch)
+            except _Conflict:
+                results = None
+            except (IpwardError, _NeedsBlock):
+                results = None  # each request finds its own answer below
+        for position, request in enumerate(batch):
+            if results is not None:
+                request.result = results[position]
+                continue
+            try:
+                request.result = self._allocate_one(request.pools, request.attachment, request.pod)
+            except Exception as e:  # handed to the caller, raised in its own thread
+                request.error = e
+
+    def _allocate_group(self, batch: list[_Request]) -> list[list[Allocation]] | None:
+        """One transaction for the whole batch, on a first, optimistic attempt; None if
+        it did not commit."""
+        pools = batch[0].pools
+        compares: list[Compare] = []
+        ops: list[Put | Delete] = []
+        for guard_compares, guard_ops in (self._pool_guard(pool) for pool in pools):
+            compares += guard_compares
+            ops += guard_ops
+        taken = _Taken()
+        refs_of = []
+        now = self.clock()
+        for request in batch:
+            picks = [
+                (pool, self._pick(pool, i, rs, None, False, taken))
+                for pool in pools
+                for i, rs in enumerate(pool.range_sets)
+            ]
+            refs = [f"{p.name}/{k.ip}" for p, k in picks]
+            refs_of.append(refs)
+            compares.append(absent(request.attachment.key))
+            ops.append(Put(request.attachment.key, rec.encode({"ips": refs})))
+            for pool, pick in picks:
+                record = rec.ip_record(
+                    request.attachment, request.pod, self.node, pick.block, now, False
+                )
+                compares += pick.compares
+                ops += pick.ops
+                ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
+        if not self._txn(_unique_compares(compares), _last_write_per_key(ops)):
+            return None
+        results = []
+        for request, refs in zip(batch, refs_of, strict=True):
+            allocations = self._allocations(refs, pools)
+            log.info(
+                "allocated",
+                attachment=repr(request.attachment),
+                ips=[repr(a) for a in allocations],
+                batch=len(batch),
+            )
+            results.append(allocations)
+        return results
+
+    def _allocate_one(
+        self,
+        pools: list[PoolSpec],
+        attachment: Attachment,
+        pod: PodInfo,
+        requested: Sequence[str] = (),
+    ) -> list[Allocation]:
         wanted = self._requested_by_pool(pools, requested)
         refused_once = False
         for attempt in range(MAX_ATTEMPTS):
@@ -275,16 +435,30 @@ class Ledger:
         return wanted
 
     def _pick(
-        self, pool: PoolSpec, index: int, rs: RangeSet, requested: int | None, careful: bool
+        self,
+        pool: PoolSpec,
+        index: int,
+        rs: RangeSet,
+        requested: int | None,
+        careful: bool,
+        taken: _Taken | None = None,
     ) -> _Pick:
         if requested is not None:
             return self._pick_requested(pool, index, rs, requested)
-        head = self._queue_head(pool, index)
+        pick = self._pick_unrequested(pool, index, rs, careful, taken)
+        if taken is not None:
+            taken.ips.add(pick.ip)
+        return pick
+
+    def _pick_unrequested(
+        self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool, taken: _Taken | None
+    ) -> _Pick:
+        head = self._queue_head(pool, index, taken)
         if head is not None and self._cooled(pool, head):
             queued = self._pick_queued(pool, index, head)
             if queued is not None:
                 return queued
-        fresh = self._pick_fresh(pool, index, rs, careful)
+        fresh = self._pick_fresh(pool, index, rs, careful, taken)
         if fresh is not None:
             return fresh
         plan = self._block_plan(pool, rs)
@@ -323,11 +497,19 @@ class Ledger:
             pick.ops += [Delete(free_kv.key), Delete(rec.decode(free_kv.value)["queue"])]
         return pick
 
-    def _queue_head(self, pool: PoolSpec, index: int) -> KeyValue | None:
+    def _queue_head(
+        self, pool: PoolSpec, index: int, taken: _Taken | None = None
+    ) -> KeyValue | None:
+        """The oldest queued address of this node not taken by the batch already."""
+        skip = taken.ips if taken is not None else ()
         kvs, _ = self.store_range(
-            rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node), limit=1
+            rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node),
+            limit=1 + len(skip),
         )
-        return kvs[0] if kvs else None
+        for kv in kvs:
+            if kv.key.rsplit("/", 1)[-1] not in skip:
+                return kv
+        return None
 
     def _cooled(self, pool: PoolSpec, head: KeyValue) -> bool:
         released_ms = int(head.key.rsplit("/", 2)[-2])
@@ -377,7 +559,9 @@ class Ledger:
         pick.ops += [Delete(head.key), Delete(rec.free_key(pool.name, ip))]
         return pick
 
-    def _pick_fresh(self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool) -> _Pick | None:
+    def _pick_fresh(
+        self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool, taken: _Taken | None
+    ) -> _Pick | None:
         """A never-used address from the block this node fills, or None when it is used
         up (or the node fills none yet)."""
         fill = self._get(rec.fill_key(pool.name, rs.family, self.node))
@@ -388,7 +572,7 @@ class Ledger:
         block_kv = self._get(rec.block_key(pool.name, cidr))
         if block is None or block_kv is None:
             return None
-        return self._fresh_in_block(pool, index, block, block_kv, careful)
+        return self._fresh_in_block(pool, index, block, block_kv, careful, taken=taken)
 
     def _fresh_in_block(
         self,
@@ -398,11 +582,15 @@ class Ledger:
         block_kv: KeyValue,
         careful: bool,
         borrow: bool = False,
+        taken: _Taken | None = None,
     ) -> _Pick | None:
         state = rec.decode(block_kv.value)
         if state.get("state") != rec.ACTIVE or (state.get("node") != self.node and not borrow):
             return None
-        offset = block.next_usable(state["next"])
+        start = state["next"]
+        if taken is not None:
+            start = max(start, taken.next.get(block.cidr, 0))
+        offset = block.next_usable(start)
         while offset is not None:
             ip = block.address(offset)
             ip_k, free_k = rec.ip_key(pool.name, ip), rec.free_key(pool.name, ip)
@@ -416,6 +604,8 @@ class Ledger:
                     absent(free_k),
                 ]
                 pick.ops.append(Put(block_kv.key, rec.encode({**state, "next": offset + 1})))
+                if taken is not None:
+                    taken.next[block.cidr] = offset + 1
                 return pick
             offset = block.next_usable(offset + 1)
         return None
