@@ -57,8 +57,9 @@ def addresses(block: Block) -> list[str]:
 
 
 def releasable(block: Block) -> bool:
-    """Small enough for the agent's one-transaction emptiness check."""
-    return block.size <= MAX_RELEASABLE_BLOCK
+    """Small enough for the agent's one-transaction emptiness check: one compare per
+    usable address plus the block's own must fit etcd's cap."""
+    return block.usable_count() + 1 <= MAX_RELEASABLE_BLOCK
 
 
 def mark(store: Store, pool: str, kv: KeyValue, now: float, fence: Sequence[Compare] = ()) -> bool:

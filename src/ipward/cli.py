@@ -524,10 +524,12 @@ def install_cni(bin_dir: str, name: str) -> None:
 def _attach_commands() -> None:
     from ipward.agent import agent_command
     from ipward.bench import bench_command
+    from ipward.controller import controller_command
     from ipward.demo import demo_command
 
     cli.add_command(agent_command, "agent")
     cli.add_command(bench_command, "bench")
+    cli.add_command(controller_command, "controller")
     cli.add_command(demo_command, "demo")
 
 

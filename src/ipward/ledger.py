@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 MAX_ATTEMPTS = 100
 MAX_BATCH = 24  # allocations per combined transaction (etcd caps a txn at 128 ops)
+QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being released
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
 
 
@@ -453,21 +454,18 @@ class Ledger:
     def _pick_unrequested(
         self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool, taken: _Taken | None
     ) -> _Pick:
-        head = self._queue_head(pool, index, taken)
-        if head is not None and self._cooled(pool, head):
-            queued = self._pick_queued(pool, index, head)
-            if queued is not None:
-                return queued
+        queued = self._pick_from_queue(pool, index, taken, cooled_only=True)
+        if queued is not None:
+            return queued
         fresh = self._pick_fresh(pool, index, rs, careful, taken)
         if fresh is not None:
             return fresh
         plan = self._block_plan(pool, rs)
         if plan is not None:
             raise _NeedsBlock(plan)
-        if head is not None:
-            queued = self._pick_queued(pool, index, head)  # still cooling, but the only one
-            if queued is not None:
-                return queued
+        queued = self._pick_from_queue(pool, index, taken, cooled_only=False)
+        if queued is not None:
+            return queued  # still cooling, but the only address left
         if pool.borrow:
             borrowed = self._borrow(pool, index, rs, careful)
             if borrowed is not None:
@@ -497,18 +495,28 @@ class Ledger:
             pick.ops += [Delete(free_kv.key), Delete(rec.decode(free_kv.value)["queue"])]
         return pick
 
-    def _queue_head(
-        self, pool: PoolSpec, index: int, taken: _Taken | None = None
-    ) -> KeyValue | None:
-        """The oldest queued address of this node not taken by the batch already."""
+    def _pick_from_queue(
+        self, pool: PoolSpec, index: int, taken: _Taken | None, cooled_only: bool
+    ) -> _Pick | None:
+        """The oldest queued address of this node that is free to take: not taken by the
+        batch already, in one of its active blocks (entries of a block being released are
+        passed over, so a surplus block is not taken back while others have room), and,
+        if `cooled_only`, past its cooldown. Reads the head first (the common case), and
+        the oldest QUEUE_WINDOW entries only when the head cannot be used."""
         skip = taken.ips if taken is not None else ()
-        kvs, _ = self.store_range(
-            rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node),
-            limit=1 + len(skip),
-        )
-        for kv in kvs:
-            if kv.key.rsplit("/", 1)[-1] not in skip:
-                return kv
+        prefix = rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node)
+        for limit in (1 + len(skip), QUEUE_WINDOW + len(skip)):
+            kvs, _ = self.store_range(prefix, limit=limit)
+            for kv in kvs:
+                if kv.key.rsplit("/", 1)[-1] in skip:
+                    continue
+                if cooled_only and not self._cooled(pool, kv):
+                    return None  # in release order: the rest are cooling too
+                pick = self._pick_queued(pool, index, kv)
+                if pick is not None:
+                    return pick
+            if len(kvs) < limit:
+                return None  # read them all
         return None
 
     def _cooled(self, pool: PoolSpec, head: KeyValue) -> bool:
@@ -596,7 +604,9 @@ class Ledger:
             ip_k, free_k = rec.ip_key(pool.name, ip), rec.free_key(pool.name, ip)
             # A requested address may sit ahead of the cursor. The first attempt trusts the
             # compares to find out; a retry reads and skips what is taken or queued.
-            if not careful or (self._get(ip_k) is None and self._get(free_k) is None):
+            if not careful or (
+                self._get(ip_k, fresh=True) is None and self._get(free_k, fresh=True) is None
+            ):
                 pick = _Pick(index, ip, block.cidr)
                 pick.compares += [
                     at_revision(block_kv.key, block_kv.mod_revision),

@@ -59,7 +59,9 @@ CREATE TABLE IF NOT EXISTS events (
     lease INTEGER NOT NULL,
     PRIMARY KEY (revision, seq)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS leases (id INTEGER PRIMARY KEY, ttl INTEGER NOT NULL,
+-- AUTOINCREMENT: a lease id is never reused, or a holder whose lease expired could
+-- keep alive or revoke the next holder's lease.
+CREATE TABLE IF NOT EXISTS leases (id INTEGER PRIMARY KEY AUTOINCREMENT, ttl INTEGER NOT NULL,
                                    expires_at REAL NOT NULL);
 """
 
@@ -80,7 +82,10 @@ def _row(row: tuple) -> KeyValue:
 
 
 def _prefix_end(prefix: str) -> str:
-    """The smallest string greater than every string starting with `prefix`."""
+    """The smallest string greater than every string starting with `prefix` (for the
+    empty prefix, one above every key: keys are text)."""
+    if not prefix:
+        return chr(0x10FFFF)
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
