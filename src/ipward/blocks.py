@@ -143,6 +143,9 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
     # in a block that is not active; a record here is a bug, so refuse and say so.
     for ip in ips:
         if store.get(rec.ip_key(spec.name, ip)) is not None:
+            now = store.get(kv.key)
+            if now is None or now.mod_revision != kv.mod_revision:
+                return False  # taken back by its node since it was read: nothing wrong
             log.error(
                 "ready block holds an allocation; not released", pool=spec.name, block=cidr, ip=ip
             )

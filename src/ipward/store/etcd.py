@@ -59,6 +59,16 @@ CHANNEL_OPTIONS = [
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 UNAVAILABLE = (*RETRYABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+# etcd (3.4) answers a request whose deadline passes inside the server, as during a
+# leader election, with UNKNOWN and Go's context error: that is a timeout too.
+SERVER_TIMEOUTS = ("context deadline exceeded", "context canceled")
+
+
+def _retryable(code: grpc.StatusCode, details: str | None) -> bool:
+    return code in RETRYABLE or (
+        code == grpc.StatusCode.UNKNOWN and any(t in (details or "") for t in SERVER_TIMEOUTS)
+    )
+
 
 COMPARE_RESULTS = {
     "==": rpc.Compare.EQUAL,
@@ -270,7 +280,7 @@ class EtcdStore(Store):
                     self._token = None
                     reauthenticated = True
                     continue
-                if code not in RETRYABLE:
+                if not _retryable(code, details):
                     raise _error(ep.target, code, details) from None
                 self._failed(index)
                 failures.append(f"{ep.target} ({code.name}: {details})")
@@ -355,7 +365,7 @@ class EtcdWatch(Watch):
         except grpc.RpcError as e:
             if self._cancelled.is_set():
                 return
-            if e.code() in RETRYABLE:
+            if _retryable(e.code(), e.details()):
                 self._store._failed(self._endpoint.index)
             raise _error(target, e.code(), e.details()) from None
         finally:
@@ -428,5 +438,5 @@ def _token_rejected(code: grpc.StatusCode, details: str | None) -> bool:
 
 
 def _error(target: str, code: grpc.StatusCode, details: str | None) -> StoreError:
-    cls = StoreUnavailable if code in UNAVAILABLE else StoreError
+    cls = StoreUnavailable if code in UNAVAILABLE or _retryable(code, details) else StoreError
     return cls(f"etcd {target}: {code.name}: {details}")
