@@ -51,6 +51,7 @@ class AgentProcess:
         node: str = NODE,
         metrics: bool = False,
         extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.store = store
         self.socket = socket_path
@@ -75,7 +76,11 @@ class AgentProcess:
         ]
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env={**os.environ, **(env or {})},
             )
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> AgentProcess:

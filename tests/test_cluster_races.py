@@ -34,7 +34,7 @@ import pytest
 
 from conftest import run_cli
 from etcd_server import EtcdCluster, etcd_cluster, etcd_server
-from ipward import blocks, log
+from ipward import blocks, log, testpoints
 from ipward import records as rec
 from ipward.pool import PoolSpec
 from ipward.store import open_store
@@ -56,10 +56,15 @@ class Agents:
         self.started: list[AgentProcess] = []
 
     def start(
-        self, node: str, store: str, socket_path: Path | None = None, extra: tuple[str, ...] = ()
+        self,
+        node: str,
+        store: str,
+        socket_path: Path | None = None,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> AgentProcess:
         path = socket_path or self.tmp / "run" / node / "agent.sock"
-        agent = AgentProcess(self.tmp, store, path, node=node, extra=extra)
+        agent = AgentProcess(self.tmp, store, path, node=node, extra=extra, env=env)
         self.started.append(agent)
         return agent.wait_ready()
 
@@ -670,8 +675,9 @@ def test_lost_quorum_is_try_again_later(plugin, agents, tmp_path):
 
 
 MARK_ATTEMPTS = 4000
-MARK_SECONDS = 25.0
+MARK_SECONDS = 40.0
 MARK_DELAY = 0.015  # the marker waits 0..this after a block turns active (see the test)
+PAUSE = 0.002  # test-only pause at each critical point (ipward.testpoints)
 ALLOCATORS = 3
 WARM_BLOCKS = 12  # the test's controller keeps the node at this many blocks
 
@@ -782,12 +788,14 @@ def etcd_txns(server) -> int:
 
 def test_mark_versus_allocate(plugin, etcd, agents, monkeypatch):
     """The controller's mark (its read of the block, then its CAS) against the agent's
-    allocations (a read of the block, then the allocating transaction), driven hard
-    without hooks: a tight loop marks every active block of the node, another (the
-    controller's other steps) releases what the agent answered `ready` for, resumes
-    what it refused and assigns blocks to keep the node at WARM_BLOCKS, while plugins
-    ADD and DEL through the agent, which answers the handshake every 50 ms and takes its
-    blocks back when it needs room.
+    allocations (a read of the block, then the allocating transaction), with the
+    test-only pauses of `ipward.testpoints` at both critical points (the agent pauses
+    before each allocating commit, the marker between its read and its CAS) so marks
+    land inside the agent's read-to-commit window thousands of times. A tight loop
+    marks every active block of the node, another (the controller's other steps)
+    releases what the agent answered `ready` for, resumes what it refused and assigns
+    blocks to keep the node at WARM_BLOCKS, while plugins ADD and DEL through the agent,
+    which answers the handshake every 50 ms and takes its blocks back when it needs room.
 
     The marker waits a random 0..MARK_DELAY after it first sees a block active: marking
     the instant a block turns active starves the agent (it takes a block back, the mark
@@ -797,7 +805,13 @@ def test_mark_versus_allocate(plugin, etcd, agents, monkeypatch):
     spec = create_pool(etcd.url, "mv", "10.7.0.0/24", "--cooldown", "0.2")  # 16 /28 blocks
     logged = io.StringIO()  # what ipward logs in this process (the controller's steps)
     monkeypatch.setattr(log, "_sink", logged)
-    agent = agents.start("M", etcd.url, extra=("--duty-interval", "0.05"))
+    agent = agents.start(
+        "M",
+        etcd.url,
+        extra=("--duty-interval", "0.05"),
+        env={"IPWARD_TEST_PAUSES": f"allocate={PAUSE}"},
+    )
+    monkeypatch.setitem(testpoints._PAUSES, "mark", PAUSE)
     cfg = cni_config(agent.socket, "mv")
     stop = threading.Event()
     deadline = time.monotonic() + MARK_SECONDS

@@ -18,7 +18,7 @@ free entries were already cleaned are found again as fresh.
 
 from __future__ import annotations
 
-from ipward import log
+from ipward import log, testpoints
 from ipward import records as rec
 from ipward.pool import MAX_RELEASABLE_BLOCK, PoolSpec
 from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
@@ -69,6 +69,7 @@ def mark(store: Store, pool: str, kv: KeyValue, now: float, fence: Sequence[Comp
     if state.get("state") != rec.ACTIVE:
         return False
     marked = {**state, "state": rec.MARKED, "marked_at": now}
+    testpoints.pause("mark")
     done = store.txn(
         [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(marked))]
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import _thread
 import time
 
-from ipward import log
+from ipward import log, testpoints
 from ipward import records as rec
 from ipward.addr import format_ip, parse_ip
 from ipward.blocks import cidr_of
@@ -319,6 +319,7 @@ class Ledger:
                 compares += pick.compares
                 ops += pick.ops
                 ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
+        testpoints.pause("allocate")
         if not self._txn(_unique_compares(compares), _last_write_per_key(ops)):
             return None
         results = []
@@ -404,6 +405,7 @@ class Ledger:
                 compares += pick.compares
                 ops += pick.ops
                 ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
+            testpoints.pause("allocate")
             if self._txn(compares, ops):
                 allocations = self._allocations([f"{p.name}/{k.ip}" for p, k in picks], pools)
                 log.info(
