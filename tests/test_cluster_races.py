@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import IPWARD, run_cli
 from etcd_server import EtcdCluster, etcd_cluster, etcd_server
 from ipward import blocks, log, testpoints
 from ipward import records as rec
@@ -1014,3 +1014,67 @@ def test_release_after_a_take_back_is_no_alarm(plugin, etcd, agents, monkeypatch
     assert holders(etcd.url, "tb") == {"second": [second.address]}
     assert_check_clean(etcd.url)
     assert "ready block holds an allocation" not in err, err
+
+
+def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
+    """A real controller asks back the node's only block (empty, beyond warm 0); the
+    agent answers `ready`; before the controller's delay runs out a burst of ADDs comes.
+    The node takes the block back (the pool has no other block), every ADD succeeds, the
+    controller's release loses its CAS, and the block stays the node's, active."""
+    create_pool(etcd.url, "ab", "10.6.0.0/28", "--cooldown", "0", "--release-delay", "0.3")
+    agent = agents.start("AB", etcd.url, extra=("--duty-interval", "0.05"))
+    cfg = cni_config(agent.socket, "ab")
+    first = call(plugin, "ADD", cfg, "first")
+    assert first.ok, first
+    assert call(plugin, "DEL", cfg, "first").ok
+    controller_log = tmp_path / "controller.log"
+    controller = subprocess.Popen(
+        [
+            *IPWARD,
+            "controller",
+            "--store",
+            etcd.url,
+            "--interval",
+            "0.1",
+            "--lease-ttl",
+            "3",
+            "--ready-delay",
+            "5",
+            "--metrics-address",
+            "off",
+            "--log-file",
+            str(controller_log),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with open_store(etcd.url) as store:
+            key = rec.block_key("ab", "10.6.0.0/28")
+
+            def state() -> str | None:
+                kv = store.get(key)
+                return rec.decode(kv.value)["state"] if kv else None
+
+            wait_for(lambda: state() == rec.READY, "the agent's ready answer")
+            burst: list[Answer] = []
+            threads = [
+                threading.Thread(target=lambda n=n: burst.append(call(plugin, "ADD", cfg, f"b{n}")))
+                for n in range(8)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert all(a.ok for a in burst), [a for a in burst if not a.ok]
+            assert state() == rec.ACTIVE
+            assert rec.decode(store.get(key).value)["node"] == "AB"
+            time.sleep(1.0)  # ten controller passes: none may release the taken-back block
+            assert state() == rec.ACTIVE
+            assert len(store.range("ips/ab/")[0]) == 8
+    finally:
+        controller.terminate()
+        controller.wait(15)
+    assert_check_clean(etcd.url)
+    assert "block released" not in controller_log.read_text()
