@@ -200,3 +200,22 @@ def test_take_back_after_partial_cleanup_loses_no_address(sqlite_store, a, clock
     assert len(got) == 14
     assert not blocks.release(sqlite_store, pool, ready)
     assert check(sqlite_store)[0] == []
+
+
+def test_borrowing_takes_another_nodes_freed_address(sqlite_store, a, b):
+    """The pool's only block is b's and full; b frees one address; a borrows it from
+    b's free queue (not a fresh one: there is none), and giving it back returns it to
+    b's queue."""
+    pool = PoolSpec(
+        "p", [[{"subnet": "10.0.0.0/28"}]], block_prefix={4: 28}, cooldown=0, borrow=True
+    )
+    for i in range(14):
+        b.allocate([pool], att(f"b{i}"), PodInfo())
+    b.release(att("b3"))
+    got = a.allocate([pool], att("borrower"), PodInfo())[0].ip
+    assert got == "10.0.0.4"
+    record = rec.decode(sqlite_store.get(rec.ip_key("p", got)).value)
+    assert record["node"] == "node-a" and record["block"] == "10.0.0.0/28"
+    a.release(att("borrower"))
+    assert [kv.key.rsplit("/", 1)[-1] for kv in sqlite_store.range("freeq/p/4/node-b/")[0]] == [got]
+    assert check(sqlite_store)[0] == []

@@ -525,10 +525,12 @@ class Ledger:
         released_ms = int(head.key.rsplit("/", 2)[-2])
         return released_ms / 1000 + pool.cooldown <= self.clock()
 
-    def _pick_queued(self, pool: PoolSpec, index: int, head: KeyValue) -> _Pick | None:
-        """The queue head's address, or None when its block is not this node's active
-        block (being released: the ledger looks elsewhere, and takes the block back only
-        if it must)."""
+    def _pick_queued(
+        self, pool: PoolSpec, index: int, head: KeyValue, owner: str | None = None
+    ) -> _Pick | None:
+        """The queue entry's address, or None when its block is not `owner`'s (this
+        node's, unless borrowing) active block (being released: the ledger looks
+        elsewhere, and takes the block back only if it must)."""
         ip = head.key.rsplit("/", 1)[-1]
         record = self._get(rec.ip_key(pool.name, ip))
         if record is not None:
@@ -558,7 +560,7 @@ class Ledger:
             )
             raise _Conflict
         state = rec.decode(block_kv.value)
-        if state.get("state") != rec.ACTIVE or state.get("node") != self.node:
+        if state.get("state") != rec.ACTIVE or state.get("node") != (owner or self.node):
             return None
         pick = _Pick(index, ip, block.cidr)
         pick.compares += [
@@ -710,14 +712,27 @@ class Ledger:
         log.info("block", pool=pool, block=cidr, node=self.node, reason=reason)
 
     def _borrow(self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool) -> _Pick | None:
-        """One never-used address from another node's active block (the pool allows
-        borrowing and no block is free). Scans the pool's blocks: only when exhausted."""
-        kvs, _ = self.store_range(f"blocks/{pool.name}/")
-        for kv in kvs:
-            block = rs.block_by_cidr(kv.key.split("/", 2)[2])
-            if block is None or rec.decode(kv.value).get("node") == self.node:
+        """One address of another node's active block (the pool allows borrowing and no
+        block is free): the oldest entry of the other nodes' free queues, else a
+        never-used address of the block another node fills. Reads grow with the number
+        of nodes, not the pool's size. Released, the address goes back to its owner."""
+        family = rs.family
+        queued, _ = self.store_range(f"freeq/{pool.name}/{family}/", limit=QUEUE_WINDOW)
+        for kv in queued:
+            owner = kv.key.split("/")[3]
+            if owner != self.node and self._cooled(pool, kv):
+                pick = self._pick_queued(pool, index, kv, owner=owner)
+                if pick is not None:
+                    return pick
+        fills, _ = self.store_range(f"fill/{pool.name}/{family}/")
+        for fill in fills:
+            if fill.key.rsplit("/", 1)[-1] == self.node:
                 continue
-            pick = self._fresh_in_block(pool, index, block, kv, careful, borrow=True)
+            cidr = rec.decode(fill.value)["block"]
+            block, block_kv = rs.block_by_cidr(cidr), self._get(rec.block_key(pool.name, cidr))
+            if block is None or block_kv is None:
+                continue
+            pick = self._fresh_in_block(pool, index, block, block_kv, careful, borrow=True)
             if pick is not None:
                 return pick
         return None
