@@ -368,6 +368,7 @@ def test_one_leader_and_a_successor_after_sigkill(store_url, store, spawn):
 # -- 2. warm target ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
 def test_warm_target_per_node_and_family_with_a_ledger_racing(store_url, store, spawn):
     create_pool(
         store_url,
@@ -451,6 +452,7 @@ def test_surplus_blocks_are_marked_answered_and_released(store_url, store, spawn
 # -- 4. refused --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
 def test_a_refused_block_is_resumed(store_url, store, spawn):
     create_pool(store_url, "--range 10.0.0.0/24 --block-v4 28 --warm 1 --release-delay 1000")
     register(store, "n1")
@@ -483,6 +485,7 @@ def test_a_refused_block_is_resumed(store_url, store, spawn):
 # -- 5. abort: the node takes its block back ---------------------------------------------
 
 
+@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
 def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
     # One block in the whole pool, warm 0: once empty it is surplus.
     create_pool(store_url, "--range 10.0.0.0/28 --block-v4 28 --warm 0 --release-delay 1")
@@ -520,6 +523,7 @@ def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
 # -- 6. controller killed in every handshake state ---------------------------------------
 
 
+@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
 def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
     # Four /26 blocks, all n1's, with 254 free entries: two cleanup chunks per block.
     create_pool(store_url, "--range 10.0.0.0/24 --block-v4 26 --warm 10 --release-delay 1")
