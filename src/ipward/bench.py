@@ -9,6 +9,12 @@ speed; targets are printed next to the figures for the reader.
    next to `/usr/bin/python3 -I -S -c pass` and Debian's host-local ADD, interleaved.
 3. Allocate latency in the ledger as a pool fills: an empty /24 next to a /16 that is 90%
    full, an IPv6 /64 and a 10.0.0.0/8 with 10,000 addresses in use.
+
+`ipward bench --cluster` instead (`run_cluster`): N real `ipward agent` processes on one
+temporary etcd, C client threads per agent looping ADD then DEL through the plugin's own
+socket call, next to raw etcd CAS by as many threads in the same run (the two loads take
+turns in rounds); then plugin exec ADD through an agent next to the bare interpreter and
+host-local.
 """
 
 from __future__ import annotations
@@ -24,19 +30,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import click
 
 import ipward
+from ipward import records as rec
 from ipward.ledger import Ledger
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
-from ipward.store.base import Put, Store, StoreError, at_revision
+from ipward.store.base import Put, Store, StoreError, absent, at_revision
 from ipward.store.sqlite import SqliteStore
 
 ETCD = "/usr/bin/etcd"
@@ -66,6 +75,14 @@ def p99(samples: Sequence[float]) -> float:
         raise ValueError("p99 of no samples")
     ordered = sorted(samples)
     return ordered[max(math.ceil(0.99 * len(ordered)) - 1, 0)]
+
+
+def percentile(samples: Sequence[float], q: int) -> float:
+    """q-th percentile (0 < q <= 100), nearest rank, as p99."""
+    if not samples or not 0 < q <= 100:
+        raise ValueError(f"percentile {q} of {len(samples)} samples")
+    ordered = sorted(samples)
+    return ordered[max(-(-q * len(ordered) // 100) - 1, 0)]
 
 
 def _summary(samples_s: Sequence[float]) -> tuple[float, float]:
@@ -282,22 +299,15 @@ class _Exec:
         return elapsed
 
 
-def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float | str]:
-    """ADD exec latency of the installed plugin, of a bare interpreter and of host-local,
-    interleaved run by run; DEL of every ADD afterwards (not timed)."""
+def _exec_kinds(tmp: Path, ipward_cfg: bytes) -> tuple[str, dict[str, _Exec]]:
+    """Install the plugin in tmp/bin; the bare interpreter, the plugin with `ipward_cfg`
+    and host-local (when installed), in that order, and how the plugin was installed."""
     if not os.access(PLUGIN_PYTHON, os.X_OK):
         raise BenchError(f"{PLUGIN_PYTHON} is missing: the plugin's interpreter")
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
     installed = _install_plugin(bin_dir)
     cni_path = f"{bin_dir}:{CNI_BIN_DIR}"
-    ipward_cfg = _ipam_config(
-        {
-            "type": "ipward",
-            "store": f"sqlite://{tmp}/b.db",
-            "ranges": [[{"subnet": "10.10.0.0/16"}]],
-        }
-    )
     host_local_cfg = _ipam_config(
         {
             "type": "host-local",
@@ -311,6 +321,28 @@ def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float | str
     }
     if os.access(HOST_LOCAL, os.X_OK):
         kinds["host_local"] = _Exec([HOST_LOCAL], host_local_cfg, cni_path)
+    return installed, kinds
+
+
+def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float | str]:
+    """ADD exec latency of the installed plugin, of a bare interpreter and of host-local,
+    interleaved run by run; DEL of every ADD afterwards (not timed)."""
+    ipward_cfg = _ipam_config(
+        {
+            "type": "ipward",
+            "store": f"sqlite://{tmp}/b.db",
+            "ranges": [[{"subnet": "10.10.0.0/16"}]],
+        }
+    )
+    installed, kinds = _exec_kinds(tmp, ipward_cfg)
+    out: dict[str, float | str] = {"installed": installed}
+    out.update(_interleaved_adds(kinds, runs, warmup))
+    return out
+
+
+def _interleaved_adds(kinds: dict[str, _Exec], runs: int, warmup: int) -> dict[str, float]:
+    """ADD of every kind, interleaved run by run; then DEL of every ADD of the kinds that
+    allocate (not timed). {kind.median_ms, kind.p99_ms} for each kind."""
     samples: dict[str, list[float]] = {k: [] for k in kinds}
     added: list[str] = []
     for i in range(-warmup, runs):
@@ -324,7 +356,7 @@ def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float | str
         for kind in ("ipward", "host_local"):
             if kind in kinds:
                 kinds[kind].run("DEL", container)
-    out: dict[str, float | str] = {"installed": installed}
+    out: dict[str, float] = {}
     for kind, values in samples.items():
         out[f"{kind}.median_ms"], out[f"{kind}.p99_ms"] = _summary(values)
     return out
@@ -670,6 +702,548 @@ def _etcd_store(root: Path) -> Iterator[Store]:
             store.close()
 
 
+# -- the cluster: agents on one etcd -------------------------------------------------------
+
+CLUSTER_POOL = "benchcluster"
+CLUSTER_SUBNET = "10.64.0.0/14"
+CLUSTER_BLOCK_V4 = 26
+AGENT_READY_TIMEOUT = 30.0
+AGENT_STOP_TIMEOUT = 10.0
+AGENT_MAX_WORKERS = 16  # the agent's default --max-workers, which the bench leaves as is
+TARGET_CLUSTER_VS_CAS = 0.5  # aggregate ADDs/s >= 0.5 x raw CAS/s at the same concurrency
+TARGET_AGENT_EXEC_OVER_PYTHON_MS = 5.0  # plugin ADD (through the agent) - bare interpreter
+
+
+class _AgentProcess:
+    """One real `ipward agent` process of the bench's cluster, its log in a file."""
+
+    def __init__(self, root: Path, index: int, store_url: str) -> None:
+        self.node = f"bench-node-{index}"
+        self.socket = str(root / "sockets" / f"agent-{index}.sock")
+        self.log_path = root / f"agent-{index}.log"
+        self.stderr_path = root / f"agent-{index}.stderr"
+        args = [
+            sys.executable,
+            "-m",
+            "ipward.cli",
+            "agent",
+            "--node",
+            self.node,
+            "--store",
+            store_url,
+            "--socket",
+            self.socket,
+            "--metrics-address",
+            "off",
+            "--log-file",
+            str(self.log_path),
+        ]
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
+            )
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until a VERSION call through its socket is answered."""
+        from ipward.plugin import forward
+        from ipward.wire import WireError
+
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"agent {self.node} exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                status, _ = forward(self.socket, {"CNI_COMMAND": "VERSION"}, b"{}", timeout=5.0)
+                if status == 0:
+                    return
+            except (OSError, WireError):
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError(f"agent {self.node} did not answer in time:\n{self.tail()}")
+            time.sleep(0.02)
+
+    def tail(self, lines: int = 15) -> str:
+        text = ""
+        for path in (self.stderr_path, self.log_path):
+            if path.exists():
+                text += path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM (the agent drains and exits), then SIGKILL if it does not."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(AGENT_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _cluster_pool() -> PoolSpec:
+    return PoolSpec(
+        CLUSTER_POOL,
+        [[{"subnet": CLUSTER_SUBNET}]],
+        cooldown=0,
+        block_prefix={4: CLUSTER_BLOCK_V4},
+    )
+
+
+def _create_pool(store: Store, spec: PoolSpec) -> None:
+    key = rec.pool_key(spec.name)
+    if not store.txn([absent(key)], [Put(key, rec.encode(spec.to_dict()))]).succeeded:
+        raise BenchError(f"pool {spec.name} already exists in the bench's own etcd")
+
+
+class _Client:
+    """One client thread of the cluster load: ADD then DEL of a new attachment, again and
+    again, through `forward()` to its agent (what the plugin executable does)."""
+
+    def __init__(self, index: int, socket_path: str) -> None:
+        self.index = index
+        self.socket = socket_path
+        self.stdin = _ipam_config(
+            {"type": "ipward", "agentSocket": socket_path, "pool": CLUSTER_POOL}
+        )
+        self.base_env = {
+            "CNI_IFNAME": "eth0",
+            "CNI_NETNS": "/var/run/netns/bench",
+            "CNI_PATH": CNI_BIN_DIR,
+        }
+        self.seq = 0
+        self.adds = 0  # successful ADDs measured
+        self.dels = 0
+        self.add_s: list[float] = []
+        self.del_s: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.examples: dict[str, str] = {}
+
+    def call(self, command: str, container: str) -> tuple[bool, float]:
+        from ipward.plugin import forward
+
+        env = dict(self.base_env, CNI_COMMAND=command, CNI_CONTAINERID=container)
+        start = time.perf_counter()
+        try:
+            status, out = forward(self.socket, env, self.stdin)
+        except Exception as e:  # what the plugin answers then: 11, try again later
+            status, out = 1, json.dumps({"code": 11, "msg": f"{type(e).__name__}: {e}"}).encode()
+        elapsed = time.perf_counter() - start
+        if status != 0:
+            try:
+                code = str(json.loads(out).get("code"))
+            except (ValueError, AttributeError):
+                code = "?"
+            key = f"{command} code {code}"
+            self.errors[key] = self.errors.get(key, 0) + 1
+            self.examples.setdefault(key, out.decode(errors="replace").strip()[:300])
+        return status == 0, elapsed
+
+    def loop(self, pairs: int | None, seconds: float | None, measured: bool) -> None:
+        """ADD+DEL pairs until `pairs` are done or `seconds` have passed."""
+        clock = time.perf_counter
+        deadline = clock() + seconds if seconds is not None else math.inf
+        done = 0
+        while (pairs is None or done < pairs) and clock() < deadline:
+            container = f"c{self.index}-{self.seq}"
+            self.seq += 1
+            added, add_s = self.call("ADD", container)
+            deleted, del_s = self.call("DEL", container)  # also after a failed ADD, as a runtime
+            done += 1
+            if measured:
+                self.add_s.append(add_s)
+                self.del_s.append(del_s)
+                self.adds += added
+                self.dels += deleted
+
+
+class _CasClient:
+    """One thread of the reference: get + txn(compare mod_revision, put) on a key of its
+    own, through a store client it shares with the other threads of its group."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store = store
+        self.key = key
+        self.count = 0
+        self.cas_s: list[float] = []
+
+    def loop(self, n: int | None, seconds: float | None, measured: bool) -> None:
+        get, txn, key = self.store.get, self.store.txn, self.key
+        clock = time.perf_counter
+        deadline = clock() + seconds if seconds is not None else math.inf
+        done = 0
+        while (n is None or done < n) and clock() < deadline:
+            start = clock()
+            kv = get(key)
+            result = txn([at_revision(key, kv.mod_revision if kv else 0)], [Put(key, b"%d" % done)])
+            elapsed = clock() - start
+            if not result.succeeded:
+                raise BenchError(f"CAS on {key} failed: something else writes the bench key")
+            done += 1
+            if measured:
+                self.cas_s.append(elapsed)
+                self.count += 1
+
+
+def _parallel(work: Sequence[Callable[[], None]]) -> float:
+    """Run each callable in a thread of its own, all released at once; returns the
+    seconds from the release to the end of the last one. Re-raises the first failure."""
+    barrier = threading.Barrier(len(work) + 1)
+    failures: list[BaseException] = []
+
+    def target(fn: Callable[[], None]) -> None:
+        try:
+            barrier.wait()
+            fn()
+        except BaseException as e:  # handed to the caller after every thread has ended
+            failures.append(e)
+
+    threads = [threading.Thread(target=target, args=(fn,), daemon=True) for fn in work]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if failures:
+        raise failures[0]
+    return elapsed
+
+
+def _etcd_counters(client_url: str) -> dict[str, float] | None:
+    """etcd's own counts (from its /metrics): Txn and Range calls served, WAL fsyncs;
+    None when they cannot be read (the figures are diagnostics, not the measurement)."""
+    counts = {"txn": 0.0, "range": 0.0, "fsync": 0.0}
+    try:
+        with urllib.request.urlopen(client_url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith("grpc_server_handled_total{"):
+                if 'grpc_method="Txn"' in line:
+                    counts["txn"] += float(line.rsplit(" ", 1)[1])
+                elif 'grpc_method="Range"' in line:
+                    counts["range"] += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("etcd_disk_wal_fsync_duration_seconds_count "):
+                counts["fsync"] = float(line.rsplit(" ", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return counts
+
+
+class _Counted:
+    """etcd's counts summed over the phases of one kind."""
+
+    def __init__(self, client_url: str) -> None:
+        self.client_url = client_url
+        self.sums: dict[str, float] | None = {"txn": 0.0, "range": 0.0, "fsync": 0.0}
+        self.seconds = 0.0
+
+    def measure(self, phase: Callable[[], float]) -> float:
+        before = _etcd_counters(self.client_url)
+        elapsed = phase()
+        after = _etcd_counters(self.client_url)
+        self.seconds += elapsed
+        if before is None or after is None or self.sums is None:
+            self.sums = None
+        else:
+            for k in self.sums:
+                self.sums[k] += after[k] - before[k]
+        return elapsed
+
+
+def agent_exec_latency(tmp: Path, socket_path: str, runs: int, warmup: int = 5) -> dict:
+    """ADD exec latency of the installed plugin forwarding to the agent at `socket_path`
+    (`agentSocket` in its config), of a bare interpreter and of host-local, interleaved
+    run by run; DEL of every ADD afterwards (not timed)."""
+    ipward_cfg = _ipam_config({"type": "ipward", "agentSocket": socket_path, "pool": CLUSTER_POOL})
+    installed, kinds = _exec_kinds(tmp, ipward_cfg)
+    out: dict[str, float | str] = {"installed": installed}
+    out.update(_interleaved_adds(kinds, runs, warmup))
+    return out
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _ms(samples: Sequence[float], q: int) -> float:
+    return percentile(samples, q) * 1000
+
+
+def run_cluster(
+    agents: int = 3,
+    concurrency: int = 8,
+    duration: float | None = None,
+    quick: bool = False,
+    out: Callable[[str], object] = print,
+    operations: int | None = None,
+    chunks: int | None = None,
+) -> dict:
+    """`agents` real agent processes on one temporary etcd, `concurrency` client threads
+    per agent looping ADD then DEL through `forward()`, next to raw etcd CAS by as many
+    threads (one store client per `concurrency` threads, like the agents), the two loads
+    taking turns in `chunks`; then plugin exec ADD through an agent next to a bare
+    interpreter and host-local. Each load runs `duration` seconds in all (20, --quick 4)
+    or, with `operations`, that many ADD+DEL pairs (and raw CAS) per thread in all.
+    Prints a report with `out`; returns {"machine", "figures", "targets", "errors",
+    "notes"} like `run`."""
+    if agents < 1 or concurrency < 1:
+        raise BenchError("--agents and --concurrency must be at least 1")
+    if not os.access(ETCD, os.X_OK):
+        raise BenchError(f"{ETCD} is missing (Debian package etcd-server): --cluster needs it")
+    from ipward.store.etcd import EtcdStore  # grpc: only when etcd is measured
+
+    began = time.perf_counter()
+    threads = agents * concurrency
+    chunks = chunks or (2 if quick else 4)
+    if duration is None:
+        duration = 4.0 if quick else 20.0
+    per_chunk_ops = None if operations is None else max(operations // chunks, 1)
+    per_chunk_s = None if operations is not None else duration / chunks
+    warm_pairs = 3 if quick else 10
+    exec_runs = 40 if quick else 200
+    figures: dict[str, float] = {}
+    targets: dict[str, dict] = {}
+    notes: dict[str, str] = {}
+    info = machine()
+    out(
+        f"ipward bench --cluster{' --quick' if quick else ''}: {_plural(agents, 'agent')} x"
+        f" {concurrency} concurrent ADDs on one etcd; {info['nproc']} CPUs ({info['platform']})"
+    )
+    out(
+        f"  python {info['python']}; plugin {info['plugin_python']};"
+        f" sqlite {info['sqlite']}; etcd {info['etcd']}"
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="ipward-bench-cluster-") as tmp_name,
+        contextlib.ExitStack() as stack,
+    ):
+        tmp = Path(tmp_name)
+        (tmp / "etcd").mkdir()
+        url = stack.enter_context(_etcd(tmp / "etcd"))
+        client_url = "http://" + url.removeprefix("etcd://")
+        admin = EtcdStore.from_url(url)
+        stack.callback(admin.close)
+        spec = _cluster_pool()
+        _create_pool(admin, spec)
+        out(
+            f"  ... etcd up; pool {spec.name} {CLUSTER_SUBNET} (/{CLUSTER_BLOCK_V4} blocks,"
+            f" cooldown 0); starting {_plural(agents, 'agent')}"
+        )
+        procs: list[_AgentProcess] = []
+        for i in range(agents):
+            proc = _AgentProcess(tmp, i, url)
+            stack.callback(proc.stop)  # stopped before etcd (the stack unwinds in reverse)
+            procs.append(proc)
+        deadline = time.monotonic() + AGENT_READY_TIMEOUT
+        for proc in procs:
+            proc.wait_ready(deadline)
+        stores = []
+        for _ in range(agents):
+            store = EtcdStore.from_url(url)
+            stack.callback(store.close)
+            stores.append(store)
+        clients = [_Client(i, procs[i // concurrency].socket) for i in range(threads)]
+        cas = [_CasClient(stores[i // concurrency], f"bench/cas/{i}") for i in range(threads)]
+
+        # 1. cluster allocation rate and the raw CAS rate, taking turns ----------------
+        out(f"  ... warm-up: {warm_pairs} ADD+DEL pairs and {warm_pairs} raw CAS per thread")
+        _parallel([partial(c.loop, warm_pairs, None, False) for c in clients])
+        _parallel([partial(c.loop, warm_pairs, None, False) for c in cas])
+        size = f"{per_chunk_ops} per thread" if per_chunk_ops else f"{per_chunk_s:.1f} s"
+        out(
+            f"  ... {chunks} rounds of {size}: {threads} threads of ADD+DEL through the agents,"
+            f" then {threads} threads of raw CAS"
+        )
+        counted_cluster = _Counted(client_url)
+        counted_cas = _Counted(client_url)
+        cluster_load = [partial(c.loop, per_chunk_ops, per_chunk_s, True) for c in clients]
+        cas_load = [partial(c.loop, per_chunk_ops, per_chunk_s, True) for c in cas]
+        for _ in range(chunks):
+            counted_cluster.measure(partial(_parallel, cluster_load))
+            counted_cas.measure(partial(_parallel, cas_load))
+        adds = sum(c.adds for c in clients)
+        dels = sum(c.dels for c in clients)
+        pairs = sum(len(c.add_s) for c in clients)
+        add_s = [x for c in clients for x in c.add_s]
+        del_s = [x for c in clients for x in c.del_s]
+        cas_s = [x for c in cas for x in c.cas_s]
+        n_cas = sum(c.count for c in cas)
+        if not adds or not n_cas:
+            raise BenchError("no ADD succeeded: see the errors" if n_cas else "no CAS measured")
+        errors: dict[str, int] = {}
+        examples: dict[str, str] = {}
+        for c in clients:
+            for key, count in c.errors.items():
+                errors[key] = errors.get(key, 0) + count
+            for key, text in c.examples.items():
+                examples.setdefault(key, text)
+        cluster_s, cas_wall = counted_cluster.seconds, counted_cas.seconds
+        figures["cluster.add_per_s"] = adds / cluster_s
+        figures["cluster.del_per_s"] = dels / cluster_s
+        # As the single-node figure "allocs/s": ADDs over the time spent in ADD calls,
+        # each thread's own, summed over the threads.
+        figures["cluster.add_per_s_in_add_time"] = sum(
+            len(c.add_s) / sum(c.add_s) for c in clients if c.add_s
+        )
+        figures["cluster.raw_cas_per_s"] = n_cas / cas_wall
+        for name, samples in (("add", add_s), ("del", del_s), ("cas", cas_s)):
+            for q in (50, 90, 99):
+                figures[f"cluster.{name}_p{q}_ms"] = _ms(samples, q)
+        ratio = figures["cluster.add_per_s"] / figures["cluster.raw_cas_per_s"]
+        figures["cluster.vs_cas"] = ratio
+        figures["cluster.add_time_vs_cas"] = (
+            figures["cluster.add_per_s_in_add_time"] / figures["cluster.raw_cas_per_s"]
+        )
+        figures["cluster.pairs"] = float(pairs)
+        figures["cluster.cas"] = float(n_cas)
+        ok = ratio >= TARGET_CLUSTER_VS_CAS
+        targets["cluster.vs_cas"] = {
+            "value": ratio,
+            "target": f">= {TARGET_CLUSTER_VS_CAS}",
+            "met": ok,
+        }
+        if counted_cluster.sums is not None and counted_cas.sums is not None:
+            sums = counted_cluster.sums
+            figures["cluster.etcd_txn_per_pair"] = sums["txn"] / pairs
+            figures["cluster.etcd_range_per_pair"] = sums["range"] / pairs
+            figures["cluster.etcd_fsync_per_s"] = sums["fsync"] / cluster_s
+            sums = counted_cas.sums
+            figures["cluster.cas_etcd_txn_per_cas"] = sums["txn"] / n_cas
+            figures["cluster.cas_etcd_fsync_per_s"] = sums["fsync"] / cas_wall
+
+        # 2. plugin exec through an agent ---------------------------------------------
+        out(
+            f"  ... plugin exec: {exec_runs} ADDs each of python, ipward (through agent 0)"
+            " and host-local, interleaved"
+        )
+        exec_dir = tmp / "exec"
+        exec_dir.mkdir()
+        ex = agent_exec_latency(exec_dir, procs[0].socket, exec_runs)
+        notes["plugin_installed_by"] = str(ex.pop("installed"))
+        for key, value in ex.items():
+            figures[f"exec.{key}"] = float(value)
+        diff = figures["exec.ipward.median_ms"] - figures["exec.python.median_ms"]
+        figures["exec.ipward_minus_python_ms"] = diff
+        exec_ok = diff <= TARGET_AGENT_EXEC_OVER_PYTHON_MS
+        targets["exec.ipward_minus_python_ms"] = {
+            "value": diff,
+            "target": f"<= {TARGET_AGENT_EXEC_OVER_PYTHON_MS} ms",
+            "met": exec_ok,
+        }
+        out(f"  ... stopping {_plural(agents, 'agent')} and etcd")
+    # (agents and etcd are stopped here, also when anything above failed)
+
+    f = figures
+    heading = f"1. {_plural(agents, 'agent')} x {concurrency}, one etcd ({threads} threads)"
+    rows = [[heading, "per s", "p50 ms", "p90 ms", "p99 ms", "vs CAS", "target"]]
+    rows.append(
+        [
+            f"raw etcd CAS, {_plural(agents, 'client')} x {concurrency} threads",
+            f"{f['cluster.raw_cas_per_s']:.0f}",
+            f"{f['cluster.cas_p50_ms']:.2f}",
+            f"{f['cluster.cas_p90_ms']:.2f}",
+            f"{f['cluster.cas_p99_ms']:.2f}",
+            "1.00x",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "ADD through the agents",
+            f"{f['cluster.add_per_s']:.0f}",
+            f"{f['cluster.add_p50_ms']:.2f}",
+            f"{f['cluster.add_p90_ms']:.2f}",
+            f"{f['cluster.add_p99_ms']:.2f}",
+            f"{ratio:.2f}x",
+            f">= {TARGET_CLUSTER_VS_CAS}x {_verdict(ok)}",
+        ]
+    )
+    rows.append(
+        [
+            "DEL through the agents",
+            f"{f['cluster.del_per_s']:.0f}",
+            f"{f['cluster.del_p50_ms']:.2f}",
+            f"{f['cluster.del_p90_ms']:.2f}",
+            f"{f['cluster.del_p99_ms']:.2f}",
+            "",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "ADD, counting ADD time only",
+            f"{f['cluster.add_per_s_in_add_time']:.0f}",
+            "",
+            "",
+            "",
+            f"{f['cluster.add_time_vs_cas']:.2f}x",
+            "",
+        ]
+    )
+    exec_rows = [[f"2. exec latency ({exec_runs} runs)", "median ms", "p99 ms", ""]]
+    labels = {
+        "python": f"{PLUGIN_PYTHON} -I -S -c pass",
+        "host_local": "host-local ADD",
+        "ipward": "ipward ADD (through the agent)",
+    }
+    for kind, label in labels.items():
+        if f"exec.{kind}.median_ms" in f:
+            exec_rows.append(
+                [label, f"{f[f'exec.{kind}.median_ms']:.2f}", f"{f[f'exec.{kind}.p99_ms']:.2f}", ""]
+            )
+        else:
+            exec_rows.append([label, "skipped", f"({HOST_LOCAL} is missing)", ""])
+    exec_rows.append(
+        [
+            "ipward - python (median)",
+            f"{diff:+.2f}",
+            "",
+            f"<= {TARGET_AGENT_EXEC_OVER_PYTHON_MS:.0f} ms {_verdict(exec_ok)}",
+        ]
+    )
+    elapsed = time.perf_counter() - began
+    out("")
+    _table(rows, out)
+    if errors:
+        for key, count in sorted(errors.items()):
+            out(f"  ERRORS: {key}: {count} (first: {examples[key]})")
+    else:
+        out(f"  errors: none in {sum(len(c.add_s) for c in clients)} measured ADD+DEL pairs")
+    if "cluster.etcd_txn_per_pair" in f:
+        out(
+            f"  etcd served {f['cluster.etcd_txn_per_pair']:.2f} Txn and"
+            f" {f['cluster.etcd_range_per_pair']:.2f} Range calls per ADD+DEL pair"
+            f" (raw CAS: {f['cluster.cas_etcd_txn_per_cas']:.2f} Txn per CAS);"
+            f" WAL fsyncs/s {f['cluster.etcd_fsync_per_s']:.0f}"
+            f" (raw CAS: {f['cluster.cas_etcd_fsync_per_s']:.0f})"
+        )
+    out("")
+    _table(exec_rows, out)
+    out("")
+    out(f"  plugin installed by: {notes['plugin_installed_by']}")
+    out("  1: each client thread loops ADD then DEL of a new attachment through forward() (the")
+    out("     plugin's own socket call) to its agent; per s = successful calls over the wall time")
+    out("     of the rounds. Raw CAS is get + txn(compare mod_revision, put) on a key per thread;")
+    out("     the two loads take turns in rounds, same run. 'counting ADD time only' is ADDs")
+    out("     over the time spent in ADD calls, as the single-node allocs/s.")
+    if concurrency > AGENT_MAX_WORKERS:
+        out(
+            f"     An agent serves {AGENT_MAX_WORKERS} calls at a time (its default"
+            " --max-workers); the other callers wait in its listen backlog."
+        )
+    out(f"  whole run: {elapsed:.1f} s")
+    notes["elapsed_s"] = f"{elapsed:.1f}"
+    notes["agents"] = str(agents)
+    notes["concurrency"] = str(concurrency)
+    return {
+        "machine": info,
+        "figures": figures,
+        "targets": targets,
+        "errors": errors,
+        "notes": notes,
+    }
+
+
 @click.command("bench")
 @click.option(
     "--quick", is_flag=True, help="Fewer runs, a /20 instead of a /16 (~10 s instead of ~30 s)."
@@ -678,14 +1252,56 @@ def _etcd_store(root: Path) -> Iterator[Store]:
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the figures as JSON (the report goes to stderr)."
 )
-def bench_command(quick: bool, no_etcd: bool, as_json: bool) -> None:
+@click.option(
+    "--cluster",
+    is_flag=True,
+    help="Instead: agents on one temporary etcd under concurrent ADD/DEL, next to raw etcd"
+    " CAS at the same concurrency, and plugin exec through an agent.",
+)
+@click.option(
+    "--agents",
+    type=click.IntRange(1, 64),
+    help="--cluster: agent processes (default 3).",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 256),
+    help="--cluster: concurrent ADD/DEL client threads per agent (default 8).",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(0.1),
+    help="--cluster: seconds of each load in all (default 20, --quick 4).",
+)
+def bench_command(
+    quick: bool,
+    no_etcd: bool,
+    as_json: bool,
+    cluster: bool,
+    agents: int | None,
+    concurrency: int | None,
+    duration: float | None,
+) -> None:
     """Measure allocation throughput and latency against references from the same run."""
 
     def report(line: str) -> None:
         click.echo(line, err=as_json)
 
+    if not cluster and (agents, concurrency, duration) != (None, None, None):
+        raise click.UsageError("--agents, --concurrency and --duration go with --cluster")
+    if cluster and no_etcd:
+        raise click.UsageError("--cluster measures agents on etcd: it does not go with --no-etcd")
     try:
-        result = run(quick=quick, etcd=not no_etcd, out=report)
+        if cluster:
+            result = run_cluster(
+                agents=3 if agents is None else agents,
+                concurrency=8 if concurrency is None else concurrency,
+                duration=duration,
+                quick=quick,
+                out=report,
+            )
+        else:
+            result = run(quick=quick, etcd=not no_etcd, out=report)
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
@@ -694,13 +1310,16 @@ def bench_command(quick: bool, no_etcd: bool, as_json: bool) -> None:
 
 __all__ = [
     "BenchError",
+    "agent_exec_latency",
     "allocate_latency",
     "bench_command",
     "exec_latency",
     "ledger_pair_rate",
     "p99",
+    "percentile",
     "raw_cas_rate",
     "run",
+    "run_cluster",
     "throughput",
     "write_launcher",
 ]

@@ -107,13 +107,16 @@ class _Request:
 
 
 class _Taken:
-    """What earlier requests of a batch picked: addresses, and block cursors moved."""
+    """What earlier requests of a batch of `size` picked (addresses, block cursors
+    moved), and the queue entries it read once for all of them."""
 
-    __slots__ = ("ips", "next")
+    __slots__ = ("ips", "next", "queues", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.size = size
         self.ips: set[str] = set()
         self.next: dict[str, int] = {}
+        self.queues: dict[tuple[str, int], list[KeyValue]] = {}  # (prefix, read stage)
 
 
 def _unique_compares(compares: list[Compare]) -> list[Compare]:
@@ -299,7 +302,7 @@ class Ledger:
         for guard_compares, guard_ops in (self._pool_guard(pool) for pool in pools):
             compares += guard_compares
             ops += guard_ops
-        taken = _Taken()
+        taken = _Taken(len(batch))
         refs_of = []
         now = self.clock()
         for request in batch:
@@ -456,7 +459,7 @@ class Ledger:
     def _pick_unrequested(
         self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool, taken: _Taken | None
     ) -> _Pick:
-        queued = self._pick_from_queue(pool, index, taken, cooled_only=True)
+        queued = self._pick_from_queue(pool, index, taken, careful, cooled_only=True)
         if queued is not None:
             return queued
         fresh = self._pick_fresh(pool, index, rs, careful, taken)
@@ -465,7 +468,7 @@ class Ledger:
         plan = self._block_plan(pool, rs)
         if plan is not None:
             raise _NeedsBlock(plan)
-        queued = self._pick_from_queue(pool, index, taken, cooled_only=False)
+        queued = self._pick_from_queue(pool, index, taken, careful, cooled_only=False)
         if queued is not None:
             return queued  # still cooling, but the only address left
         if pool.borrow:
@@ -498,7 +501,12 @@ class Ledger:
         return pick
 
     def _pick_from_queue(
-        self, pool: PoolSpec, index: int, taken: _Taken | None, cooled_only: bool
+        self,
+        pool: PoolSpec,
+        index: int,
+        taken: _Taken | None,
+        careful: bool,
+        cooled_only: bool,
     ) -> _Pick | None:
         """The oldest queued address of this node that is free to take: not taken by the
         batch already, in one of its active blocks (entries of a block being released are
@@ -507,14 +515,19 @@ class Ledger:
         the oldest QUEUE_WINDOW entries only when the head cannot be used."""
         skip = taken.ips if taken is not None else ()
         prefix = rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node)
-        for limit in (1 + len(skip), QUEUE_WINDOW + len(skip)):
-            kvs, _ = self.store_range(prefix, limit=limit)
+        first = taken.size if taken is not None else 1  # a batch reads its share at once
+        for stage, limit in enumerate((first + len(skip), QUEUE_WINDOW + len(skip))):
+            kvs = taken.queues.get((prefix, stage)) if taken is not None else None
+            if kvs is None:
+                kvs, _ = self.store_range(prefix, limit=limit)
+                if taken is not None:
+                    taken.queues[(prefix, stage)] = kvs
             for kv in kvs:
                 if kv.key.rsplit("/", 1)[-1] in skip:
                     continue
                 if cooled_only and not self._cooled(pool, kv):
                     return None  # in release order: the rest are cooling too
-                pick = self._pick_queued(pool, index, kv)
+                pick = self._pick_queued(pool, index, kv, careful=careful)
                 if pick is not None:
                     return pick
             if len(kvs) < limit:
@@ -526,13 +539,20 @@ class Ledger:
         return released_ms / 1000 + pool.cooldown <= self.clock()
 
     def _pick_queued(
-        self, pool: PoolSpec, index: int, head: KeyValue, owner: str | None = None
+        self,
+        pool: PoolSpec,
+        index: int,
+        head: KeyValue,
+        owner: str | None = None,
+        careful: bool = True,
     ) -> _Pick | None:
         """The queue entry's address, or None when its block is not `owner`'s (this
         node's, unless borrowing) active block (being released: the ledger looks
-        elsewhere, and takes the block back only if it must)."""
+        elsewhere, and takes the block back only if it must). A first attempt leaves the
+        address's absence to the transaction's compare; a careful one reads it, and
+        drops an entry whose address was taken by request meanwhile."""
         ip = head.key.rsplit("/", 1)[-1]
-        record = self._get(rec.ip_key(pool.name, ip))
+        record = self._get(rec.ip_key(pool.name, ip), fresh=True) if careful else None
         if record is not None:
             # Allocated meanwhile by request: drop the stale queue entry and read again.
             self._txn(
