@@ -80,7 +80,7 @@ CLUSTER_FIGURES = [
     "cluster.raw_cas_per_s",
     "cluster.add_per_s",
     "cluster.del_per_s",
-    "cluster.add_per_s_in_add_time",
+    "cluster.alloc_per_s",
     "cluster.vs_cas",
     "cluster.add_p50_ms",
     "cluster.add_p90_ms",
@@ -115,7 +115,7 @@ def check_cluster_result(result: dict, lines: list[str], pairs: int) -> None:
     assert math.isfinite(figures["exec.ipward_minus_python_ms"])
     assert set(result["targets"]) == {"cluster.vs_cas", "exec.ipward_minus_python_ms"}
     assert result["machine"]["nproc"] > 0
-    assert any(line.strip().startswith("ADD through the agents") for line in lines)
+    assert any(line.strip().startswith("ADD only (allocations)") for line in lines)
     assert any("ipward ADD (through the agent)" in line for line in lines)
     assert any(line.strip().startswith("errors: none") for line in lines)
 

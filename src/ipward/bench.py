@@ -814,6 +814,9 @@ class _Client:
         self.dels = 0
         self.add_s: list[float] = []
         self.del_s: list[float] = []
+        self.allocs = 0  # successful ADDs of the ADD-only phases
+        self.alloc_s: list[float] = []
+        self.held: list[str] = []
         self.errors: dict[str, int] = {}
         self.examples: dict[str, str] = {}
 
@@ -853,6 +856,27 @@ class _Client:
                 self.del_s.append(del_s)
                 self.adds += added
                 self.dels += deleted
+
+    def allocate_only(self, ops: int | None, seconds: float | None) -> None:
+        """ADDs of new attachments only, kept (the allocation rate): `ops` of them, or
+        for `seconds`."""
+        clock = time.perf_counter
+        deadline = clock() + seconds if seconds is not None else math.inf
+        done = 0
+        while (ops is None or done < ops) and clock() < deadline:
+            container = f"k{self.index}-{self.seq}"
+            self.seq += 1
+            added, add_s = self.call("ADD", container)
+            done += 1
+            self.alloc_s.append(add_s)
+            if added:
+                self.allocs += 1
+                self.held.append(container)
+
+    def release_held(self) -> None:
+        """DEL what allocate_only kept (not measured)."""
+        while self.held:
+            self.call("DEL", self.held.pop())
 
 
 class _CasClient:
@@ -1056,11 +1080,15 @@ def run_cluster(
         )
         counted_cluster = _Counted(client_url)
         counted_cas = _Counted(client_url)
+        counted_alloc = _Counted(client_url)
         cluster_load = [partial(c.loop, per_chunk_ops, per_chunk_s, True) for c in clients]
         cas_load = [partial(c.loop, per_chunk_ops, per_chunk_s, True) for c in cas]
+        alloc_load = [partial(c.allocate_only, per_chunk_ops, per_chunk_s) for c in clients]
         for _ in range(chunks):
             counted_cluster.measure(partial(_parallel, cluster_load))
             counted_cas.measure(partial(_parallel, cas_load))
+            counted_alloc.measure(partial(_parallel, alloc_load))
+            _parallel([c.release_held for c in clients])
         adds = sum(c.adds for c in clients)
         dels = sum(c.dels for c in clients)
         pairs = sum(len(c.add_s) for c in clients)
@@ -1080,19 +1108,17 @@ def run_cluster(
         cluster_s, cas_wall = counted_cluster.seconds, counted_cas.seconds
         figures["cluster.add_per_s"] = adds / cluster_s
         figures["cluster.del_per_s"] = dels / cluster_s
-        # As the single-node figure "allocs/s": ADDs over the time spent in ADD calls,
-        # each thread's own, summed over the threads.
-        figures["cluster.add_per_s_in_add_time"] = sum(
-            len(c.add_s) / sum(c.add_s) for c in clients if c.add_s
-        )
+        figures["cluster.alloc_per_s"] = sum(c.allocs for c in clients) / counted_alloc.seconds
         figures["cluster.raw_cas_per_s"] = n_cas / cas_wall
-        for name, samples in (("add", add_s), ("del", del_s), ("cas", cas_s)):
+        alloc_s = [x for c in clients for x in c.alloc_s]
+        for name, samples in (("add", add_s), ("del", del_s), ("cas", cas_s), ("alloc", alloc_s)):
             for q in (50, 90, 99):
                 figures[f"cluster.{name}_p{q}_ms"] = _ms(samples, q)
-        ratio = figures["cluster.add_per_s"] / figures["cluster.raw_cas_per_s"]
+        # The target is on allocations per second: the ADD-only phases.
+        ratio = figures["cluster.alloc_per_s"] / figures["cluster.raw_cas_per_s"]
         figures["cluster.vs_cas"] = ratio
-        figures["cluster.add_time_vs_cas"] = (
-            figures["cluster.add_per_s_in_add_time"] / figures["cluster.raw_cas_per_s"]
+        figures["cluster.pairs_vs_cas"] = (
+            figures["cluster.add_per_s"] / figures["cluster.raw_cas_per_s"]
         )
         figures["cluster.pairs"] = float(pairs)
         figures["cluster.cas"] = float(n_cas)
@@ -1149,13 +1175,24 @@ def run_cluster(
     )
     rows.append(
         [
-            "ADD through the agents",
+            "ADD only (allocations)",
+            f"{f['cluster.alloc_per_s']:.0f}",
+            f"{f['cluster.alloc_p50_ms']:.2f}",
+            f"{f['cluster.alloc_p90_ms']:.2f}",
+            f"{f['cluster.alloc_p99_ms']:.2f}",
+            f"{ratio:.2f}x",
+            f">= {TARGET_CLUSTER_VS_CAS}x {_verdict(ok)}",
+        ]
+    )
+    rows.append(
+        [
+            "ADD in an ADD+DEL loop",
             f"{f['cluster.add_per_s']:.0f}",
             f"{f['cluster.add_p50_ms']:.2f}",
             f"{f['cluster.add_p90_ms']:.2f}",
             f"{f['cluster.add_p99_ms']:.2f}",
-            f"{ratio:.2f}x",
-            f">= {TARGET_CLUSTER_VS_CAS}x {_verdict(ok)}",
+            f"{f['cluster.pairs_vs_cas']:.2f}x",
+            "",
         ]
     )
     rows.append(
@@ -1166,17 +1203,6 @@ def run_cluster(
             f"{f['cluster.del_p90_ms']:.2f}",
             f"{f['cluster.del_p99_ms']:.2f}",
             "",
-            "",
-        ]
-    )
-    rows.append(
-        [
-            "ADD, counting ADD time only",
-            f"{f['cluster.add_per_s_in_add_time']:.0f}",
-            "",
-            "",
-            "",
-            f"{f['cluster.add_time_vs_cas']:.2f}x",
             "",
         ]
     )
@@ -1221,11 +1247,10 @@ def run_cluster(
     _table(exec_rows, out)
     out("")
     out(f"  plugin installed by: {notes['plugin_installed_by']}")
-    out("  1: each client thread loops ADD then DEL of a new attachment through forward() (the")
-    out("     plugin's own socket call) to its agent; per s = successful calls over the wall time")
-    out("     of the rounds. Raw CAS is get + txn(compare mod_revision, put) on a key per thread;")
-    out("     the two loads take turns in rounds, same run. 'counting ADD time only' is ADDs")
-    out("     over the time spent in ADD calls, as the single-node allocs/s.")
+    out("  1: client threads call their agent through forward() (the plugin's own socket")
+    out("     call); per s = successful calls over the wall time of the rounds. Each round:")
+    out("     ADD+DEL loop, raw CAS (get + txn(compare mod_revision, put) on a key per thread),")
+    out("     then ADD only (the allocation rate; what it allocated is deleted after, untimed).")
     if concurrency > AGENT_MAX_WORKERS:
         out(
             f"     An agent serves {AGENT_MAX_WORKERS} calls at a time (its default"
