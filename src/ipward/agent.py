@@ -42,10 +42,8 @@ import stat
 import struct
 import threading
 import time
-import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import ThreadingHTTPServer
 
 import click
 from prometheus_client import (
@@ -55,13 +53,13 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ipward import blocks, cni, jsonc, log
 from ipward import records as rec
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import Ledger
 from ipward.pool import PoolSpec
+from ipward.serving import HealthProbe, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Put
 from ipward.wire import MAX_FRAME, WireError, decode_env, frame, recv_frame
@@ -132,89 +130,6 @@ class Metrics:
             "ipward_agent_info", "The node this agent serves.", ["node"], registry=self.registry
         )
         self.info.labels(node=node).set(1)
-
-
-class HealthProbe:
-    """`store.revision()` with a deadline. One probe at a time: concurrent callers share
-    the probe in flight, so a hung store never piles up threads."""
-
-    def __init__(self, store: Store, timeout: float = HEALTH_TIMEOUT) -> None:
-        self._store = store
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self._current: dict[str, Any] | None = None
-
-    def check(self) -> tuple[bool, str]:
-        with self._lock:
-            probe = self._current
-            if probe is None or probe["done"].is_set():
-                probe = {"done": threading.Event(), "ok": False, "reason": ""}
-                self._current = probe
-                threading.Thread(
-                    target=self._run, args=(probe,), name="health-probe", daemon=True
-                ).start()
-        if not probe["done"].wait(self._timeout):
-            return False, f"store did not answer within {self._timeout:g}s"
-        return probe["ok"], probe["reason"]
-
-    def _run(self, probe: dict[str, Any]) -> None:
-        try:
-            revision = self._store.revision()
-            probe["ok"], probe["reason"] = True, f"store at revision {revision}"
-        except Exception as e:  # any failure is "unhealthy", with its reason
-            probe["reason"] = f"store: {type(e).__name__}: {e}"
-        probe["done"].set()
-
-
-def parse_address(text: str) -> tuple[str, int] | None:
-    """`HOST:PORT` or `[V6]:PORT` -> (host, port); "off" -> None."""
-    if text.strip().lower() == "off":
-        return None
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise InvalidConfig(f"--metrics-address {text!r}: expected HOST:PORT or 'off'")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
-
-
-def start_metrics_server(
-    address: tuple[str, int], metrics: Metrics, health: HealthProbe, stopping: threading.Event
-) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "ipward-agent"
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                ok, reason = (False, "stopping") if stopping.is_set() else health.check()
-                body = "ok\n" if ok else f"{reason}\n"
-                self._send(200 if ok else 503, body.encode(), "text/plain; charset=utf-8")
-            else:
-                self._send(404, b"not found: try /metrics or /healthz\n", "text/plain")
-
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("http", client=self.client_address[0], request=format % args)
-
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
-        address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-
-    try:
-        server = Server(address, Handler)
-    except OSError as e:
-        raise AgentError(f"metrics address {address[0]}:{address[1]}: {e.strerror}") from e
-    threading.Thread(target=server.serve_forever, args=(0.1,), name="metrics", daemon=True).start()
-    return server
 
 
 # -- the socket ----------------------------------------------------------------------------
@@ -372,15 +287,6 @@ def _error_object(stdin: bytes, code: int, msg: str) -> bytes:
     return (jsonc.dumps({"cniVersion": version, "code": code, "msg": msg}) + "\n").encode()
 
 
-def _redact(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if "password" not in parts.query:
-        return url
-    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-    hidden = [(k, "***" if k == "password" else v) for k, v in query]
-    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(hidden)))
-
-
 class Agent:
     def __init__(
         self,
@@ -407,8 +313,16 @@ class Agent:
         self.http: ThreadingHTTPServer | None = None
         try:
             if metrics_address is not None:
-                self.http = start_metrics_server(
-                    metrics_address, self.metrics, HealthProbe(store), self.stopping
+                probe = HealthProbe(store)
+
+                def health() -> tuple[bool, str]:
+                    if self.stopping.is_set():
+                        return False, "stopping"
+                    ok, reason = probe.check()
+                    return ok, "ok" if ok else reason
+
+                self.http = start_http(
+                    metrics_address, self.metrics.registry, health, "ipward-agent"
                 )
         except BaseException:
             self.socket.shutdown()
@@ -678,7 +592,7 @@ def run_agent(
     try:
         store = open_store(store_url)
     except StoreError as e:
-        raise AgentError(f"store {_redact(store_url)}: {e}") from e
+        raise AgentError(f"store {redact(store_url)}: {e}") from e
     try:
         store_revision: int | str = store.revision()
     except StoreError as e:  # serve anyway: calls answer 11 until the store is back
@@ -705,7 +619,7 @@ def run_agent(
     log.info(
         "agent started",
         node=node,
-        store=_redact(store_url),
+        store=redact(store_url),
         store_revision=store_revision,
         socket=agent.socket.path,
         metrics=agent.metrics_url,

@@ -47,12 +47,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections import Counter as Tally
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 from prometheus_client import (
@@ -63,13 +61,13 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from ipward import blocks, log
 from ipward import records as rec
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.pool import PoolSpec
+from ipward.serving import parse_address, redact, start_http
 from ipward.store import Store, StoreError, StoreUnavailable, open_store
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
 
@@ -344,56 +342,6 @@ class Metrics:
         self.info.labels(id=ident).set(1)
         self.snapshot = _Snapshot(leading)
         self.registry.register(self.snapshot)
-
-
-def parse_address(text: str) -> tuple[str, int] | None:
-    """`HOST:PORT` or `[V6]:PORT` -> (host, port); "off" -> None."""
-    if text.strip().lower() == "off":
-        return None
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise InvalidConfig(f"--metrics-address {text!r}: expected HOST:PORT or 'off'")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
-
-
-def start_metrics_server(
-    address: tuple[str, int], metrics: Metrics, health: Callable[[], tuple[bool, str]]
-) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "ipward-controller"
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                ok, reason = health()
-                self._send(200 if ok else 503, f"{reason}\n".encode(), "text/plain")
-            else:
-                self._send(404, b"not found: try /metrics or /healthz\n", "text/plain")
-
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("http", client=self.client_address[0], request=format % args)
-
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
-        address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-
-    try:
-        server = Server(address, Handler)
-    except OSError as e:
-        raise ControllerError(f"metrics address {address[0]}:{address[1]}: {e.strerror}") from e
-    threading.Thread(target=server.serve_forever, args=(0.1,), name="metrics", daemon=True).start()
-    return server
 
 
 # -- the passes --------------------------------------------------------------------------
@@ -740,18 +688,6 @@ class Controller:
 # -- running -----------------------------------------------------------------------------
 
 
-def _redact(url: str) -> str:
-    head, sep, query = url.partition("?")
-    if not sep:
-        return url
-    import urllib.parse
-
-    pairs = urllib.parse.parse_qsl(query)
-    return (
-        head + "?" + "&".join(f"{k}={'***' if k in ('password', 'key') else v}" for k, v in pairs)
-    )
-
-
 def run_controller(
     store_url: str,
     ident: str,
@@ -775,7 +711,7 @@ def run_controller(
         pass_store = open_store(store_url)
         election_store = open_store(store_url)
     except StoreError as e:
-        raise ControllerError(f"store {_redact(store_url)}: {e}") from e
+        raise ControllerError(f"store {redact(store_url)}: {e}") from e
     election = Election(election_store, ident, lease_ttl)
     metrics = Metrics(ident, lambda: election.leading)
     controller = Controller(
@@ -795,14 +731,14 @@ def run_controller(
     http = None
     try:
         if metrics_address is not None:
-            http = start_metrics_server(metrics_address, metrics, health)
+            http = start_http(metrics_address, metrics.registry, health, "ipward-controller")
         if stop.is_set():
             controller.stop()
         election.start()
         log.info(
             "controller started",
             id=ident,
-            store=_redact(store_url),
+            store=redact(store_url),
             interval=interval,
             lease_ttl=lease_ttl,
             ready_delay=ready_delay,
