@@ -347,10 +347,6 @@ class Metrics:
 # -- the passes --------------------------------------------------------------------------
 
 
-def _family_of(cidr: str) -> int:
-    return 6 if ":" in cidr else 4
-
-
 class Controller:
     """The passes. `run` loops until `stop` is set; `run_pass` is one pass (tests call
     it directly)."""
