@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 MAX_ATTEMPTS = 100
 MAX_BATCH = 24  # allocations per combined transaction (etcd caps a txn at 128 ops)
 QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being released
+QUEUE_MEMORY = 1.0  # seconds a long-lived ledger trusts its view of its free queues
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
 
 
@@ -107,16 +108,30 @@ class _Request:
 
 
 class _Taken:
-    """What earlier requests of a batch of `size` picked (addresses, block cursors
-    moved), and the queue entries it read once for all of them."""
+    """What earlier requests of a batch of `size` picked: addresses, block cursors moved."""
 
-    __slots__ = ("ips", "next", "queues", "size")
+    __slots__ = ("ips", "next", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.ips: set[str] = set()
         self.next: dict[str, int] = {}
-        self.queues: dict[tuple[str, int], list[KeyValue]] = {}  # (prefix, read stage)
+
+
+class _QueueView:
+    """A free queue as last read, oldest first; `complete` if that was all of it."""
+
+    __slots__ = ("complete", "entries", "read_at")
+
+    def __init__(self, read_at: float, entries: list[KeyValue], complete: bool) -> None:
+        self.read_at = read_at
+        self.entries = entries
+        self.complete = complete
+
+
+def _queue_prefix_of(key: str) -> str:
+    """`freeq/<pool>/<family>/<node>/` of a queue entry's key."""
+    return "/".join(key.split("/", 4)[:4]) + "/"
 
 
 def _unique_compares(compares: list[Compare]) -> list[Compare]:
@@ -183,6 +198,7 @@ class Ledger:
         self._combining = _thread.allocate_lock()
         self._waiting: dict[tuple[str, ...], list[_Request]] = {}
         self._leading: set[tuple[str, ...]] = set()
+        self._queues: dict[str, _QueueView] = {}  # this node's free queues, as last seen
 
     # -- pools ------------------------------------------------------------------------
 
@@ -516,12 +532,8 @@ class Ledger:
         skip = taken.ips if taken is not None else ()
         prefix = rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node)
         first = taken.size if taken is not None else 1  # a batch reads its share at once
-        for stage, limit in enumerate((first + len(skip), QUEUE_WINDOW + len(skip))):
-            kvs = taken.queues.get((prefix, stage)) if taken is not None else None
-            if kvs is None:
-                kvs, _ = self.store_range(prefix, limit=limit)
-                if taken is not None:
-                    taken.queues[(prefix, stage)] = kvs
+        for limit in (first + len(skip), QUEUE_WINDOW + len(skip)):
+            kvs, complete = self._queue_read(prefix, limit, careful)
             for kv in kvs:
                 if kv.key.rsplit("/", 1)[-1] in skip:
                     continue
@@ -530,9 +542,50 @@ class Ledger:
                 pick = self._pick_queued(pool, index, kv, careful=careful)
                 if pick is not None:
                     return pick
-            if len(kvs) < limit:
-                return None  # read them all
+            if complete:
+                return None  # that was all of it
         return None
+
+    def _queue_read(self, prefix: str, limit: int, careful: bool) -> tuple[list[KeyValue], bool]:
+        """The oldest `limit` entries of one of this node's free queues, and whether that
+        is all of it. A long-lived ledger remembers the queue for QUEUE_MEMORY seconds,
+        kept up to date with its own writes (its releases append, its allocations take);
+        entries freed by others show up at the next read. Safe: taking an entry compares
+        it, and a failed compare forgets the queue."""
+        view = self._queues.get(prefix)
+        now = time.monotonic()
+        if (
+            careful
+            or view is None
+            or now - view.read_at > QUEUE_MEMORY
+            or (not view.complete and len(view.entries) < limit)
+        ):
+            # The first read of a ledger takes what it needs (a plugin: one entry); a
+            # ledger that comes back for more (an agent) reads a whole window.
+            want = limit if view is None else max(limit, QUEUE_WINDOW)
+            kvs, _ = self.store_range(prefix, limit=want)
+            view = _QueueView(now, kvs, len(kvs) < want)
+            self._queues[prefix] = view
+        return view.entries[:limit], view.complete and len(view.entries) <= limit
+
+    def _note_queue_writes(self, ops: list[Put | Delete], revision: int) -> None:
+        for op in ops:
+            if not op.key.startswith("freeq/"):
+                continue
+            view = self._queues.get(_queue_prefix_of(op.key))
+            if view is None:
+                continue
+            if isinstance(op, Delete):
+                view.entries = [kv for kv in view.entries if kv.key != op.key]
+            elif view.complete and (not view.entries or op.key > view.entries[-1].key):
+                view.entries.append(KeyValue(op.key, op.value, revision, revision, 1))
+            elif view.complete:
+                self._queues.pop(_queue_prefix_of(op.key), None)  # out of order: read again
+
+    def _forget_queues(self, keys: object) -> None:
+        for key in keys:  # type: ignore[attr-defined]
+            if key.startswith("freeq/"):
+                self._queues.pop(_queue_prefix_of(key), None)
 
     def _cooled(self, pool: PoolSpec, head: KeyValue) -> bool:
         released_ms = int(head.key.rsplit("/", 2)[-2])
@@ -910,13 +963,17 @@ class Ledger:
             result = self.store.txn(compares, ops)
         except StoreUnavailable as e:
             # Applied or not, nobody can tell: forget all it touched.
-            for key in {c.key for c in compares} | {op.key for op in ops}:
+            touched = {c.key for c in compares} | {op.key for op in ops}
+            for key in touched:
                 self._known.pop(key, None)
+            self._forget_queues(touched)
             raise StoreUnreachable(f"store unreachable: {e}") from e
         if not result.succeeded:
             for c in compares:
                 self._known.pop(c.key, None)
+            self._forget_queues([c.key for c in compares])
             return False
+        self._note_queue_writes(ops, result.revision)
         for op in ops:
             if isinstance(op, Put):
                 self._remember(KeyValue(op.key, op.value, 0, result.revision, 0, op.lease))
