@@ -1075,8 +1075,8 @@ def run_cluster(
         _parallel([partial(c.loop, warm_pairs, None, False) for c in cas])
         size = f"{per_chunk_ops} per thread" if per_chunk_ops else f"{per_chunk_s:.1f} s"
         out(
-            f"  ... {chunks} rounds of {size}: {threads} threads of ADD+DEL through the agents,"
-            f" then {threads} threads of raw CAS"
+            f"  ... {chunks} rounds of {size} each: {threads} threads of ADD+DEL through the"
+            f" agents, then of raw CAS, then of ADD only (deleted after, untimed)"
         )
         counted_cluster = _Counted(client_url)
         counted_cas = _Counted(client_url)
