@@ -360,3 +360,23 @@ def test_concurrent_callers_are_combined_and_get_distinct_addresses(sqlite_url, 
     assert len(commits) < 400  # some transactions carried several allocations
     assert check(store)[0] == []
     store.close()
+
+
+def test_check_reports_a_block_with_two_owners_and_a_released_block_in_use(ledger, sqlite_store):
+    spec = pool()
+    add(ledger, spec, 1)
+    assert check(sqlite_store)[0] == []
+    sqlite_store.txn(
+        [],
+        [
+            Put("affinity/p/node-b/10.0.0.0/26", b""),  # a second node lists the block
+            Put("affinity/p/node-a/10.0.0.64/26", b""),  # a block that does not exist
+            Put("blockfree/p/4/10.0.0.0/26", b""),  # released, but still a block
+        ],
+    )
+    problems = [p for p in check(sqlite_store)[0] if p.kind == "block-owner"]
+    assert sorted(p.key for p in problems) == [
+        "affinity/p/10.0.0.64/26",
+        "blockfree/p/4/10.0.0.0/26",
+        "blocks/p/10.0.0.0/26",
+    ]

@@ -30,9 +30,14 @@ BITS = {V4: 32, V6: 128}
 DEFAULT_BLOCK_PREFIX = {V4: 26, V6: 122}
 
 
+def family_of(text: str) -> int:
+    """The family of an address or CIDR in text (no parsing: IPv6 text has a colon)."""
+    return V6 if ":" in text else V4
+
+
 def parse_ip(text: str) -> tuple[int, int]:
     """(family, integer) of an address in any standard notation."""
-    family = V6 if ":" in text else V4
+    family = family_of(text)
     try:
         packed = _socket.inet_pton(_AF[family], text)
     except (OSError, ValueError, TypeError):

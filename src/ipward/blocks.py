@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ipward import log, testpoints
 from ipward import records as rec
+from ipward.addr import family_of
 from ipward.pool import MAX_RELEASABLE_BLOCK, PoolSpec
 from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
@@ -159,7 +160,7 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
             ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
         if not store.txn(fenced, ops).succeeded:
             return False
-    family = 6 if ":" in cidr else 4
+    family = family_of(cidr)
     node = state.get("node", "")
     done = store.txn(
         fenced,

@@ -8,6 +8,8 @@
   outside-pool         a record of an unknown pool, or outside its pool's ranges
   free-and-allocated   an address both recorded and queued as free
   free-queue           a free record without its queue entry, or the reverse
+  block-owner          a block without exactly one affinity entry (its node's), an
+                       affinity entry without its block, or a block also listed as released
 
 Read-only, and at one revision: keys are read with `range` per prefix, so the report
 names the revision each part was read at; run it on a quiet store for a strict answer.
@@ -113,6 +115,7 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             problems.append(Problem("free-queue", kv.key, f"queue entry {queue_key} missing"))
     for key in sorted(queued - referenced):
         problems.append(Problem("free-queue", key, "queue entry without a free record"))
+    problems += _block_owners(store)
     counts = {
         "pools": len(pools),
         "allocations": len(records),
@@ -120,3 +123,35 @@ def check(store: Store) -> tuple[list[Problem], dict]:
         "free": len(frees),
     }
     return problems, counts
+
+
+def _block_owners(store: Store) -> list[Problem]:
+    """Invariant 7 as the store shows it: a block belongs to exactly one node."""
+    problems = []
+    owners: dict[str, str] = {}  # "<pool>/<cidr>" -> node, from the block records
+    for kv in store.range("blocks/")[0]:
+        owners[kv.key.split("/", 1)[1]] = rec.decode(kv.value).get("node", "")
+    listed: dict[str, list[str]] = {}
+    for kv in store.range("affinity/")[0]:
+        _, pool, node, cidr = kv.key.split("/", 3)
+        listed.setdefault(f"{pool}/{cidr}", []).append(node)
+    for block, node in sorted(owners.items()):
+        if listed.get(block) != [node]:
+            problems.append(
+                Problem(
+                    "block-owner",
+                    f"blocks/{block}",
+                    f"owned by {node}, listed for {listed.get(block, [])}",
+                )
+            )
+    for block in sorted(set(listed) - set(owners)):
+        problems.append(
+            Problem(
+                "block-owner", f"affinity/{block}", f"listed for {listed[block]} but no such block"
+            )
+        )
+    for kv in store.range("blockfree/")[0]:
+        _, pool, _family, cidr = kv.key.split("/", 3)
+        if f"{pool}/{cidr}" in owners:
+            problems.append(Problem("block-owner", kv.key, "released, yet still a block"))
+    return problems

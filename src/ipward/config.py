@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ipward.addr import format_cidr, parse_cidr
+from ipward.addr import family_of, format_cidr, parse_cidr
 from ipward.errors import InvalidConfig, InvalidEnvironment
 from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name
 from ipward.records import Attachment, PodInfo
@@ -178,7 +178,7 @@ def _whereabouts_range(entry: dict, gateway: object) -> tuple[dict, list[str]]:
             one[ours] = entry[theirs]
     gw = entry.get("gateway", gateway)
     # A top-level gateway (whereabouts) applies to the range of its own family only.
-    if isinstance(gw, str) and (":" in gw) == (family == 6):
+    if isinstance(gw, str) and family_of(gw) == family:
         one["gateway"] = gw
     excluded = entry.get("exclude", [])
     if not isinstance(excluded, list):

@@ -31,7 +31,7 @@ import time
 
 from ipward import log, testpoints
 from ipward import records as rec
-from ipward.addr import format_ip, parse_ip
+from ipward.addr import family_of, format_ip, parse_ip
 from ipward.blocks import cidr_of
 from ipward.errors import (
     AddressOutsidePool,
@@ -703,7 +703,7 @@ class Ledger:
         out = []
         for kv in kvs:
             cidr = cidr_of(kv.key)
-            if (":" in cidr) == (family == 6):
+            if family_of(cidr) == family:
                 block_kv = self._get(rec.block_key(pool.name, cidr))
                 if block_kv is not None:
                     out.append((cidr, block_kv))
@@ -860,7 +860,7 @@ class Ledger:
         block_kv = self._get(block_key)
         if block_kv is not None:
             owner = rec.decode(block_kv.value).get("node", owner)
-        queue = rec.queue_key(pool_name, 6 if ":" in ip else 4, owner, now, ip)
+        queue = rec.queue_key(pool_name, family_of(ip), owner, now, ip)
         ops: list[Put | Delete] = [
             Delete(rec.ip_key(pool_name, ip)),
             Put(rec.free_key(pool_name, ip), rec.encode({"released_at": now, "queue": queue})),
