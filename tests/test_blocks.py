@@ -142,20 +142,16 @@ def test_agent_refuses_a_block_holding_allocations(sqlite_store, a, clock):
 
 
 def test_mark_stops_allocation_in_the_block(sqlite_store, a, clock):
+    """With room elsewhere, a node allocates nothing new in its marked block, and the
+    block stays marked (no take-back is needed)."""
     pool = stored(sqlite_store, spec())
-    a.allocate([pool], att("x"), PodInfo())
+    a.allocate([pool], att("x"), PodInfo())  # fills 10.0.0.0/28
+    assert blocks.assign(sqlite_store, pool, 4, "node-a") == "10.0.0.16/28"
     kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
-    blocks.mark(sqlite_store, "p", kv, clock.now)
-    ip = a.allocate([pool], att("y"), PodInfo())[0].ip
-    # the marked block takes nothing new: a's next address comes from elsewhere...
-    assert (
-        not ip.startswith("10.0.0.")
-        or int(ip.rsplit(".")[-1]) >= 16
-        or (
-            # ...unless a needed the space and took the block back (handshake aborted)
-            block_state(sqlite_store, "10.0.0.0/28")["state"] == rec.ACTIVE
-        )
-    )
+    assert blocks.mark(sqlite_store, "p", kv, clock.now)
+    got = [a.allocate([pool], att(f"y{i}"), PodInfo())[0].ip for i in range(5)]
+    assert all(16 <= int(ip.rsplit(".")[-1]) < 32 for ip in got), got
+    assert block_state(sqlite_store, "10.0.0.0/28")["state"] == rec.MARKED
 
 
 def test_node_needing_space_takes_its_block_back(sqlite_store, a, clock):
