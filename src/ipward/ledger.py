@@ -199,6 +199,7 @@ class Ledger:
         self._waiting: dict[tuple[str, ...], list[_Request]] = {}
         self._leading: set[tuple[str, ...]] = set()
         self._queues: dict[str, _QueueView] = {}  # this node's free queues, as last seen
+        self._specs: dict[str, PoolSpec] = {}  # pools as last parsed, with their revision
 
     # -- pools ------------------------------------------------------------------------
 
@@ -206,8 +207,12 @@ class Ledger:
         kv = self._get(rec.pool_key(name), fresh)
         if kv is None:
             raise UnknownPool(f"pool {name!r} does not exist (create it with 'ipward pool create')")
+        parsed = self._specs.get(name)
+        if parsed is not None and parsed.revision == kv.mod_revision:
+            return parsed  # parsed once per revision, not on every ADD of an agent
         spec = PoolSpec.from_dict(rec.decode(kv.value))
         spec.revision = kv.mod_revision
+        self._specs[name] = spec
         return spec
 
     def _pool_guard(self, spec: PoolSpec) -> tuple[list[Compare], list[Put | Delete]]:
