@@ -323,8 +323,17 @@ def exec_as(user: list[str], plugin: Path, command: str, cfg: dict, container: s
 def test_other_users_are_refused_by_the_peer_check(plugin, sqlite_url, start_agent, open_dir):
     # A plugin copy and a socket others can reach: so the agent's peer check, not file
     # permissions, is what decides.
+    # The other user runs a plugin whose package it can read, wherever this checkout
+    # lives (a clone in a 0700 directory would make its import fail, not the peer check).
+    import ipward
+    from ipward.cli import LAUNCHER
+
+    lib = open_dir / "lib"
+    shutil.copytree(Path(ipward.__file__).parent, lib / "ipward")
+    for path in [lib, *lib.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     launcher = open_dir / "ipward"
-    shutil.copy(plugin, launcher)
+    launcher.write_text(LAUNCHER.format(path=str(lib)))
     launcher.chmod(0o755)
     agent = start_agent(sqlite_url, open_dir / "agent.sock", extra=("--allow-gid", str(OTHER_GID)))
     assert any(e["msg"].startswith("socket directory is more open") for e in agent.log())
