@@ -867,8 +867,12 @@ def test_check_prev_result_address_not_held(plugin: Path, sqlite_url: str) -> No
 # -- GC ---------------------------------------------------------------------------------
 
 
-def gc_config(url: str, valid: list[dict] | None, ipam: dict | None = None, **kw) -> dict:
+def gc_config(
+    url: str, valid: list[dict] | None, ipam: dict | None = None, grace: float = 0, **kw
+) -> dict:
+    """A GC call's config; `grace` 0 unless said: these tests judge records just made."""
     config = net_config(url, ipam, version=kw.pop("version", "1.1.0"), **kw)
+    config["ipam"]["gcGrace"] = grace
     if valid is not None:
         config["cni.dev/valid-attachments"] = valid
     return config
@@ -912,6 +916,31 @@ def test_gc_releases_attachments_not_listed(plugin: Path, sqlite_url: str) -> No
     assert exec_plugin(plugin, "CHECK", config, container="a").returncode == 0
     assert_cni_error(exec_plugin(plugin, "CHECK", config, container="b"), 3)
     assert_consistent(sqlite_url)
+
+
+def test_gc_leaves_records_younger_than_the_grace(plugin: Path, sqlite_url: str) -> None:
+    """An ADD in flight is not in the runtime's list yet: its record is kept until the
+    grace has passed, and then freed by the same call."""
+    add(plugin, net_config(sqlite_url), container="inflight")
+    before = dump(sqlite_url)
+    res = exec_plugin(plugin, "GC", gc_config(sqlite_url, [], grace=3600), env=NO_ATTACHMENT)
+    assert res.returncode == 0, res
+    assert dump(sqlite_url) == before
+    res = exec_plugin(plugin, "GC", gc_config(sqlite_url, [], grace=0), env=NO_ATTACHMENT)
+    assert res.returncode == 0, res
+    assert keys(sqlite_url, "ips/") == {}
+    assert_consistent(sqlite_url)
+
+
+@pytest.mark.parametrize("grace", [-1, "60", True, None])
+def test_gc_bad_grace_names_the_field(plugin: Path, sqlite_url: str, grace: object) -> None:
+    add(plugin, net_config(sqlite_url), container="a")
+    before = dump(sqlite_url)
+    config = gc_config(sqlite_url, [])
+    config["ipam"]["gcGrace"] = grace
+    err = assert_cni_error(exec_plugin(plugin, "GC", config, env=NO_ATTACHMENT), 7, "1.1.0")
+    assert "ipam.gcGrace" in err["msg"]
+    assert dump(sqlite_url) == before
 
 
 def test_gc_in_shared_pool_leaves_other_network(plugin: Path, sqlite_url: str) -> None:

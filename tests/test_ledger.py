@@ -201,9 +201,9 @@ def test_release_address_compares_revision(ledger, sqlite_store):
     ip = add(ledger, spec, 1)
     kv = sqlite_store.get(rec.ip_key("p", ip))
     with pytest.raises(OwnerChanged):
-        ledger.release_address("p", ip, kv.mod_revision - 1)
+        ledger.release_address("p", ip, kv.mod_revision - 1, "test")
     assert sqlite_store.get(rec.ip_key("p", ip)) is not None
-    ledger.release_address("p", ip, kv.mod_revision)
+    ledger.release_address("p", ip, kv.mod_revision, "test")
     assert sqlite_store.get(rec.ip_key("p", ip)) is None
     assert sqlite_store.get(att(1).key) is None
     assert check(sqlite_store)[0] == []

@@ -54,10 +54,11 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from ipward import blocks, cni, jsonc, log
+from ipward import blocks, cni, gc, jsonc, log
 from ipward import records as rec
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import Ledger
+from ipward.liveness import LivenessSource, NodeView, open_source
 from ipward.pool import PoolSpec
 from ipward.serving import HealthProbe, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store
@@ -124,6 +125,23 @@ class Metrics:
         self.refused = Counter(
             "ipward_agent_refused_peers",
             "Connections refused by the peer credential check.",
+            registry=self.registry,
+        )
+        self.reconcile_freed = Counter(
+            "ipward_agent_reconcile_freed",
+            "Records freed by reconciliation with the runtime, by reason (sandbox-gone).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.reconcile_skipped = Counter(
+            "ipward_agent_reconcile_skipped",
+            "Reconciliation passes that freed nothing because the runtime could not be"
+            " trusted: unreachable, or listing two ready sandboxes for one pod.",
+            registry=self.registry,
+        )
+        self.reconcile_passes = Counter(
+            "ipward_agent_reconcile_passes",
+            "Reconciliation passes completed with a runtime view.",
             registry=self.registry,
         )
         self.info = Gauge(
@@ -564,6 +582,85 @@ class NodeDuties:
         return answered
 
 
+class Reconciler:
+    """DESIGN 5.5: on start and every `interval`, free this node's records whose sandbox
+    the runtime positively reports gone, older than the ADD grace (the rules are
+    `ipward.gc`'s; only `sandbox-gone` applies here, the runtime being the one source
+    asked). A runtime that cannot be read, or that lists two ready sandboxes for one pod,
+    frees nothing; the next try comes sooner (1 s, doubling up to `interval`)."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        source: LivenessSource,
+        *,
+        grace: float,
+        interval: float,
+    ) -> None:
+        self.agent = agent
+        self.source = source
+        self.grace = grace
+        self.interval = interval
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._thread.join(timeout=10)  # a source call ends within its own timeout
+        self.source.close()
+
+    def _loop(self) -> None:
+        backoff = 1.0
+        while not self.stopping.is_set():
+            try:
+                done = self.run_once() is not None
+            except StoreError as e:
+                log.warning("reconcile: store unreachable", node=self.agent.node, error=str(e))
+                done = False
+            except Exception as e:  # never let the thread die: log and retry
+                log.error(
+                    "reconcile failed", node=self.agent.node, error=f"{type(e).__name__}: {e}"
+                )
+                done = False
+            if done:
+                backoff = 1.0
+                self.stopping.wait(self.interval)
+            else:
+                self.stopping.wait(min(backoff, self.interval))
+                backoff = min(backoff * 2, self.interval)
+
+    def run_once(self) -> list[gc.Verdict] | None:
+        """One pass; the records freed, or None when the runtime gave no usable view."""
+        node = self.agent.node
+        held = gc.snapshot(self.agent.store, node)  # records first, then the runtime
+        evidence = gc.gather(self.source, [node], grace=self.grace, ask_cluster=False)
+        view = evidence.nodes[node]
+        if not isinstance(view, NodeView):
+            self.agent.metrics.reconcile_skipped.inc()
+            log.warning("reconcile: nothing freed, runtime not usable", node=node, reason=view)
+            return None
+        freed = []
+        for h in held:
+            verdict = gc.judge(h, evidence)
+            if verdict.reason is None:
+                continue
+            if gc.free(self.agent.ledger, verdict, f"agent {node} reconcile"):
+                self.agent.metrics.reconcile_freed.labels(reason=verdict.reason).inc()
+                freed.append(verdict)
+        self.agent.metrics.reconcile_passes.inc()
+        log.debug(
+            "reconciled",
+            node=node,
+            records=len(held),
+            sandboxes=len(view.sandboxes),
+            freed=len(freed),
+        )
+        return freed
+
+
 def run_agent(
     node: str,
     store_url: str,
@@ -575,6 +672,9 @@ def run_agent(
     drain_seconds: float,
     duty_interval: float = 1.0,
     node_ttl: int = 10,
+    liveness: str | None = None,
+    add_grace: float = gc.DEFAULT_GRACE,
+    reconcile_interval: float = 60.0,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
     signals = [0]
@@ -589,6 +689,7 @@ def run_agent(
 
     # Before anything that takes time: a stop asked for during start is not lost.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    source = open_source(liveness, node=node) if liveness else None
     try:
         store = open_store(store_url)
     except StoreError as e:
@@ -616,6 +717,10 @@ def run_agent(
     agent.start()
     duties = NodeDuties(store, node, duty_interval, node_ttl)
     duties.start()
+    reconciler = None
+    if source is not None:
+        reconciler = Reconciler(agent, source, grace=add_grace, interval=reconcile_interval)
+        reconciler.start()
     log.info(
         "agent started",
         node=node,
@@ -627,12 +732,17 @@ def run_agent(
         uid=agent.uid,
         allow_gid=allow_gid,
         max_workers=max_workers,
+        liveness=liveness,
+        add_grace=add_grace,
+        reconcile_interval=reconcile_interval,
     )
     while not stop.wait(1.0):
         pass
     log.info("agent stopping: new connections refused, draining", signal_count=signals[0])
     started = time.monotonic()
     agent.begin_stop()
+    if reconciler is not None:
+        reconciler.stop()
     duties.stop()
     left = agent.drain(drain_seconds, cut_short)
     fields = {"seconds": round(time.monotonic() - started, 3), "abandoned": left}
@@ -719,6 +829,26 @@ def _parse_gid(text: str | None) -> int | None:
     show_default=True,
     help="Lease TTL of the node's registration (etcd raises it to at least 2).",
 )
+@click.option(
+    "--liveness",
+    help="Where the runtime lists this node's sandboxes, for reconciliation:"
+    " cri:///run/containerd/containerd.sock, or sim:///PATH (the simulated cluster)."
+    " Without it, nothing is reconciled.",
+)
+@click.option(
+    "--add-grace",
+    type=click.FloatRange(0),
+    default=gc.DEFAULT_GRACE,
+    show_default=True,
+    help="Seconds a record is left alone after its ADD (its sandbox may not be listed yet).",
+)
+@click.option(
+    "--reconcile-interval",
+    type=click.FloatRange(0.1),
+    default=60.0,
+    show_default=True,
+    help="Seconds between reconciliation passes.",
+)
 @click.pass_context
 def agent_command(
     ctx: click.Context,
@@ -733,6 +863,9 @@ def agent_command(
     drain_seconds: float,
     duty_interval: float,
     node_ttl: int,
+    liveness: str | None,
+    add_grace: float,
+    reconcile_interval: float,
 ) -> None:
     """Serve the CNI plugin of this node over a Unix socket (one agent per node)."""
     log.configure(log_file, log_level, "ipward-agent")
@@ -751,8 +884,19 @@ def agent_command(
         drain_seconds=drain_seconds,
         duty_interval=duty_interval,
         node_ttl=node_ttl,
+        liveness=liveness,
+        add_grace=add_grace,
+        reconcile_interval=reconcile_interval,
     )
     ctx.exit(status)
 
 
-__all__ = ["Agent", "AgentError", "Metrics", "agent_command", "peer_credentials", "run_agent"]
+__all__ = [
+    "Agent",
+    "AgentError",
+    "Metrics",
+    "Reconciler",
+    "agent_command",
+    "peer_credentials",
+    "run_agent",
+]

@@ -79,10 +79,13 @@ def mark(store: Store, pool: str, kv: KeyValue, now: float, fence: Sequence[Comp
     return done.succeeded
 
 
-def answer(store: Store, spec: PoolSpec, kv: KeyValue, now: float) -> str | None:
+def answer(
+    store: Store, spec: PoolSpec, kv: KeyValue, now: float, fence: Sequence[Compare] = ()
+) -> str | None:
     """Agent: answer a marked block of its own: `ready` when none of its addresses is
     allocated (checked by compares in the same transaction), else `refused`. None when
-    the block changed meanwhile (read it again)."""
+    the block changed meanwhile (read it again). The controller answers, fenced, for a
+    node that is gone (its lease expired and the cluster no longer lists it)."""
     state = rec.decode(kv.value)
     block = block_of(spec, cidr_of(kv.key))
     if state.get("state") != rec.MARKED or block is None:
@@ -91,11 +94,11 @@ def answer(store: Store, spec: PoolSpec, kv: KeyValue, now: float) -> str | None
     if releasable(block):
         empty = [absent(rec.ip_key(spec.name, ip)) for ip in addresses(block)]
         ready = {**state, "state": rec.READY, "answered_at": now}
-        if store.txn([pinned, *empty], [Put(kv.key, rec.encode(ready))]).succeeded:
+        if store.txn([*fence, pinned, *empty], [Put(kv.key, rec.encode(ready))]).succeeded:
             log.info("block ready", pool=spec.name, block=block.cidr, node=state.get("node"))
             return rec.READY
     refused = {**state, "state": rec.REFUSED, "answered_at": now}
-    if store.txn([pinned], [Put(kv.key, rec.encode(refused))]).succeeded:
+    if store.txn([*fence, pinned], [Put(kv.key, rec.encode(refused))]).succeeded:
         log.info(
             "block refused",
             pool=spec.name,

@@ -15,6 +15,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ipward import gc as gc_rules
 from ipward import records as rec
 from ipward.addr import format_ip, parse_cidr, parse_ip
 from ipward.config import DEFAULT_STORE
@@ -434,6 +435,94 @@ def check_command(c: Context) -> None:
     sys.exit(1 if problems else 0)
 
 
+@cli.command("gc")
+@click.option(
+    "--liveness",
+    required=True,
+    help="Where liveness is read: sim:///PATH (simulated cluster) or cri:///SOCKET"
+    " (this node's runtime).",
+)
+@click.option("--node", default="", help="The node a cri:// socket belongs to.")
+@click.option(
+    "--add-grace",
+    type=click.FloatRange(0),
+    default=None,
+    help=f"Seconds a record is left alone after its ADD [default: {gc_rules.DEFAULT_GRACE:g}].",
+)
+@click.option("--dry-run", is_flag=True, help="Only list the candidates; free nothing.")
+@click.option(
+    "--confirm-after",
+    type=click.FloatRange(0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between the two looks of a real run (a record is freed only when both find it).",
+)
+@click.option("--all", "show_all", is_flag=True, help="Also list the records kept, and why.")
+@pass_ctx
+def gc_command(
+    c: Context,
+    liveness: str,
+    node: str,
+    add_grace: float | None,
+    dry_run: bool,
+    confirm_after: float,
+    show_all: bool,
+) -> None:
+    """Garbage-collect leaked addresses with the controller's rules, once."""
+    from ipward.liveness import open_source
+
+    grace = gc_rules.DEFAULT_GRACE if add_grace is None else add_grace
+    source = open_source(liveness, node=node)
+    try:
+        freed: list[gc_rules.Verdict] = []
+        if dry_run:
+            verdicts = gc_rules.look(c.store, source, grace)
+        else:
+            verdicts, freed = gc_rules.collect_once(
+                c.ledger(),
+                source,
+                grace=grace,
+                confirm_after=confirm_after,
+                who="ipward gc",
+                sleep=time.sleep,
+            )
+    finally:
+        source.close()
+    candidates = [v for v in verdicts if v.reason]
+    shown = verdicts if show_all else candidates
+    freed_refs = {v.held.ref for v in freed}
+    data = {
+        "dry_run": dry_run,
+        "records": len(verdicts),
+        "candidates": [v.to_dict() for v in candidates],
+        "freed": sorted(freed_refs),
+        **({"kept": [v.to_dict() for v in verdicts if not v.reason]} if show_all else {}),
+    }
+    if c.as_json:
+        c.emit(data, None)
+        return
+    title = f"{len(candidates)} candidate(s) of {len(verdicts)} record(s)" + (
+        "" if dry_run else f", {len(freed)} freed"
+    )
+    table = Table("address", "attachment", "node", "pod", "age", "verdict", "evidence", title=title)
+    now = time.time()
+    for v in sorted(shown, key=lambda v: (v.reason is None, v.held.ref)):
+        d = v.to_dict()
+        verdict = v.reason or "kept"
+        if v.reason and not dry_run:
+            verdict += " (freed)" if v.held.ref in freed_refs else " (not confirmed)"
+        table.add_row(
+            d["address"],
+            d["attachment"],
+            d["node"],
+            d["pod"],
+            _age(now - d["created_at"]),
+            verdict,
+            d["evidence"],
+        )
+    console.print(table)
+
+
 @cli.command("release")
 @click.option("--pool", "pool_name", required=True, help="Pool of the address.")
 @click.option("--ip", required=True, help="Address to release.")
@@ -462,7 +551,7 @@ def release_command(c: Context, pool_name: str, ip: str, revision: int | None, y
         )
         if not click.confirm("release it?", default=False):
             raise click.Abort
-    freed = c.ledger().release_address(pool_name, ip, shown)
+    freed = c.ledger().release_address(pool_name, ip, shown, "ipward release by an operator")
     c.emit(
         {"released": f"{pool_name}/{ip}", "record": freed, "revision": shown},
         f"released {pool_name}/{ip}",

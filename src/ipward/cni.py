@@ -184,7 +184,7 @@ def _gc(config: IpamConfig, raw: dict, ledger: Ledger | None) -> None:
         ):
             raise InvalidConfig(f"a valid attachment needs 'containerID' and 'ifname': {entry!r}")
         keep.add((entry["containerID"], entry["ifname"]))
-    (ledger or _ledger(config)).collect_network(config.network, keep)
+    (ledger or _ledger(config)).collect_network(config.network, keep, config.gc_grace)
 
 
 def _status(config: IpamConfig, ledger: Ledger | None) -> None:

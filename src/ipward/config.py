@@ -16,6 +16,7 @@ import os
 
 from ipward.addr import family_of, format_cidr, parse_cidr
 from ipward.errors import InvalidConfig, InvalidEnvironment
+from ipward.ledger import ADD_GRACE
 from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name
 from ipward.records import Attachment, PodInfo
 
@@ -41,6 +42,7 @@ class IpamConfig:
         "agent_socket",
         "cni_version",
         "dns",
+        "gc_grace",
         "inline_pool",
         "log_file",
         "log_level",
@@ -70,6 +72,7 @@ class IpamConfig:
         self.log_file = _str(ipam, "logFile", "") or _str(ipam, "log_file", "")
         self.log_level = _str(ipam, "logLevel", "info")
         self.routes = _routes(ipam.get("routes", []))
+        self.gc_grace = _seconds(ipam, "gcGrace", ADD_GRACE)
         self.dns = ipam.get("dns", {})
         if not isinstance(self.dns, dict):
             raise InvalidConfig("ipam.dns must be an object")
@@ -110,6 +113,13 @@ def _str(section: dict, field: str, default: str) -> str:
     if not isinstance(value, str):
         raise InvalidConfig(f"ipam.{field} must be a string")
     return value
+
+
+def _seconds(section: dict, field: str, default: float) -> float:
+    value = section.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise InvalidConfig(f"ipam.{field} must be a number of seconds, 0 or more")
+    return float(value)
 
 
 def _ip_list(value: object, where: str) -> list[str]:

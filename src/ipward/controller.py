@@ -63,9 +63,11 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ipward import blocks, log
+from ipward import blocks, gc, log
 from ipward import records as rec
 from ipward.errors import InvalidConfig, IpwardError
+from ipward.ledger import Ledger
+from ipward.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.pool import PoolSpec
 from ipward.serving import parse_address, redact, start_http
 from ipward.store import Store, StoreError, StoreUnavailable, open_store
@@ -78,7 +80,6 @@ if TYPE_CHECKING:
     from ipward.store.base import KeyValue
 
 LEADER_KEY = "controller/leader"
-NODES_PREFIX = "nodes/"
 DEFAULT_METRICS = "127.0.0.1:9311"
 MAX_POLL = 1.0  # a waiting instance looks at the leader key at least this often
 
@@ -336,6 +337,41 @@ class Metrics:
             "Passes abandoned on an error (logged; the pass runs again next interval).",
             registry=self.registry,
         )
+        self.gc_candidates = Gauge(
+            "ipward_gc_candidates",
+            "Records found leaked by the last garbage-collection pass, by reason (freed"
+            " when found again on the next pass at the same revision).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.gc_freed = Counter(
+            "ipward_gc_freed",
+            "Records freed by garbage collection, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.gc_skipped = Counter(
+            "ipward_gc_skipped_passes",
+            "Garbage-collection passes that judged nothing: no liveness source answered.",
+            registry=self.registry,
+        )
+        self.gc_source_errors = Counter(
+            "ipward_gc_source_errors",
+            "Liveness reads that failed (nothing reclaimed on their account), by source.",
+            ["source"],
+            registry=self.registry,
+        )
+        self.gc_seconds = Histogram(
+            "ipward_gc_pass_seconds",
+            "Time of one garbage-collection pass, liveness reads included.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        for reason in gc.REASONS:
+            self.gc_candidates.labels(reason=reason).set(0)
+            self.gc_freed.labels(reason=reason)
+        for source in ("runtime", "cluster"):
+            self.gc_source_errors.labels(source=source)
         self.info = Gauge(
             "ipward_controller_info", "This instance's id.", ["id"], registry=self.registry
         )
@@ -359,10 +395,20 @@ class Controller:
         *,
         interval: float,
         ready_delay: float,
+        liveness: LivenessSource | None = None,
+        add_grace: float = gc.DEFAULT_GRACE,
+        gc_interval: float = 30.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
+        self.liveness = liveness
+        self.add_grace = add_grace
+        self.gc_interval = gc_interval
+        self.gc_due = 0.0  # monotonic time of the next garbage-collection pass
+        self.confirmations = gc.Confirmations()
+        self.gone_nodes: frozenset[str] = frozenset()  # as of the last GC pass
+        self.ledger = Ledger(store, election.ident)
         self.election = election
         self.metrics = metrics
         self.interval = interval
@@ -434,12 +480,14 @@ class Controller:
             self._term = self.election.term
             self.empty_since.clear()
             self.in_handshake.clear()
+            self.confirmations = gc.Confirmations()
+            self.gone_nodes = frozenset()
+            self.gc_due = 0.0
         self._fence()
-        nodes = {
-            name
-            for kv in self.store.range(NODES_PREFIX)[0]
-            if (name := kv.key[len(NODES_PREFIX) :]) and "/" not in name
-        }
+        if self.liveness is not None and self.monotonic() >= self.gc_due:
+            self.gc_due = self.monotonic() + self.gc_interval
+            self.gc_pass()
+        nodes = set(gc.registered_nodes(self.store))
         counts: dict[tuple[str, str, str], int] = {}
         deficits: dict[tuple[str, str, str], int] = {}
         seen: set[tuple[str, str]] = set()
@@ -469,6 +517,65 @@ class Controller:
             new_values.update((k, v) for k, v in old_values.items() if k[0] in failed)
         snapshot.blocks, snapshot.deficits = counts, deficits
 
+    def gc_pass(self) -> list[gc.Verdict]:
+        """One garbage-collection pass (the rules are `ipward.gc`'s): records, then
+        registrations, then liveness; frees what the previous pass found too, each by
+        compare-and-delete on the revision judged, fenced. Returns what it freed."""
+        started = time.monotonic()
+        held = gc.snapshot(self.store)
+        registered = gc.registered_nodes(self.store)
+        nodes = sorted({h.node for h in held})
+        evidence = gc.gather(self.liveness, nodes, grace=self.add_grace, registered=registered)
+        cluster_ok = isinstance(evidence.cluster, ClusterView)
+        runtime_ok = [n for n in nodes if isinstance(evidence.nodes.get(n), NodeView)]
+        if not cluster_ok:
+            self.metrics.gc_source_errors.labels(source="cluster").inc()
+        if len(runtime_ok) < len(nodes):
+            self.metrics.gc_source_errors.labels(source="runtime").inc()
+        if not cluster_ok and not runtime_ok:
+            self.metrics.gc_skipped.inc()
+            self.confirmations = gc.Confirmations()
+            log.warning(
+                "garbage collection: no liveness source answered; nothing judged",
+                cluster=evidence.cluster,
+                records=len(held),
+            )
+            return []
+        if isinstance(evidence.cluster, ClusterView):
+            self.gone_nodes = frozenset(
+                n
+                for n in {*nodes, *self._block_nodes()}
+                if n not in registered and n not in evidence.cluster.nodes
+            )
+        verdicts = [gc.judge(h, evidence) for h in held]
+        candidates = Tally(v.reason for v in verdicts if v.reason)
+        for reason in gc.REASONS:
+            self.metrics.gc_candidates.labels(reason=reason).set(candidates[reason])
+        freed = []
+        for verdict in self.confirmations.confirm(verdicts):
+            if gc.free(self.ledger, verdict, f"controller {self.election.ident} gc", self._fence()):
+                self.metrics.gc_freed.labels(reason=str(verdict.reason)).inc()
+                freed.append(verdict)
+            else:
+                self._after_failed_write()
+        self.metrics.gc_seconds.observe(time.monotonic() - started)
+        log.debug(
+            "garbage collection pass",
+            records=len(held),
+            candidates=dict(candidates),
+            freed=len(freed),
+            gone_nodes=sorted(self.gone_nodes),
+        )
+        return freed
+
+    def _block_nodes(self) -> set[str]:
+        nodes = set()
+        for kv in self.store.range("affinity/")[0]:
+            parts = kv.key.split("/")
+            if len(parts) >= 3:
+                nodes.add(parts[2])
+        return nodes
+
     def _pool_pass(
         self,
         spec: PoolSpec,
@@ -479,6 +586,7 @@ class Controller:
     ) -> None:
         pool = spec.name
         now, mono = self.clock(), self.monotonic()
+        gone = self.gone_nodes - nodes
         # Blocks before records: an allocation of a fresh address after this read moves
         # the block's revision, so a mark decided on a stale count loses its CAS.
         block_kvs: dict[str, KeyValue | None] = {}
@@ -528,8 +636,24 @@ class Controller:
             self.in_handshake[key] = st
             self.empty_since.pop(key, None)
             current = block_kvs[cidr]
-            if node not in nodes or current is None:
-                continue  # an unregistered node's block: left alone
+            if current is None:
+                continue
+            if node in gone and st == rec.MARKED:
+                # Its agent will never answer: answer for it, by the same compares.
+                answer = blocks.answer(self.store, spec, current, now, self._fence())
+                if answer is None:
+                    self._after_failed_write()
+                log.info(
+                    "answered for a gone node",
+                    pool=pool,
+                    block=cidr,
+                    node=node,
+                    answer=answer,
+                    reason="node lease expired and the cluster no longer lists it",
+                )
+                continue
+            if node not in nodes and node not in gone:
+                continue  # an unregistered node's block: left alone until known gone
             if st == rec.REFUSED:
                 if blocks.resume(self.store, pool, current, self._fence()):
                     self.metrics.handshakes.labels(result="aborted").inc()
@@ -564,6 +688,33 @@ class Controller:
                     )
                 else:
                     self._after_failed_write()
+
+        # Blocks of gone nodes: emptied by garbage collection, then asked back at once.
+        for cidr, state in states.items():
+            gone_kv = block_kvs.get(cidr)
+            block = blocks.block_of(spec, cidr)
+            if (
+                state.get("node") not in gone
+                or state.get("state") != rec.ACTIVE
+                or records[cidr]
+                or gone_kv is None
+                or block is None
+                or not blocks.releasable(block)
+            ):
+                continue
+            if blocks.mark(self.store, pool, gone_kv, now, self._fence()):
+                self.metrics.handshakes.labels(result="started").inc()
+                self.in_handshake[(pool, cidr)] = rec.MARKED
+                states[cidr] = {**state, "state": rec.MARKED}
+                log.info(
+                    "handshake started",
+                    pool=pool,
+                    block=cidr,
+                    node=state.get("node"),
+                    reason="its node is gone (lease expired, not listed by the cluster)",
+                )
+            else:
+                self._after_failed_write()
 
         # 2. Per registered node and family: what is free in its active blocks.
         by_node: dict[str, list[str]] = {}
@@ -692,6 +843,9 @@ def run_controller(
     lease_ttl: int,
     ready_delay: float,
     metrics_address: tuple[str, int] | None,
+    liveness: str | None = None,
+    add_grace: float = gc.DEFAULT_GRACE,
+    gc_interval: float = 30.0,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
     stop = threading.Event()
@@ -711,7 +865,14 @@ def run_controller(
     election = Election(election_store, ident, lease_ttl)
     metrics = Metrics(ident, lambda: election.leading)
     controller = Controller(
-        pass_store, election, metrics, interval=interval, ready_delay=ready_delay
+        pass_store,
+        election,
+        metrics,
+        interval=interval,
+        ready_delay=ready_delay,
+        liveness=open_source(liveness) if liveness else None,
+        add_grace=add_grace,
+        gc_interval=gc_interval,
     )
     election.on_change = controller.on_leadership
     metrics.leader.set(0)
@@ -738,6 +899,9 @@ def run_controller(
             interval=interval,
             lease_ttl=lease_ttl,
             ready_delay=ready_delay,
+            liveness=liveness,
+            add_grace=add_grace,
+            gc_interval=gc_interval,
             metrics=None if http is None else "{}:{}".format(*http.server_address[:2]),
             pid=os.getpid(),
         )
@@ -751,6 +915,8 @@ def run_controller(
             http.server_close()
         pass_store.close()
         election_store.close()
+        if controller.liveness is not None:
+            controller.liveness.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
     log.info("controller stopped", id=ident)
@@ -807,6 +973,27 @@ def run_controller(
     default="info",
     show_default=True,
 )
+@click.option(
+    "--liveness",
+    help="Where the cluster's pods (and nodes' sandboxes) are listed, for garbage"
+    " collection: sim:///PATH (the simulated cluster), cri:///SOCKET (one node's"
+    " runtime). Without it, nothing is garbage-collected.",
+)
+@click.option(
+    "--add-grace",
+    type=click.FloatRange(0),
+    default=gc.DEFAULT_GRACE,
+    show_default=True,
+    help="Seconds a record is left alone after its ADD.",
+)
+@click.option(
+    "--gc-interval",
+    type=click.FloatRange(0.01),
+    default=30.0,
+    show_default=True,
+    help="Seconds between garbage-collection passes (a record is freed on its second"
+    " pass as a candidate).",
+)
 @click.pass_context
 def controller_command(
     ctx: click.Context,
@@ -818,6 +1005,9 @@ def controller_command(
     metrics_address: str,
     log_file: str | None,
     log_level: str,
+    liveness: str | None,
+    add_grace: float,
+    gc_interval: float,
 ) -> None:
     """Run the cluster's controller: assign blocks to keep nodes warm, reclaim surplus
     blocks through the release handshake. One instance leads; others wait to take over."""
@@ -834,6 +1024,9 @@ def controller_command(
         lease_ttl=lease_ttl,
         ready_delay=ready_delay,
         metrics_address=parse_address(metrics_address),
+        liveness=liveness,
+        add_grace=add_grace,
+        gc_interval=gc_interval,
     )
     ctx.exit(status)
 

@@ -60,6 +60,7 @@ MAX_BATCH = 24  # allocations per combined transaction (etcd caps a txn at 128 o
 QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being released
 QUEUE_MEMORY = 1.0  # seconds a long-lived ledger trusts its view of its free queues
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
+ADD_GRACE = 120.0  # seconds a record is never judged leaked after its ADD (DESIGN 5.4)
 
 
 class Allocation:
@@ -873,9 +874,17 @@ class Ledger:
         ]
         return ops, [at_revision(block_key, block_kv.mod_revision if block_kv else 0)]
 
-    def release_address(self, pool: str, ip: str, expected_mod_revision: int) -> dict:
-        """Compare-and-delete one record (the CLI's `release`): refuses when the record is
-        not exactly the one the caller saw. Returns the record freed."""
+    def release_address(
+        self,
+        pool: str,
+        ip: str,
+        expected_mod_revision: int,
+        reason: str,
+        fence: Sequence[Compare] = (),
+    ) -> dict:
+        """Compare-and-delete one record (the CLI's `release`, garbage collection):
+        refuses when the record is not exactly the one the caller saw. `fence`: compares
+        that must hold too (a controller's leadership). Returns the record freed."""
         key = rec.ip_key(pool, ip)
         record_kv = self._get(key, fresh=True)
         if record_kv is None or record_kv.mod_revision != expected_mod_revision:
@@ -886,7 +895,7 @@ class Ledger:
         record = rec.decode(record_kv.value)
         attachment = rec.record_attachment(record)
         ops, compares = self._free_ops(pool, ip, record, self.clock())
-        compares.append(at_revision(key, record_kv.mod_revision))
+        compares += [*fence, at_revision(key, record_kv.mod_revision)]
         index_kv = self._get(attachment.key)
         if index_kv is not None:
             refs = [r for r in rec.decode(index_kv.value)["ips"] if r != f"{pool}/{ip}"]
@@ -900,20 +909,45 @@ class Ledger:
             "released",
             attachment=repr(attachment),
             ips=[f"{pool}/{ip}"],
-            reason=f"ipward release by an operator (record at revision {expected_mod_revision})",
+            reason=reason,
+            revision=expected_mod_revision,
         )
         return record
 
-    def collect_network(self, network: str, keep: set[tuple[str, str]]) -> list[str]:
-        """CNI GC: release every attachment of `network` whose (container, ifname) the
-        runtime did not list as valid. Returns the addresses freed."""
+    def collect_network(
+        self, network: str, keep: set[tuple[str, str]], grace: float = ADD_GRACE
+    ) -> list[str]:
+        """CNI GC, with garbage collection's rules (ipward.gc) and the runtime's list as
+        the evidence: free each address of `network` whose attachment (container,
+        ifname) the runtime did not list as valid, and whose ADD is older than `grace`
+        (one in flight may not be listed yet), by compare-and-delete on the revision
+        read. Returns the addresses freed."""
         kvs, _ = self.store_range(f"attach/{network}/")
+        now = self.clock()
         freed = []
         for kv in kvs:
             _, _, container, ifname = kv.key.split("/", 3)
-            if (container, ifname) not in keep:
-                attachment = rec.Attachment(network, container, ifname)
-                freed += self.release(attachment, "CNI GC: not in cni.dev/valid-attachments")
+            if (container, ifname) in keep:
+                continue
+            attachment = rec.Attachment(network, container, ifname)
+            for ref in rec.decode(kv.value)["ips"]:
+                pool, ip = rec.split_pool_ip(ref)
+                record_kv = self._get(rec.ip_key(pool, ip), fresh=True)
+                if record_kv is None:
+                    continue
+                record = rec.decode(record_kv.value)
+                age = now - float(record.get("created_at", now))
+                if rec.record_attachment(record) != attachment or age < grace:
+                    continue
+                reason = (
+                    f"CNI GC: not in cni.dev/valid-attachments, {age:.0f}s after its ADD"
+                    f" (grace {grace:g}s)"
+                )
+                try:
+                    self.release_address(pool, ip, record_kv.mod_revision, reason)
+                except OwnerChanged:
+                    continue  # released or replaced meanwhile: not ours to touch
+                freed.append(ref)
         return freed
 
     # -- plumbing ---------------------------------------------------------------------

@@ -1,0 +1,343 @@
+"""Garbage collection: which allocation records are leaked, and freeing them safely
+(DESIGN 5.4 for the controller and `ipward gc`, 5.5 for the agent's own node).
+
+The rules, in the order they are applied to one record (its attachment = network,
+sandbox ID, ifname; created_at = when its ADD committed):
+
+1. Records are read first, with their revisions; liveness after. A record created
+   after the read is not judged; one changed after it fails the compare-and-delete.
+2. Evidence must be fresh: a view counts only when `view.as_of - created_at >= grace`
+   (the ADD grace). That covers an ADD in flight (its sandbox is listed only once the
+   runtime's RunPodSandbox returns) and any source that lags: a view older than that
+   says nothing about the record, so it is kept.
+3. The runtime of the record's node answered:
+   - lists the sandbox ready: alive, kept, whatever else says;
+   - does not list it at all: candidate, `sandbox-gone`;
+   - lists it not ready (stopped; its DEL is the runtime's job): kept unless the pod
+     is terminal (below).
+4. Otherwise (or for a stopped sandbox), the cluster answered:
+   - the record's node is not registered (its lease expired) and the cluster does not
+     list it: candidate, `node-gone`;
+   - no pod with the record's UID: candidate, `pod-gone` (a pod with the same name and
+     another UID is another pod; a sticky reservation, when there is one, keeps it);
+   - the pod is Succeeded or Failed, and its termination grace has passed since it
+     finished: candidate, `pod-terminal`;
+   - otherwise alive, kept.
+5. No source answered for the record's node: kept (invariant 8, fail closed). A
+   runtime listing two ready sandboxes for one pod UID is not trusted at all: the
+   whole node's view is dropped and logged loudly.
+6. The controller frees a candidate only when it was a candidate at the same record
+   revision on the previous pass too (`Confirmations`); the agent, whose runtime is
+   local and authoritative, frees on one pass. Every free is a compare-and-delete on
+   the record's revision (`Ledger.release_address`), logged and counted by reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ipward import log
+from ipward import records as rec
+from ipward.errors import OwnerChanged
+from ipward.ledger import ADD_GRACE
+from ipward.liveness import ClusterView, LivenessSource, LivenessUnavailable, NodeView
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+
+    from ipward.ledger import Ledger
+    from ipward.store.base import Compare, Store
+
+# Candidate reasons (metrics labels; the README explains each).
+SANDBOX_GONE = "sandbox-gone"
+POD_GONE = "pod-gone"
+POD_TERMINAL = "pod-terminal"
+NODE_GONE = "node-gone"
+REASONS = (SANDBOX_GONE, POD_GONE, POD_TERMINAL, NODE_GONE)
+
+DEFAULT_GRACE = ADD_GRACE
+
+
+@dataclass(frozen=True)
+class Held:
+    """One allocation record as read, with the revision a free must compare."""
+
+    pool: str
+    ip: str
+    mod_revision: int
+    record: dict
+
+    @property
+    def ref(self) -> str:
+        return f"{self.pool}/{self.ip}"
+
+    @property
+    def node(self) -> str:
+        return str(self.record.get("node", ""))
+
+    @property
+    def container(self) -> str:
+        return str(self.record.get("container", ""))
+
+    @property
+    def created_at(self) -> float:
+        value = self.record.get("created_at", 0.0)
+        return float(value) if isinstance(value, int | float) else 0.0
+
+    @property
+    def pod(self) -> dict:
+        pod = self.record.get("pod")
+        return pod if isinstance(pod, dict) else {}
+
+    @property
+    def attachment(self) -> str:
+        return repr(rec.record_attachment(self.record))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    held: Held
+    reason: str | None  # a candidate's reason, None when kept
+    evidence: str  # why, in words (logged, and shown by `ipward gc --dry-run`)
+
+    def to_dict(self) -> dict:
+        pod = self.held.pod
+        return {
+            "address": self.held.ref,
+            "attachment": self.held.attachment,
+            "node": self.held.node,
+            "pod": f"{pod.get('namespace', '')}/{pod.get('name', '')}",
+            "uid": pod.get("uid", ""),
+            "created_at": self.held.created_at,
+            "revision": self.held.mod_revision,
+            "reason": self.reason,
+            "evidence": self.evidence,
+        }
+
+
+def snapshot(store: Store, node: str | None = None) -> list[Held]:
+    """Every allocation record (of `node` only, when given), with its revision."""
+    held = []
+    for kv in store.range("ips/")[0]:
+        pool, _, ip = kv.key[len("ips/") :].partition("/")
+        try:
+            record = rec.decode(kv.value)
+            rec.record_attachment(record)
+        except (ValueError, KeyError):
+            log.error("allocation record unreadable; not judged", key=kv.key)
+            continue
+        if node is None or record.get("node") == node:
+            held.append(Held(pool, ip, kv.mod_revision, record))
+    return held
+
+
+def registered_nodes(store: Store) -> frozenset[str]:
+    """Nodes whose agent holds a live registration (`nodes/<node>` under a lease)."""
+    prefix = rec.node_key("")
+    return frozenset(
+        name for kv in store.range(prefix)[0] if (name := kv.key[len(prefix) :]) and "/" not in name
+    )
+
+
+@dataclass
+class Evidence:
+    """What the sources said in one pass: a view, or why there is none."""
+
+    grace: float
+    nodes: dict[str, NodeView | str] = field(default_factory=dict)
+    cluster: ClusterView | str = "not asked"
+    registered: frozenset[str] = frozenset()  # nodes holding a live lease
+
+
+def gather(
+    source: LivenessSource | None,
+    nodes: Iterable[str],
+    *,
+    grace: float,
+    registered: frozenset[str] = frozenset(),
+    ask_cluster: bool = True,
+) -> Evidence:
+    """Read liveness for `nodes` (after the records were read). A node whose runtime
+    lists two ready sandboxes for one pod UID gets no view: that runtime is not
+    trusted (DESIGN 5.5)."""
+    evidence = Evidence(grace=grace, registered=registered)
+    if source is None:
+        evidence.cluster = "no liveness source configured"
+        for node in nodes:
+            evidence.nodes[node] = "no liveness source configured"
+        return evidence
+    for node in nodes:
+        try:
+            view = source.node_view(node)
+        except LivenessUnavailable as e:
+            evidence.nodes[node] = str(e)
+            continue
+        duplicates = view.duplicate_pods()
+        if duplicates:
+            log.error(
+                "runtime lists two ready sandboxes for one pod: nothing on this node is"
+                " reclaimed until it is resolved",
+                node=node,
+                duplicates=duplicates,
+            )
+            evidence.nodes[node] = f"runtime untrusted: one pod, two ready sandboxes {duplicates}"
+            continue
+        evidence.nodes[node] = view
+    if ask_cluster:
+        try:
+            evidence.cluster = source.cluster_view()
+        except LivenessUnavailable as e:
+            evidence.cluster = str(e)
+    return evidence
+
+
+def judge(held: Held, evidence: Evidence, sticky: Callable[[Held], bool] | None = None) -> Verdict:
+    """The rules of this module's docstring for one record."""
+    created, grace = held.created_at, evidence.grace
+    sandbox_id = held.container
+    runtime = evidence.nodes.get(held.node, "not asked")
+    stopped = False
+    if isinstance(runtime, NodeView):
+        age = runtime.as_of - created
+        if age < grace:
+            return Verdict(
+                held,
+                None,
+                f"runtime view of {held.node} only {age:.1f}s after the ADD (grace {grace:g}s)",
+            )
+        sandbox = runtime.sandboxes.get(sandbox_id)
+        if sandbox is None:
+            return Verdict(
+                held,
+                SANDBOX_GONE,
+                f"runtime of {held.node} lists no sandbox {sandbox_id[:16]} (as of"
+                f" {runtime.as_of:.1f}, {age:.1f}s after the ADD)",
+            )
+        if sandbox.ready:
+            return Verdict(held, None, f"sandbox {sandbox_id[:16]} ready on {held.node}")
+        stopped = True
+    cluster = evidence.cluster
+    if not isinstance(cluster, ClusterView):
+        why = runtime if isinstance(runtime, str) else "sandbox stopped"
+        return Verdict(held, None, f"no evidence: runtime: {why}; cluster: {cluster}")
+    age = cluster.as_of - created
+    if age < grace:
+        return Verdict(held, None, f"cluster view only {age:.1f}s after the ADD (grace {grace:g}s)")
+    if (
+        not stopped
+        and held.node
+        and held.node not in evidence.registered
+        and held.node not in cluster.nodes
+    ):
+        return Verdict(
+            held,
+            NODE_GONE,
+            f"node {held.node}: lease expired and the cluster no longer lists it",
+        )
+    pod_info = held.pod
+    uid = str(pod_info.get("uid", ""))
+    if not uid:
+        return Verdict(held, None, "no pod UID on the record and no runtime answer")
+    pod = cluster.pods.get(uid)
+    if pod is None:
+        if not stopped and sticky is not None and sticky(held):
+            return Verdict(held, None, "pod gone but a sticky reservation holds the address")
+        if stopped:
+            return Verdict(held, None, "sandbox stopped, pod gone: the runtime will DEL it")
+        return Verdict(
+            held,
+            POD_GONE,
+            f"cluster has no pod with UID {uid} ({pod_info.get('namespace')}/"
+            f"{pod_info.get('name')}) as of {cluster.as_of:.1f}",
+        )
+    if pod.terminal and pod.finished_at is not None:
+        since = cluster.as_of - pod.finished_at
+        if since >= pod.grace:
+            return Verdict(
+                held,
+                POD_TERMINAL,
+                f"pod {pod.namespace}/{pod.name} {pod.phase} {since:.1f}s ago"
+                f" (grace {pod.grace:g}s)",
+            )
+        return Verdict(held, None, f"pod {pod.phase} only {since:.1f}s ago (grace {pod.grace:g}s)")
+    if stopped:
+        return Verdict(held, None, f"sandbox stopped, pod {pod.phase}: the runtime will DEL it")
+    return Verdict(held, None, f"pod {pod.namespace}/{pod.name} {pod.phase}")
+
+
+class Confirmations:
+    """Candidates of the previous pass, by record key and revision: the controller
+    frees only what two passes in a row found (a new instance starts over, which only
+    delays)."""
+
+    def __init__(self) -> None:
+        self.previous: dict[str, int] = {}
+
+    def confirm(self, verdicts: Sequence[Verdict]) -> list[Verdict]:
+        current = {
+            rec.ip_key(v.held.pool, v.held.ip): v.held.mod_revision for v in verdicts if v.reason
+        }
+        confirmed = [
+            v
+            for v in verdicts
+            if v.reason
+            and self.previous.get(rec.ip_key(v.held.pool, v.held.ip)) == v.held.mod_revision
+        ]
+        self.previous = current
+        return confirmed
+
+    def forget(self, verdicts: Sequence[Verdict]) -> None:
+        for v in verdicts:
+            self.previous.pop(rec.ip_key(v.held.pool, v.held.ip), None)
+
+
+def free(ledger: Ledger, verdict: Verdict, who: str, fence: Sequence[Compare] = ()) -> bool:
+    """Compare-and-delete the record at the revision judged. False when it changed
+    (a DEL, a new owner): nothing is touched then."""
+    held = verdict.held
+    try:
+        ledger.release_address(
+            held.pool,
+            held.ip,
+            held.mod_revision,
+            f"{who}: {verdict.reason}: {verdict.evidence}",
+            fence,
+        )
+    except OwnerChanged:
+        log.info(
+            "not freed: the record changed since it was judged",
+            address=held.ref,
+            attachment=held.attachment,
+            reason=verdict.reason,
+        )
+        return False
+    return True
+
+
+def look(store: Store, source: LivenessSource | None, grace: float) -> list[Verdict]:
+    """One look: records, registrations, then liveness; every record judged."""
+    held = snapshot(store)
+    registered = registered_nodes(store)
+    nodes = sorted({h.node for h in held})
+    evidence = gather(source, nodes, grace=grace, registered=registered)
+    return [judge(h, evidence) for h in held]
+
+
+def collect_once(
+    ledger: Ledger,
+    source: LivenessSource | None,
+    *,
+    grace: float,
+    confirm_after: float,
+    who: str,
+    sleep: Callable[[float], None],
+) -> tuple[list[Verdict], list[Verdict]]:
+    """`ipward gc`: two looks `confirm_after` apart (the two passes of rule 6), then
+    free what both found. Returns (the second look's verdicts, the records freed)."""
+    confirmations = Confirmations()
+    confirmations.confirm(look(ledger.store, source, grace))
+    sleep(confirm_after)
+    verdicts = look(ledger.store, source, grace)
+    freed = [v for v in confirmations.confirm(verdicts) if free(ledger, v, who)]
+    return verdicts, freed
