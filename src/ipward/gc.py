@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ipward import log
+from ipward import log, testpoints
 from ipward import records as rec
 from ipward.errors import OwnerChanged
 from ipward.ledger import ADD_GRACE
@@ -296,6 +296,8 @@ def free(ledger: Ledger, verdict: Verdict, who: str, fence: Sequence[Compare] = 
     """Compare-and-delete the record at the revision judged. False when it changed
     (a DEL, a new owner): nothing is touched then."""
     held = verdict.held
+    log.debug("freeing", address=held.ref, attachment=held.attachment, reason=verdict.reason)
+    testpoints.pause("gc-free")
     try:
         ledger.release_address(
             held.pool,

@@ -1,6 +1,7 @@
 """Test-only pauses at named points, so race tests can make two processes' steps land
 exactly together: an agent between reading a block and committing an allocation in it
-(`allocate`), a controller between reading a block and marking it (`mark`).
+(`allocate`), a controller between reading a block and marking it (`mark`), garbage
+collection between judging a record and its compare-and-delete (`gc-free`).
 
 Set in a process's environment, e.g. `IPWARD_TEST_PAUSES="allocate=0.003"`; unset (as
 in production) a pause is one dict lookup.
