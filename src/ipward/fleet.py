@@ -31,7 +31,9 @@ class Process:
 
     started_msg = ""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+    def __init__(
+        self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.args = args
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -44,6 +46,7 @@ class Process:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
+                env={**os.environ, **(env or {})},
                 start_new_session=True,  # a signal to the test's group does not reach it
             )
 
@@ -146,6 +149,7 @@ class Agent(Process):
         socket_path: Path,
         log_dir: Path,
         extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.node = node
         self.socket = socket_path
@@ -161,7 +165,7 @@ class Agent(Process):
             "127.0.0.1:0",
             *extra,
         ]
-        super().__init__(f"agent-{node}", args, log_dir)
+        super().__init__(f"agent-{node}", args, log_dir, env)
 
     def wait_ready(self, timeout: float = 30.0) -> Agent:
         """Until a VERSION call through its socket is answered."""
@@ -188,7 +192,14 @@ class Agent(Process):
 class Controller(Process):
     started_msg = "controller started"
 
-    def __init__(self, ident: str, store: str, log_dir: Path, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        ident: str,
+        store: str,
+        log_dir: Path,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.ident = ident
         args = [
             "controller",
@@ -200,7 +211,7 @@ class Controller(Process):
             "127.0.0.1:0",
             *extra,
         ]
-        super().__init__(f"controller-{ident}", args, log_dir)
+        super().__init__(f"controller-{ident}", args, log_dir, env)
 
     def metrics_url(self) -> str | None:
         started = self.logged(self.started_msg)
