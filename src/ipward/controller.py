@@ -32,8 +32,15 @@ scan of its records:
     (remembered in memory per block: a new leader starts counting again, which only
     delays), small enough for the agent's one-transaction answer, and whose addresses
     the node can do without (free - its size >= warm) is marked.
-Blocks of nodes that are not registered under `nodes/` are left alone (node-down
-garbage collection is a separate step) but counted in the metrics. Node ownership is
+Blocks of nodes that are not registered under `nodes/` are left alone but counted in
+the metrics, until the node is known gone (below).
+
+Garbage collection (with `--liveness`, every `--gc-interval`; the rules are `ipward.gc`'s):
+records, registrations, then liveness; a record found leaked on two passes in a row at
+one revision is freed by a fenced compare-and-delete. A node whose lease expired and
+that the cluster no longer lists is gone: its records are candidates, and its blocks,
+once empty, are marked and answered `ready` by the controller on its behalf (the same
+transaction the agent would make, comparing every address absent), then released. Node ownership is
 read from the block records themselves (one read, at one revision, and the field every
 step compares), not from the affinity index.
 
