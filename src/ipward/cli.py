@@ -511,9 +511,10 @@ def gc_command(
         verdict = v.reason or "kept"
         if v.reason and not dry_run:
             verdict += " (freed)" if v.held.ref in freed_refs else " (not confirmed)"
+        network, container, ifname = d["attachment"].split("/", 2)
         table.add_row(
             d["address"],
-            d["attachment"],
+            f"{network}/{container[:12]}/{ifname}",
             d["node"],
             d["pod"],
             _age(now - d["created_at"]),

@@ -211,11 +211,11 @@ def judge(held: Held, evidence: Evidence, sticky: Callable[[Held], bool] | None 
             return Verdict(
                 held,
                 SANDBOX_GONE,
-                f"runtime of {held.node} lists no sandbox {sandbox_id[:16]} (as of"
-                f" {runtime.as_of:.1f}, {age:.1f}s after the ADD)",
+                f"runtime of {held.node} lists no sandbox {sandbox_id[:12]} (read"
+                f" {age:.0f}s after the ADD)",
             )
         if sandbox.ready:
-            return Verdict(held, None, f"sandbox {sandbox_id[:16]} ready on {held.node}")
+            return Verdict(held, None, f"sandbox {sandbox_id[:12]} ready on {held.node}")
         stopped = True
     cluster = evidence.cluster
     if not isinstance(cluster, ClusterView):
@@ -249,7 +249,7 @@ def judge(held: Held, evidence: Evidence, sticky: Callable[[Held], bool] | None 
             held,
             POD_GONE,
             f"cluster has no pod with UID {uid} ({pod_info.get('namespace')}/"
-            f"{pod_info.get('name')}) as of {cluster.as_of:.1f}",
+            f"{pod_info.get('name')}; read {age:.0f}s after the ADD)",
         )
     if pod.terminal and pod.finished_at is not None:
         since = cluster.as_of - pod.finished_at
