@@ -156,12 +156,32 @@ def test_add_result_format(plugin: Path, sqlite_url: str, version: str) -> None:
 
 @pytest.mark.parametrize("version", ["0.3.1", "1.1.0"])
 def test_add_result_without_gateway_routes_dns(plugin: Path, sqlite_url: str, version: str) -> None:
-    ipam = {"ranges": [[{"subnet": "10.0.0.0/24"}]]}
+    ipam = {"range": "10.0.0.0/24"}  # whereabouts: no gateway unless one is given
     result = add(plugin, net_config(sqlite_url, ipam, version=version)).json
     assert set(result) == {"cniVersion", "ips"}
     (entry,) = result["ips"]
     assert "gateway" not in entry
     assert entry["address"] == "10.0.0.1/24"
+
+
+@pytest.mark.parametrize(
+    "ipam",
+    [
+        pytest.param({"ranges": [[{"subnet": "10.0.0.0/24"}]]}, id="ranges"),
+        pytest.param({"subnet": "10.0.0.0/24"}, id="subnet"),
+        pytest.param({"ranges": [[{"subnet": "fd00::/64"}]]}, id="ipv6"),
+    ],
+)
+def test_host_local_range_without_gateway_keeps_the_first_address(
+    plugin: Path, sqlite_url: str, ipam: dict
+) -> None:
+    """As host-local: the subnet's first address is the gateway, never a pod's (a bridge
+    with isGateway takes it; found by the containerd end-to-end test)."""
+    result = add(plugin, net_config(sqlite_url, ipam)).json
+    (entry,) = result["ips"]
+    first = "fd00::1" if "fd00" in json.dumps(ipam) else "10.0.0.1"
+    assert entry["gateway"] == first
+    assert entry["address"].split("/")[0] != first
 
 
 # -- dialects -------------------------------------------------------------------------
@@ -244,12 +264,15 @@ def test_host_local_ranges_dual_stack(plugin: Path, sqlite_url: str) -> None:
 def test_host_local_several_ranges_in_one_set_give_one_address(
     plugin: Path, sqlite_url: str
 ) -> None:
-    ipam = {"ranges": [[{"subnet": "10.0.0.0/30"}, {"subnet": "10.0.1.0/30"}]]}
+    # Each /29 keeps .1 for its gateway (host-local's default) and hands out .2-.6.
+    ipam = {"ranges": [[{"subnet": "10.0.0.0/29"}, {"subnet": "10.0.1.0/29"}]]}
     got = [
-        addresses(add(plugin, net_config(sqlite_url, ipam), container=f"c{i}")) for i in range(4)
+        addresses(add(plugin, net_config(sqlite_url, ipam), container=f"c{i}")) for i in range(10)
     ]
     assert all(len(a) == 1 for a in got)
-    assert sorted(a[0] for a in got) == ["10.0.0.1/30", "10.0.0.2/30", "10.0.1.1/30", "10.0.1.2/30"]
+    assert sorted(a[0] for a in got) == [
+        f"10.0.{net}.{host}/29" for net in (0, 1) for host in range(2, 7)
+    ]
     assert_cni_error(exec_plugin(plugin, "ADD", net_config(sqlite_url, ipam), container="x"), 100)
     assert_consistent(sqlite_url)
 
@@ -532,8 +555,9 @@ def test_exhaustion(plugin: Path, sqlite_url: str) -> None:
 def test_failed_dual_stack_add_changes_nothing(plugin: Path, sqlite_url: str) -> None:
     ipam = {
         "ranges": [
-            [{"subnet": "10.0.0.0/30"}, {"subnet": "10.0.1.0/30"}],  # one block per range
-            [{"subnet": "fd00::/120", "rangeStart": "fd00::1", "rangeEnd": "fd00::2"}],
+            # one block per range; each keeps .1 for its gateway: .2 .3, then .2
+            [{"subnet": "10.0.0.0/29", "rangeEnd": "10.0.0.3"}, {"subnet": "10.0.1.0/30"}],
+            [{"subnet": "fd00::/120", "rangeStart": "fd00::1", "rangeEnd": "fd00::3"}],
         ]
     }
     config = net_config(sqlite_url, ipam)

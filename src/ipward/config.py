@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ipward.addr import family_of, format_cidr, parse_cidr
+from ipward.addr import family_of, format_cidr, format_ip, parse_cidr
 from ipward.errors import InvalidConfig, InvalidEnvironment
 from ipward.ledger import ADD_GRACE
 from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name
@@ -148,10 +148,10 @@ def _inline_pool(network: str, ipam: dict, routes: list[dict]) -> PoolSpec | Non
         range_sets = ipam["ranges"]
         if not isinstance(range_sets, list) or not range_sets:
             raise InvalidConfig("ipam.ranges must be a non-empty list of range lists")
+        range_sets = [_host_local_gateways(rs) for rs in range_sets]
     elif "subnet" in ipam:  # host-local, older form
-        range_sets = [
-            [{k: ipam[k] for k in ("subnet", "rangeStart", "rangeEnd", "gateway") if k in ipam}]
-        ]
+        one = {k: ipam[k] for k in ("subnet", "rangeStart", "rangeEnd", "gateway") if k in ipam}
+        range_sets = [_host_local_gateways([one])]
     elif "range" in ipam or "ipRanges" in ipam:  # whereabouts
         entries = [ipam] if "range" in ipam else ipam["ipRanges"]
         if not isinstance(entries, list) or not entries:
@@ -167,6 +167,22 @@ def _inline_pool(network: str, ipam: dict, routes: list[dict]) -> PoolSpec | Non
         return None
     cooldown = ipam.get("cooldown", DEFAULT_COOLDOWN)
     return PoolSpec(network, range_sets, exclude, routes, cooldown, source="cni-config")
+
+
+def _host_local_gateways(range_set: object) -> list[dict]:
+    """host-local's rule: a range without `gateway` has its subnet's first address as
+    the gateway, never handed out (a bridge with isGateway puts that address on itself,
+    so handing it to a pod would duplicate it)."""
+    if not isinstance(range_set, list):
+        raise InvalidConfig("each entry of ipam.ranges must be a list of ranges")
+    out = []
+    for r in range_set:
+        if isinstance(r, dict) and "gateway" not in r and isinstance(r.get("subnet"), str):
+            family, network, prefix = parse_cidr(r["subnet"])
+            if prefix < (32 if family == 4 else 128) - 1:  # /31, /32, /127, /128: no gateway
+                r = {**r, "gateway": format_ip(family, network + 1)}
+        out.append(r)
+    return out
 
 
 def _whereabouts_range(entry: dict, gateway: object) -> tuple[dict, list[str]]:

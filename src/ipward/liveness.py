@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -210,9 +211,9 @@ def write_sim_state(
     """Publish a simulated state for `SimFileSource` readers: write aside, then rename,
     so a reader sees the old state or the new one, never half of one."""
     body = {"as_of": as_of, "cluster": cluster, "runtimes": runtimes}
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(body, f, default=_encode)
+        f.write(json.dumps(body, default=_encode))  # one write: json.dump writes in chunks
     os.replace(tmp, path)
 
 
