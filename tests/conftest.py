@@ -7,7 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -98,3 +101,18 @@ def run_cli(
     return subprocess.run(
         [*IPWARD, *args], capture_output=True, text=True, env=env, check=check, timeout=120
     )
+
+
+def wait_for(
+    condition: Callable[[], Any], what: str, timeout: float = 60.0, poll: float = 0.05
+) -> Any:
+    """Poll until `condition()` is truthy; its value. The timeout bounds a wait, it never
+    asserts a speed: on a loaded machine things are slow, not wrong."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+        time.sleep(poll)

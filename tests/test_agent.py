@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IPWARD, PluginResult, exec_plugin, run_cli
+from conftest import IPWARD, PluginResult, exec_plugin, run_cli, wait_for
 from etcd_server import etcd_server
 from ipward import blocks
 from ipward import records as rec
@@ -619,17 +619,6 @@ def test_cli_exposes_the_agent():
     ).stdout
     for option in ("--node", "--store", "--socket", "--metrics-address", "--drain-seconds"):
         assert option in out
-
-
-def wait_for(condition: Callable[[], object], what: str, timeout: float = 20.0) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_agent_registers_its_node_and_answers_the_handshake(

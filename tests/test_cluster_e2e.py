@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import IPWARD, run_cli
+from conftest import IPWARD, run_cli, wait_for
 from etcd_server import etcd_server
 from ipward import records as rec
 from ipward.netlab import NetLab, Pod, bridge_network_config, skip_reason
@@ -31,17 +30,6 @@ NODES = ("node-1", "node-2", "node-3")
 PODS_PER_NODE = 4
 POOL = "pods"
 SUBNET = "10.93.0.0/16"
-
-
-def wait_for(condition, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IPWARD, run_cli
+from conftest import IPWARD, run_cli, wait_for
 from etcd_server import EtcdCluster, etcd_cluster, etcd_server
 from ipward import blocks, log, testpoints
 from ipward import records as rec
@@ -976,15 +976,6 @@ def test_mark_versus_allocate(plugin, etcd, agents, monkeypatch):
     assert seen["block deleted (released)"] and take_backs, (seen, take_backs)
 
 
-def wait_for(condition, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-    return value
-
-
 def test_release_after_a_take_back_is_no_alarm(plugin, etcd, agents, monkeypatch):
     """The controller reads a block `ready`; before it releases it, the node needs room
     and takes the block back, then allocates in it. The release must refuse (it does),
@@ -1003,7 +994,7 @@ def test_release_after_a_take_back_is_no_alarm(plugin, etcd, agents, monkeypatch
             kv = store.get(key)
             return kv if rec.decode(kv.value)["state"] == rec.READY else None
 
-        ready = wait_for(read_ready, "the agent's `ready`")  # what the controller read
+        ready = wait_for(read_ready, "the agent's `ready`", poll=0.01)  # what the controller read
         second = call(plugin, "ADD", cfg, "second")  # the node needs room: takes it back
         assert second.ok and ipaddress.ip_address(second.address) in ipaddress.ip_network(cidr)
         assert rec.decode(store.get(key).value)["state"] == rec.ACTIVE
@@ -1057,7 +1048,7 @@ def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
                 kv = store.get(key)
                 return rec.decode(kv.value)["state"] if kv else None
 
-            wait_for(lambda: state() == rec.READY, "the agent's ready answer")
+            wait_for(lambda: state() == rec.READY, "the agent's ready answer", poll=0.01)
             burst: list[Answer] = []
             threads = [
                 threading.Thread(target=lambda n=n: burst.append(call(plugin, "ADD", cfg, f"b{n}")))

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from conftest import IPWARD, run_cli
+from conftest import IPWARD, run_cli, wait_for
 from etcd_server import etcd_server, free_port
 from ipward import blocks
 from ipward import records as rec
@@ -41,17 +41,6 @@ TAKEOVER = 4 * TTL + 10  # bound on waiting for a successor (process start inclu
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
 
 
 _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
@@ -136,7 +125,7 @@ class Ctl:
 
     def terminate(self) -> int:
         """SIGTERM once it runs (before its handler is set, SIGTERM just kills it)."""
-        wait_for(lambda: self.logged("controller started"), 30, f"{self.ident} to start")
+        wait_for(lambda: self.logged("controller started"), f"{self.ident} to start", 30)
         self.proc.terminate()
         return self.proc.wait(15)
 
@@ -332,15 +321,15 @@ def att(name: str) -> Attachment:
 def test_one_leader_and_a_successor_after_sigkill(store_url, store, spawn):
     first, second = spawn(store_url, "c1"), spawn(store_url, "c2")
     by_id = {"c1": first, "c2": second}
-    boss = by_id[wait_for(lambda: leader_id(store), TAKEOVER, "a leader")]
+    boss = by_id[wait_for(lambda: leader_id(store), "a leader", TAKEOVER)]
     standby = second if boss is first else first
     wait_for(
         lambda: (
             boss.metric("ipward_controller_leader") == 1
             and standby.metric("ipward_controller_leader") == 0
         ),
-        10,
         "the leader metric on both",
+        10,
     )
     # Through several keepalives, one leader and one waiting.
     deadline = time.monotonic() + 1.5 * TTL
@@ -355,8 +344,8 @@ def test_one_leader_and_a_successor_after_sigkill(store_url, store, spawn):
         lambda: (
             leader_id(store) == standby.ident and standby.metric("ipward_controller_leader") == 1
         ),
-        TAKEOVER,
         "the standby to take over",
+        TAKEOVER,
     )
     assert standby.logged("leadership acquired")
     # A clean stop revokes the lease before the process exits: the key is gone already.
@@ -390,15 +379,15 @@ def test_warm_target_per_node_and_family_with_a_ledger_racing(store_url, store, 
             except BaseException as e:
                 errors.append(e)
 
-    wait_for(lambda: leader_id(store) == "c1", TAKEOVER, "the controller to lead")
+    wait_for(lambda: leader_id(store) == "c1", "the controller to lead", TAKEOVER)
     thread = threading.Thread(target=allocate)
     thread.start()
     thread.join(60)
     assert not errors, errors
     wait_for(
         lambda: all(free_of(store, n, f) >= 20 for n in ("n1", "n2") for f in (4, 6)),
-        20,
         "every node at its warm target in both families",
+        20,
     )
     wait_for(
         lambda: all(
@@ -406,8 +395,8 @@ def test_warm_target_per_node_and_family_with_a_ledger_racing(store_url, store, 
             for n in ("n1", "n2")
             for f in ("4", "6")
         ),
-        10,
         "no warm deficit in the metrics",
+        10,
     )
     assert (ctl.metric("ipward_controller_blocks_assigned_total") or 0) >= 4
     assert ctl.terminate() == 0
@@ -430,13 +419,13 @@ def test_surplus_blocks_are_marked_answered_and_released(store_url, store, spawn
         ctl = spawn(store_url, "c1")
         wait_for(
             lambda: len(of_node(store, "n1")) == 1 and len(released(store)) == 3,
-            30,
             "three surplus blocks released, one kept",
+            30,
         )
         wait_for(
             lambda: ctl.metric("ipward_controller_handshakes_total", result="completed") == 3,
-            10,
             "three completed handshakes in the metrics",
+            10,
         )
         assert ctl.metric("ipward_controller_handshakes_total", result="started") == 3
         assert sorted(c for c, a in agent.answers if a == rec.READY) == released(store)
@@ -457,7 +446,7 @@ def test_a_refused_block_is_resumed(store_url, store, spawn):
     create_pool(store_url, "--range 10.0.0.0/24 --block-v4 28 --warm 1 --release-delay 1000")
     register(store, "n1")
     ctl = spawn(store_url, "c1")
-    [cidr] = wait_for(lambda: of_node(store, "n1"), TAKEOVER, "a block assigned to n1")
+    [cidr] = wait_for(lambda: of_node(store, "n1"), "a block assigned to n1", TAKEOVER)
     spec = pool_spec(store)
     ip = Ledger(store, "n1").allocate([spec], att("x"), PodInfo())[0].ip
     assert rec.decode(store.get(rec.ip_key("p", ip)).value)["block"] == cidr
@@ -467,12 +456,12 @@ def test_a_refused_block_is_resumed(store_url, store, spawn):
     assert blocks.mark(store, "p", kv, time.time())
     assert blocks.answer(store, spec, store.get(kv.key), time.time()) == rec.REFUSED
     wait_for(
-        lambda: block_states(store)[cidr]["state"] == rec.ACTIVE, 10, "the controller's resume"
+        lambda: block_states(store)[cidr]["state"] == rec.ACTIVE, "the controller's resume", 10
     )
     wait_for(
         lambda: ctl.metric("ipward_controller_handshakes_total", result="aborted") == 1,
-        10,
         "one aborted handshake in the metrics",
+        10,
     )
     assert [e["block"] for e in ctl.logged("block resumed")] == [cidr]
     assert "marked_at" not in block_states(store)[cidr]
@@ -496,7 +485,7 @@ def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
     ledger.release(att("x"))
     [cidr] = of_node(store, "n1")
     ctl = spawn(store_url, "c1", ready_delay=60)  # it would release a ready block only later
-    wait_for(lambda: of_node(store, "n1", rec.MARKED), TAKEOVER, "the surplus block marked")
+    wait_for(lambda: of_node(store, "n1", rec.MARKED), "the surplus block marked", TAKEOVER)
     kv = store.get(rec.block_key("p", cidr))
     assert blocks.answer(store, spec, kv, time.time()) == rec.READY
     ready = store.get(kv.key)
@@ -509,8 +498,8 @@ def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
     assert not blocks.release(store, spec, ready)
     wait_for(
         lambda: ctl.metric("ipward_controller_handshakes_total", result="aborted") == 1,
-        10,
         "the take-back counted as an aborted handshake",
+        10,
     )
     assert ctl.logged("handshake aborted")
     assert ctl.metric("ipward_controller_handshakes_total", result="completed") == 0
@@ -539,7 +528,7 @@ def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
 
     # Killed after marking: the marks stay; nobody answers them yet.
     first = spawn(store_url, "k0")
-    marked = wait_for(lambda: of_node(store, "n1", rec.MARKED), TAKEOVER, "surplus marked")
+    marked = wait_for(lambda: of_node(store, "n1", rec.MARKED), "surplus marked", TAKEOVER)
     first.kill()
     marked = of_node(store, "n1", rec.MARKED)
     assert len(marked) >= 1 and len(of_node(store, "n1")) == 4
@@ -615,8 +604,8 @@ def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
                 victim = spawn(store_url, f"k{round_ + 1}")
                 wait_for(
                     lambda name=victim.ident: leader_id(store) == name,
-                    TAKEOVER,
                     f"{victim.ident} to take over",
+                    TAKEOVER,
                 )
                 time.sleep(rng.uniform(0, 1.5))
                 victim.kill()
@@ -630,9 +619,9 @@ def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
         last = spawn(store_url, "final")
         wait_for(
             lambda: len(of_node(store, "n1")) == 1 and len(released(store)) == 3,
-            40,
             f"every surplus block released in the end (seed {seed}, at kills {at_kill},"
             f" ADDs retried {len(retried)})",
+            40,
         )
         assert last.terminate() == 0
     # No block lost or owned twice: each of the four is n1's active block or released.
@@ -653,29 +642,29 @@ def test_a_paused_leader_is_fenced_out_and_steps_down(store_url, store, spawn):
     )
     register(store, "n1")
     old = spawn(store_url, "old")
-    wait_for(lambda: leader_id(store) == "old" and of_node(store, "n1"), TAKEOVER, "leader")
+    wait_for(lambda: leader_id(store) == "old" and of_node(store, "n1"), "leader", TAKEOVER)
     new = spawn(store_url, "new")
     spec = pool_spec(store)
     for _ in range(2):  # surplus: 47 free where 10 are wanted
         assert blocks.assign(store, spec, 4, "n1")
     wait_for(
         lambda: old.metric("ipward_controller_blocks", pool="p", node="n1", state="active") == 3,
-        10,
         "the leader to see the new empty blocks",
+        10,
     )
     seen = time.monotonic()  # the old leader started counting them empty before this
     pause(old, store_url)
-    wait_for(lambda: leader_id(store) == "new", TAKEOVER, "the successor to take over")
+    wait_for(lambda: leader_id(store) == "new", "the successor to take over", TAKEOVER)
     # Wake the old leader once, by its own count, the blocks have been empty long enough
     # to be marked: were it to act on its stale belief, it would mark them now.
     time.sleep(max(0.0, seen + release_delay + 0.5 - time.monotonic()))
     os.kill(old.pid, signal.SIGCONT)
     wait_for(
         lambda: old.metric("ipward_controller_leader") == 0 and old.logged("leadership lost"),
-        10,
         "the old leader to step down",
+        10,
     )
-    wait_for(lambda: len(of_node(store, "n1", rec.MARKED)) == 2, 20, "the new leader's marks")
+    wait_for(lambda: len(of_node(store, "n1", rec.MARKED)) == 2, "the new leader's marks", 20)
     assert leader_id(store) == "new"
     assert old.logged("handshake started") == [] and old.logged("block marked") == []
     assert old.metric("ipward_controller_handshakes_total", result="started") == 0

@@ -13,13 +13,12 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from conftest import exec_plugin, run_cli
+from conftest import exec_plugin, run_cli, wait_for
 from etcd_server import etcd_server
 from ipward import fleet
 from ipward import records as rec
@@ -30,18 +29,6 @@ GRACE = 2.0  # the ADD grace of agents and controllers here
 INTERVAL = 0.3  # GC and reconcile passes
 NODE_TTL = 2
 NS = "ns"
-WAIT = 60.0  # generous: these bound a wait, they never assert a speed
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 class World:
@@ -121,9 +108,7 @@ class World:
 
     def running(self, ref: str) -> str:
         """Wait until the pod runs with an address; its address."""
-        return str(
-            wait_for(lambda: self._running_address(ref), f"{ref} running with an address", WAIT)
-        )
+        return str(wait_for(lambda: self._running_address(ref), f"{ref} running with an address"))
 
     def _running_address(self, ref: str) -> str | None:
         try:

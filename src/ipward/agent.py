@@ -57,10 +57,10 @@ from prometheus_client import (
 from ipward import blocks, cni, gc, jsonc, log
 from ipward import records as rec
 from ipward.errors import InvalidConfig, IpwardError
-from ipward.ledger import Ledger
+from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import LivenessSource, NodeView, open_source
 from ipward.pool import PoolSpec
-from ipward.serving import HealthProbe, parse_address, redact, start_http
+from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Put
 from ipward.wire import MAX_FRAME, WireError, decode_env, frame, recv_frame
@@ -673,7 +673,7 @@ def run_agent(
     duty_interval: float = 1.0,
     node_ttl: int = 10,
     liveness: str | None = None,
-    add_grace: float = gc.DEFAULT_GRACE,
+    add_grace: float = ADD_GRACE,
     reconcile_interval: float = 60.0,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
@@ -835,13 +835,7 @@ def _parse_gid(text: str | None) -> int | None:
     " cri:///run/containerd/containerd.sock, or sim:///PATH (the simulated cluster)."
     " Without it, nothing is reconciled.",
 )
-@click.option(
-    "--add-grace",
-    type=click.FloatRange(0),
-    default=gc.DEFAULT_GRACE,
-    show_default=True,
-    help="Seconds a record is left alone after its ADD (its sandbox may not be listed yet).",
-)
+@add_grace_option
 @click.option(
     "--reconcile-interval",
     type=click.FloatRange(0.1),

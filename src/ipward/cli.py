@@ -22,6 +22,7 @@ from ipward.config import DEFAULT_STORE
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import Ledger
 from ipward.pool import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM, PoolSpec
+from ipward.serving import add_grace_option
 from ipward.store import Store, StoreError, open_store
 
 # Scripts and CI pipe the output: give tables room instead of rich's 80-column default.
@@ -443,12 +444,7 @@ def check_command(c: Context) -> None:
     " (this node's runtime).",
 )
 @click.option("--node", default="", help="The node a cri:// socket belongs to.")
-@click.option(
-    "--add-grace",
-    type=click.FloatRange(0),
-    default=None,
-    help=f"Seconds a record is left alone after its ADD [default: {gc_rules.DEFAULT_GRACE:g}].",
-)
+@add_grace_option
 @click.option("--dry-run", is_flag=True, help="Only list the candidates; free nothing.")
 @click.option(
     "--confirm-after",
@@ -463,7 +459,7 @@ def gc_command(
     c: Context,
     liveness: str,
     node: str,
-    add_grace: float | None,
+    add_grace: float,
     dry_run: bool,
     confirm_after: float,
     show_all: bool,
@@ -471,17 +467,16 @@ def gc_command(
     """Garbage-collect leaked addresses with the controller's rules, once."""
     from ipward.liveness import open_source
 
-    grace = gc_rules.DEFAULT_GRACE if add_grace is None else add_grace
     source = open_source(liveness, node=node)
     try:
         freed: list[gc_rules.Verdict] = []
         if dry_run:
-            verdicts = gc_rules.look(c.store, source, grace)
+            verdicts = gc_rules.look(c.store, source, add_grace)
         else:
             verdicts, freed = gc_rules.collect_once(
                 c.ledger(),
                 source,
-                grace=grace,
+                grace=add_grace,
                 confirm_after=confirm_after,
                 who="ipward gc",
                 sleep=time.sleep,

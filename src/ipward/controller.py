@@ -73,10 +73,10 @@ from prometheus_client.registry import Collector
 from ipward import blocks, gc, log
 from ipward import records as rec
 from ipward.errors import InvalidConfig, IpwardError
-from ipward.ledger import Ledger
+from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.pool import PoolSpec
-from ipward.serving import parse_address, redact, start_http
+from ipward.serving import add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, StoreUnavailable, open_store
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
 
@@ -403,7 +403,7 @@ class Controller:
         interval: float,
         ready_delay: float,
         liveness: LivenessSource | None = None,
-        add_grace: float = gc.DEFAULT_GRACE,
+        add_grace: float = ADD_GRACE,
         gc_interval: float = 30.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -851,7 +851,7 @@ def run_controller(
     ready_delay: float,
     metrics_address: tuple[str, int] | None,
     liveness: str | None = None,
-    add_grace: float = gc.DEFAULT_GRACE,
+    add_grace: float = ADD_GRACE,
     gc_interval: float = 30.0,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
@@ -986,13 +986,7 @@ def run_controller(
     " collection: sim:///PATH (the simulated cluster), cri:///SOCKET (one node's"
     " runtime). Without it, nothing is garbage-collected.",
 )
-@click.option(
-    "--add-grace",
-    type=click.FloatRange(0),
-    default=gc.DEFAULT_GRACE,
-    show_default=True,
-    help="Seconds a record is left alone after its ADD.",
-)
+@add_grace_option
 @click.option(
     "--gc-interval",
     type=click.FloatRange(0.01),

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from ipward import log, testpoints
 from ipward import records as rec
 from ipward.errors import OwnerChanged
-from ipward.ledger import ADD_GRACE
 from ipward.liveness import ClusterView, LivenessSource, LivenessUnavailable, NodeView
 
 TYPE_CHECKING = False
@@ -56,7 +55,6 @@ POD_TERMINAL = "pod-terminal"
 NODE_GONE = "node-gone"
 REASONS = (SANDBOX_GONE, POD_GONE, POD_TERMINAL, NODE_GONE)
 
-DEFAULT_GRACE = ADD_GRACE
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,26 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import click
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ipward import log
 from ipward.errors import InvalidConfig
+from ipward.ledger import ADD_GRACE
 from ipward.store import Store
 
 SECRET_OPTIONS = ("password", "key")
+
+# Shared by `ipward agent`, `ipward controller` and `ipward gc` (the rules of ipward.gc).
+add_grace_option = click.option(
+    "--add-grace",
+    type=click.FloatRange(0),
+    default=ADD_GRACE,
+    show_default=True,
+    help="Seconds after its ADD before a record can be judged leaked (its sandbox may not"
+    " be listed yet).",
+)
 
 
 def parse_address(text: str) -> tuple[str, int] | None:
