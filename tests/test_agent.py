@@ -24,11 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IPWARD, PluginResult, exec_plugin, run_cli, wait_for
+from conftest import PluginResult, exec_plugin, run_cli, wait_for
 from etcd_server import etcd_server
-from ipward import blocks
+from ipward import blocks, fleet
 from ipward import records as rec
-from ipward.plugin import forward
 from ipward.pool import PoolSpec
 from ipward.store import open_store
 from ipward.wire import encode_env, frame, recv_frame
@@ -40,8 +39,8 @@ OTHER_GID = 4242
 READY_TIMEOUT = 30.0
 
 
-class AgentProcess:
-    """One `ipward agent` process; its log (JSON lines, debug) in its own file."""
+class AgentProcess(fleet.Agent):
+    """One `ipward agent` process (`ipward.fleet`), metrics off unless asked for."""
 
     def __init__(
         self,
@@ -53,82 +52,8 @@ class AgentProcess:
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
     ) -> None:
+        super().__init__(node, store, socket_path, tmp, extra, env, metrics=metrics)
         self.store = store
-        self.socket = socket_path
-        self.log_path = tmp / f"agent-{time.monotonic_ns()}.log"
-        self.stderr_path = self.log_path.with_suffix(".stderr")
-        args = [
-            *IPWARD,
-            "agent",
-            "--node",
-            node,
-            "--store",
-            store,
-            "--socket",
-            str(socket_path),
-            "--metrics-address",
-            "127.0.0.1:0" if metrics else "off",
-            "--log-file",
-            str(self.log_path),
-            "--log-level",
-            "debug",
-            *extra,
-        ]
-        with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env={**os.environ, **(env or {})},
-            )
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> AgentProcess:
-        """Until a VERSION call through the socket is answered."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"agent exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                status, _ = forward(
-                    str(self.socket), {"CNI_COMMAND": "VERSION"}, b"{}", timeout=5.0
-                )
-                if status == 0:
-                    return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"agent not ready after {timeout}s:\n{self.output()}")
-            time.sleep(0.02)
-
-    def output(self) -> str:
-        text = self.stderr_path.read_text(errors="replace")
-        if self.log_path.exists():
-            text += self.log_path.read_text(errors="replace")
-        return text[-5000:]
-
-    def log(self) -> list[dict]:
-        if not self.log_path.exists():
-            return []
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line]
-
-    @property
-    def metrics_url(self) -> str:
-        started = next(e for e in self.log() if e["msg"] == "agent started")
-        return str(started["metrics"])
-
-    @property
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 30.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.running:
-            self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture
@@ -249,7 +174,7 @@ def test_sqlite_flow_serves_its_own_store_and_node(plugin, sqlite_url, start_age
     cni_flow(plugin, sqlite_url, cfg)
     assert not elsewhere.exists()  # the config's store is never opened
     assert not cni_log.exists()  # nor its log file: the agent keeps its own
-    requests = [e for e in agent.log() if e["msg"] == "request"]
+    requests = [e for e in agent.logs() if e["msg"] == "request"]
     assert {e["command"] for e in requests} >= {"ADD", "DEL", "CHECK", "STATUS"}
     assert agent.stop() == 0
     assert not agent.socket.exists()
@@ -279,7 +204,7 @@ def test_second_agent_refuses_to_start_and_a_stale_socket_is_replaced(
     first.kill()  # SIGKILL leaves its socket file behind
     assert first.socket.exists()
     third = start_agent(sqlite_url)
-    assert any(e["msg"].startswith("removed a stale socket") for e in third.log())
+    assert any(e["msg"].startswith("removed a stale socket") for e in third.logs())
     assert third.stop() == 0
     # Something that is not a socket is never removed.
     third.socket.write_text("not a socket")
@@ -336,7 +261,7 @@ def test_other_users_are_refused_by_the_peer_check(plugin, sqlite_url, start_age
     launcher.write_text(LAUNCHER.format(path=str(lib)))
     launcher.chmod(0o755)
     agent = start_agent(sqlite_url, open_dir / "agent.sock", extra=("--allow-gid", str(OTHER_GID)))
-    assert any(e["msg"].startswith("socket directory is more open") for e in agent.log())
+    assert any(e["msg"].startswith("socket directory is more open") for e in agent.logs())
     assert agent.socket.stat().st_mode & 0o777 == 0o660
     assert agent.socket.stat().st_gid == OTHER_GID  # the allowed group can connect
     agent.socket.chmod(0o666)
@@ -354,7 +279,7 @@ def test_other_users_are_refused_by_the_peer_check(plugin, sqlite_url, start_age
             assert refused.json["cniVersion"] == "1.0.0"
             assert "permission denied" in refused.json["msg"]
     assert snapshot(sqlite_url) == before  # nothing was done for them
-    refusals = [e for e in agent.log() if e["msg"] == "refused a peer"]
+    refusals = [e for e in agent.logs() if e["msg"] == "refused a peer"]
     assert len(refusals) == 4 and {e["peer_uid"] for e in refusals} == {NOBODY}
 
     # The --allow-gid group is served, as primary or as a supplementary group.
@@ -455,7 +380,7 @@ def test_graceful_stop_drains_and_refuses(plugin, sqlite_url, start_agent):
             assert container not in held  # a refused call left nothing
     assert set(held) == set(succeeded)
     assert succeeded and len(succeeded) < len(containers), "the stop fell outside the burst"
-    stopped = [e["msg"] for e in agent.log()]
+    stopped = [e["msg"] for e in agent.logs()]
     assert "drained" in stopped and stopped[-1] == "agent stopped"
     assert_check_clean(sqlite_url)
 
@@ -532,7 +457,8 @@ def http_get(url: str) -> tuple[int, str]:
 def test_metrics_and_health(plugin, etcd, start_agent):
     run_cli("pool", "create", "web", "--range", "10.50.0.0/24", store=etcd.url, check=True)
     agent = start_agent(etcd.url, metrics=True)
-    base = agent.metrics_url
+    base = agent.metrics_url()
+    assert base is not None
     assert base.startswith("http://127.0.0.1:")  # loopback
     cfg = config(agent.socket, pool="web")
     address(exec_plugin(plugin, "ADD", cfg, container="m1"))
@@ -604,7 +530,7 @@ def test_protocol_garbage_does_not_stop_the_agent(plugin, sqlite_url, start_agen
     finally:
         idle.close()
     assert agent.running
-    errors = [e for e in agent.log() if e["msg"].startswith("protocol error")]
+    errors = [e for e in agent.logs() if e["msg"].startswith("protocol error")]
     assert len(errors) >= len(garbage) - 1
     assert agent.stop() == 0
     assert_check_clean(sqlite_url)

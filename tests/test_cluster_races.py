@@ -298,7 +298,7 @@ def served(agent: AgentProcess) -> dict[str, tuple[float, float]]:
     """container -> (start, end) of the agent serving its last call, from its log (the
     answer's wall-clock time, less the time it took)."""
     out = {}
-    for e in agent.log():
+    for e in agent.logs():
         if e["msg"] in ("request", "request failed") and e.get("container"):
             out[e["container"]] = (e["ts"] - e["ms"] / 1000, e["ts"])
     return out
@@ -306,7 +306,7 @@ def served(agent: AgentProcess) -> dict[str, tuple[float, float]]:
 
 def agent_errors(agent: AgentProcess) -> list[dict]:
     """Log entries that mean a bug: internal errors, a connection the agent failed."""
-    return [e for e in agent.log() if e.get("level") == "error"]
+    return [e for e in agent.logs() if e.get("level") == "error"]
 
 
 # -- 1. two agents, one free block ---------------------------------------------------------
@@ -928,7 +928,7 @@ def test_mark_versus_allocate(plugin, etcd, agents, monkeypatch):
     bad = [a for a in answers if not a.sound() or a.code not in (0, 11)]
     assert not bad, bad[:10]
     results = Counter((a.command, a.code) for a in answers)
-    entries = agent.log()
+    entries = agent.logs()
     take_backs = sum(1 for e in entries if "handshake aborted" in str(e.get("reason", "")))
     answered = Counter(e["msg"] for e in entries if e["msg"] in ("block ready", "block refused"))
     assert not [e for e in entries if e.get("level") == "error"]

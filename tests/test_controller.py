@@ -7,15 +7,12 @@ a deadline; nothing asserts how long anything took."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
 import signal
-import subprocess
 import threading
 import time
-import urllib.request
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from conftest import IPWARD, run_cli, wait_for
-from etcd_server import etcd_server, free_port
-from ipward import blocks
+from conftest import run_cli, wait_for
+from etcd_server import etcd_server
+from ipward import blocks, fleet
 from ipward import records as rec
 from ipward.controller import LEADER_KEY, Controller, Election, Metrics
 from ipward.errors import IpwardError, TryAgainLater
@@ -47,87 +44,15 @@ _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-class Ctl:
-    """One `ipward controller` process, its log file and its metrics."""
+class Ctl(fleet.Controller):
+    """One `ipward controller` process (`ipward.fleet`) with this file's timings."""
 
     def __init__(self, url: str, ident: str, tmp: Path, ready_delay: float = 0.3) -> None:
-        self.ident = ident
-        self.log_path = tmp / f"{ident}.log"
-        self.port = free_port()
-        args = [
-            *IPWARD,
-            "controller",
-            "--store",
-            url,
-            "--id",
-            ident,
-            "--interval",
-            str(INTERVAL),
-            "--lease-ttl",
-            str(TTL),
-            "--ready-delay",
-            str(ready_delay),
-            "--metrics-address",
-            f"127.0.0.1:{self.port}",
-            "--log-file",
-            str(self.log_path),
-        ]
-        with open(tmp / f"{ident}.stderr", "ab") as err:
-            self.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def metrics(self) -> list[tuple[str, dict[str, str], float]] | None:
-        try:
-            url = f"http://127.0.0.1:{self.port}/metrics"
-            with urllib.request.urlopen(url, timeout=2) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        out = []
-        for line in text.splitlines():
-            m = _SAMPLE.match(line)
-            if m:
-                out.append((m[1], dict(_LABEL.findall(m[2] or "")), float(m[3])))
-        return out
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        for sample, got, value in self.metrics() or []:
-            if sample == name and got == labels:
-                return value
-        return None
-
-    def healthz(self) -> str:
-        try:
-            url = f"http://127.0.0.1:{self.port}/healthz"
-            with urllib.request.urlopen(url, timeout=2) as r:
-                return str(r.read().decode().strip())
-        except OSError as e:
-            return f"unreachable: {e}"
-
-    def logs(self) -> list[dict]:
-        try:
-            lines = self.log_path.read_text().splitlines()
-        except OSError:
-            return []
-        return [json.loads(line) for line in lines if line.startswith("{")]
-
-    def logged(self, msg: str) -> list[dict]:
-        return [e for e in self.logs() if e.get("msg") == msg]
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
+        timings = ("--interval", str(INTERVAL), "--lease-ttl", str(TTL))
+        super().__init__(ident, url, tmp, (*timings, "--ready-delay", str(ready_delay)))
 
     def terminate(self) -> int:
-        """SIGTERM once it runs (before its handler is set, SIGTERM just kills it)."""
-        wait_for(lambda: self.logged("controller started"), f"{self.ident} to start", 30)
-        self.proc.terminate()
-        return self.proc.wait(15)
+        return self.stop(15)
 
 
 @pytest.fixture

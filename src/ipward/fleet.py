@@ -112,6 +112,17 @@ class Process:
                 out.append((m[1], dict(_LABEL.findall(m[2] or "")), float(m[3])))
         return out
 
+    def healthz(self) -> str:
+        """Its /healthz answer, or why there is none."""
+        url = self.metrics_url()
+        if url is None:
+            return "not started"
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
+                return str(r.read().decode().strip())
+        except OSError as e:
+            return f"unreachable: {e}"
+
     def metric(self, name: str, **labels: str) -> float | None:
         for sample, got, value in self.metrics():
             if sample == name and got == labels:
@@ -150,6 +161,7 @@ class Agent(Process):
         log_dir: Path,
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        metrics: bool = True,
     ) -> None:
         self.node = node
         self.socket = socket_path
@@ -162,7 +174,7 @@ class Agent(Process):
             "--socket",
             str(socket_path),
             "--metrics-address",
-            "127.0.0.1:0",
+            "127.0.0.1:0" if metrics else "off",
             *extra,
         ]
         super().__init__(f"agent-{node}", args, log_dir, env)
