@@ -373,7 +373,7 @@ def test_completed_job_freed_after_grace_never_before(world: World) -> None:
     w = world
     w.pool("--range", "10.66.0.0/24")
     w.node("n1")
-    w.controller("c1")
+    ctl = w.controller("c1")
     job_grace = 3.0
     w.sim.create_job(NS, "batch", completions=2, parallelism=2, duration=0.5, grace=job_grace)
 
@@ -390,6 +390,7 @@ def test_completed_job_freed_after_grace_never_before(world: World) -> None:
         assert len(frees) == 1 and "pod-terminal" in frees[0]["reason"], frees
         assert pod.finished_at is not None
         assert frees[0]["ts"] >= pod.finished_at + job_grace  # never before
+    assert ctl.metric("ipward_gc_freed_total", reason="pod-terminal") == 2
     w.assert_invariants()
 
 
@@ -427,7 +428,7 @@ def test_liveness_source_lagging_or_failing_frees_nothing(world: World, fault: s
     w = world
     w.pool("--range", "10.68.0.0/24")
     w.node("n1")
-    w.controller("c1")
+    ctl = w.controller("c1")
     w.sim.create_deployment(NS, "web", 3)
     wait_for(lambda: len(w.sim.ready_addresses()) == 3, "3 pods running")
     if fault == "lag":
@@ -450,6 +451,11 @@ def test_liveness_source_lagging_or_failing_frees_nothing(world: World, fault: s
     time.sleep(GRACE + 4 * INTERVAL)
     assert set(w.records()) == leaked | set(w.sim.ready_addresses())
     assert w.freed_logs() == []
+    if fault == "lag":  # sources answer, with old views: judged, nothing a candidate
+        assert ctl.metric("ipward_gc_candidates", reason="sandbox-gone") == 0
+    else:  # nothing answers: whole passes skipped, source errors counted
+        assert (ctl.metric("ipward_gc_skipped_passes_total") or 0) >= 1
+        assert (ctl.metric("ipward_gc_source_errors_total", source="runtime") or 0) >= 1
     w.sim.clear_faults()
     wait_for(lambda: not leaked & set(w.records()), "the leaks freed once the sources answer")
     assert set(w.records()) == set(w.sim.ready_addresses())
