@@ -56,7 +56,6 @@ NODE_GONE = "node-gone"
 REASONS = (SANDBOX_GONE, POD_GONE, POD_TERMINAL, NODE_GONE)
 
 
-
 @dataclass(frozen=True)
 class Held:
     """One allocation record as read, with the revision a free must compare."""
