@@ -79,6 +79,7 @@ class Pod:
     finished_at: float | None = None  # when it became Succeeded or Failed
     owner_kind: str = ""  # StatefulSet, ReplicaSet, Job, ...
     owner_name: str = ""
+    annotations: dict[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def terminal(self) -> bool:
@@ -97,7 +98,12 @@ class Pod:
             finished_at=_float_or_none(d.get("finished_at")),
             owner_kind=str(d.get("owner_kind", "")),
             owner_name=str(d.get("owner_name", "")),
+            annotations=_strings(d.get("annotations", {})),
         )
+
+
+def _strings(value: object) -> dict[str, str]:
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
 def _float_or_none(value: object) -> float | None:
@@ -126,6 +132,7 @@ class ClusterView:
     pods: dict[str, Pod] = field(default_factory=dict)  # by UID
     nodes: frozenset[str] = frozenset()
     statefulsets: dict[str, int] = field(default_factory=dict)  # "ns/name" -> replicas
+    namespaces: dict[str, dict[str, str]] = field(default_factory=dict)  # annotations
 
     def pods_named(self, namespace: str, name: str) -> list[Pod]:
         return [p for p in self.pods.values() if p.namespace == namespace and p.name == name]
@@ -148,7 +155,8 @@ class SimFileSource(LivenessSource):
     """Reads the state the simulated cluster publishes (atomically, by rename) as JSON:
 
         {"as_of": <time the state reflects>,
-         "cluster": {"pods": [Pod...], "nodes": [name...], "statefulsets": {"ns/n": 3}}
+         "cluster": {"pods": [Pod...], "nodes": [name...], "statefulsets": {"ns/n": 3},
+                     "namespaces": {"ns": {annotation: value}}}
                     | {"fail": "why"} | {"stall_until": <time>},
          "runtimes": {"<node>": {"sandboxes": [Sandbox...]} | {"fail": "why"}
                                 | {"stall_until": <time>}}}
@@ -199,6 +207,7 @@ class SimFileSource(LivenessSource):
             pods={p.uid: p for p in pods},
             nodes=frozenset(str(n) for n in part.get("nodes", [])),
             statefulsets={str(k): int(v) for k, v in part.get("statefulsets", {}).items()},
+            namespaces={str(k): _strings(v) for k, v in part.get("namespaces", {}).items()},
         )
 
 
