@@ -56,10 +56,17 @@ from prometheus_client import (
 
 from ipward import blocks, cni, gc, jsonc, log
 from ipward import records as rec
-from ipward.errors import InvalidConfig, IpwardError
+from ipward.errors import InvalidConfig, IpwardError, TryAgainLater
 from ipward.ledger import ADD_GRACE, Ledger
-from ipward.liveness import LivenessSource, NodeView, open_source
+from ipward.liveness import (
+    ClusterView,
+    LivenessSource,
+    LivenessUnavailable,
+    NodeView,
+    open_source,
+)
 from ipward.pool import PoolSpec
+from ipward.selection import PodDirectory, PodMeta
 from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Put
@@ -315,10 +322,12 @@ class Agent:
         allow_gid: int | None = None,
         max_workers: int = 16,
         metrics_address: tuple[str, int] | None = None,
+        directory: PodDirectory | None = None,
     ) -> None:
         self.store = store
         self.node = node
         self.ledger = Ledger(store, node)
+        self.directory = directory
         self.allow_gid = allow_gid
         self.uid = os.getuid()
         self.metrics = Metrics(node)
@@ -435,7 +444,7 @@ class Agent:
         command = env.get("CNI_COMMAND", "")
         label = command if command in _COMMAND_LABELS else "other"
         started = time.monotonic()
-        status, out = cni.answer(env, stdin, self.ledger)  # never raises
+        status, out = cni.answer(env, stdin, self.ledger, self.directory)  # never raises
         code = "0" if status == 0 else _code_of(out)
         delivered = self._send(conn, status, out.encode())
         seconds = time.monotonic() - started
@@ -582,6 +591,39 @@ class NodeDuties:
         return answered
 
 
+class ClusterDirectory(PodDirectory):
+    """Pod annotations and owners for ADD, from a liveness source's cluster view (read
+    per call: a pod created a moment ago must be found). "Could not read" is code 11,
+    and so is a pod the view does not list yet: the runtime retries."""
+
+    def __init__(self, source: LivenessSource) -> None:
+        self.source = source
+
+    def _view(self) -> ClusterView:
+        try:
+            return self.source.cluster_view()
+        except LivenessUnavailable as e:
+            raise TryAgainLater(f"cluster source: {e}") from e
+
+    def meta(self, namespace: str, name: str, uid: str) -> PodMeta:
+        view = self._view()
+        pod = view.pods.get(uid) if uid else None
+        if pod is None:
+            named = view.pods_named(namespace, name)
+            pod = named[0] if named and not uid else None
+        if pod is None:
+            raise TryAgainLater(f"pod {namespace}/{name} ({uid or 'no UID'}) not listed yet")
+        return PodMeta(
+            dict(pod.annotations),
+            dict(view.namespaces.get(namespace, {})),
+            pod.owner_kind,
+            pod.owner_name,
+        )
+
+    def listed(self, uid: str) -> bool:
+        return uid in self._view().pods
+
+
 class Reconciler:
     """DESIGN 5.5: on start and every `interval`, free this node's records whose sandbox
     the runtime positively reports gone, older than the ADD grace (the rules are
@@ -675,6 +717,7 @@ def run_agent(
     liveness: str | None = None,
     add_grace: float = ADD_GRACE,
     reconcile_interval: float = 60.0,
+    cluster: str | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
     signals = [0]
@@ -690,6 +733,7 @@ def run_agent(
     # Before anything that takes time: a stop asked for during start is not lost.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     source = open_source(liveness, node=node) if liveness else None
+    directory = ClusterDirectory(open_source(cluster)) if cluster else None
     try:
         store = open_store(store_url)
     except StoreError as e:
@@ -707,6 +751,7 @@ def run_agent(
             allow_gid=allow_gid,
             max_workers=max_workers,
             metrics_address=metrics_address,
+            directory=directory,
         )
     except OSError as e:  # the socket's directory, file, lock or owner
         store.close()
@@ -733,6 +778,7 @@ def run_agent(
         allow_gid=allow_gid,
         max_workers=max_workers,
         liveness=liveness,
+        cluster=cluster,
         add_grace=add_grace,
         reconcile_interval=reconcile_interval,
     )
@@ -835,6 +881,12 @@ def _parse_gid(text: str | None) -> int | None:
     " cri:///run/containerd/containerd.sock, or sim:///PATH (the simulated cluster)."
     " Without it, nothing is reconciled.",
 )
+@click.option(
+    "--cluster",
+    help="Where pods' annotations and owners are read for ADD (pool selection, sticky"
+    " StatefulSet addresses): sim:///PATH (the simulated cluster). Without it, the CNI"
+    " config alone decides.",
+)
 @add_grace_option
 @click.option(
     "--reconcile-interval",
@@ -858,6 +910,7 @@ def agent_command(
     duty_interval: float,
     node_ttl: int,
     liveness: str | None,
+    cluster: str | None,
     add_grace: float,
     reconcile_interval: float,
 ) -> None:
@@ -881,6 +934,7 @@ def agent_command(
         liveness=liveness,
         add_grace=add_grace,
         reconcile_interval=reconcile_interval,
+        cluster=cluster,
     )
     ctx.exit(status)
 

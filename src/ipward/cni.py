@@ -33,6 +33,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.ledger import Allocation, Ledger
     from ipward.pool import PoolSpec
+    from ipward.selection import PodDirectory
 
 COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")
 INTERNAL_ERROR = 999
@@ -42,9 +43,16 @@ def _version_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".") if p.isdigit())
 
 
-def run(env: dict[str, str], stdin: bytes, ledger: Ledger | None = None) -> str:
+def run(
+    env: dict[str, str],
+    stdin: bytes,
+    ledger: Ledger | None = None,
+    directory: PodDirectory | None = None,
+) -> str:
     """Do one plugin call; returns what goes on stdout. Raises IpwardError. The agent
-    passes its own `ledger` (its store, its node); the plugin opens one on SQLite."""
+    passes its own `ledger` (its store, its node) and, with a cluster source, the
+    `directory` of pods ADD reads annotations and owners from; the plugin opens a
+    ledger on SQLite."""
     command = env.get("CNI_COMMAND", "")
     if command not in COMMANDS:
         raise InvalidEnvironment(f"CNI_COMMAND {command!r} is not one of {', '.join(COMMANDS)}")
@@ -85,9 +93,10 @@ def run(env: dict[str, str], stdin: bytes, ledger: Ledger | None = None) -> str:
     call = Call(env, config.network)
     ledger = ledger or _ledger(config)
     if command == "ADD":
-        pools = _pools(ledger, config)
-        requested = config.requested_ips(call.args)
-        allocations = ledger.allocate(pools, call.attachment, call.pod, requested)
+        from ipward.selection import choose
+
+        pools, requested, sticky = choose(ledger, config, call, directory)
+        allocations = ledger.allocate(pools, call.attachment, call.pod, requested, sticky)
         return _dump(_result(config, pools, allocations))
     if command == "DEL":
         ledger.release(call.attachment)
@@ -125,12 +134,6 @@ def _ledger(config: IpamConfig) -> Ledger:
         raise TryAgainLater(f"store unreachable: {e}") from e
     except StoreError as e:
         raise InvalidConfig(str(e)) from e
-
-
-def _pools(ledger: Ledger, config: IpamConfig) -> list[PoolSpec]:
-    if config.inline_pool is not None:
-        return [config.inline_pool]  # stored by the allocating transaction itself
-    return [ledger.get_pool(name) for name in config.pool_names]
 
 
 def _result(config: IpamConfig, pools: list[PoolSpec], allocations: list[Allocation]) -> dict:
@@ -210,11 +213,16 @@ def _error_version(stdin: bytes) -> str:
     return version if version in SUPPORTED_VERSIONS else SUPPORTED_VERSIONS[-1]
 
 
-def answer(env: dict[str, str], stdin: bytes, ledger: Ledger | None = None) -> tuple[int, str]:
+def answer(
+    env: dict[str, str],
+    stdin: bytes,
+    ledger: Ledger | None = None,
+    directory: PodDirectory | None = None,
+) -> tuple[int, str]:
     """One call as the runtime sees it: exit status and stdout. Every failure becomes the
     CNI error object; nothing raises."""
     try:
-        return 0, run(env, stdin, ledger)
+        return 0, run(env, stdin, ledger, directory)
     except IpwardError as e:
         log.warning(
             e.msg,

@@ -16,7 +16,7 @@ import os
 
 from ipward.addr import family_of, format_cidr, format_ip, parse_cidr
 from ipward.errors import InvalidConfig, InvalidEnvironment
-from ipward.ledger import ADD_GRACE
+from ipward.ledger import ADD_GRACE, STICKY_TTL
 from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name
 from ipward.records import Attachment, PodInfo
 
@@ -51,6 +51,8 @@ class IpamConfig:
         "pool_names",
         "raw",
         "routes",
+        "sticky",
+        "sticky_ttl",
         "store_url",
     )
 
@@ -73,6 +75,10 @@ class IpamConfig:
         self.log_level = _str(ipam, "logLevel", "info")
         self.routes = _routes(ipam.get("routes", []))
         self.gc_grace = _seconds(ipam, "gcGrace", ADD_GRACE)
+        self.sticky = ipam.get("sticky", False)
+        if not isinstance(self.sticky, bool):
+            raise InvalidConfig("ipam.sticky must be true or false")
+        self.sticky_ttl = _seconds(ipam, "stickyTTL", STICKY_TTL)
         self.dns = ipam.get("dns", {})
         if not isinstance(self.dns, dict):
             raise InvalidConfig("ipam.dns must be an object")

@@ -374,7 +374,7 @@ class Metrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=self.registry,
         )
-        for reason in gc.REASONS:
+        for reason in (*gc.REASONS, *gc.RETIRE_REASONS):
             self.gc_candidates.labels(reason=reason).set(0)
             self.gc_freed.labels(reason=reason)
         for source in ("runtime", "cluster"):
@@ -414,6 +414,7 @@ class Controller:
         self.gc_interval = gc_interval
         self.gc_due = 0.0  # monotonic time of the next garbage-collection pass
         self.confirmations = gc.Confirmations()
+        self.retirements = gc.Confirmations()  # of sticky reservations
         self.gone_nodes: frozenset[str] = frozenset()  # as of the last GC pass
         self.ledger = Ledger(store, election.ident)
         self.election = election
@@ -488,6 +489,7 @@ class Controller:
             self.empty_since.clear()
             self.in_handshake.clear()
             self.confirmations = gc.Confirmations()
+            self.retirements = gc.Confirmations()
             self.gone_nodes = frozenset()
             self.gc_due = 0.0
         self._fence()
@@ -530,6 +532,7 @@ class Controller:
         compare-and-delete on the revision judged, fenced. Returns what it freed."""
         started = time.monotonic()
         held = gc.snapshot(self.store)
+        reserved = gc.reservations(self.store)
         registered = gc.registered_nodes(self.store)
         nodes = sorted({h.node for h in held})
         evidence = gc.gather(self.liveness, nodes, grace=self.add_grace, registered=registered)
@@ -542,6 +545,7 @@ class Controller:
         if not cluster_ok and not runtime_ok:
             self.metrics.gc_skipped.inc()
             self.confirmations = gc.Confirmations()
+            self.retirements = gc.Confirmations()
             log.warning(
                 "garbage collection: no liveness source answered; nothing judged",
                 cluster=evidence.cluster,
@@ -555,14 +559,23 @@ class Controller:
                 if n not in registered and n not in evidence.cluster.nodes
             )
         verdicts = [gc.judge(h, evidence) for h in held]
-        candidates = Tally(v.reason for v in verdicts if v.reason)
-        for reason in gc.REASONS:
+        retirements = [gc.judge_reservation(r, evidence.cluster, self.add_grace) for r in reserved]
+        candidates = Tally(
+            [v.reason for v in verdicts if v.reason] + [r.reason for r in retirements if r.reason]
+        )
+        for reason in (*gc.REASONS, *gc.RETIRE_REASONS):
             self.metrics.gc_candidates.labels(reason=reason).set(candidates[reason])
+        who = f"controller {self.election.ident} gc"
         freed = []
         for verdict in self.confirmations.confirm(verdicts):
-            if gc.free(self.ledger, verdict, f"controller {self.election.ident} gc", self._fence()):
+            if gc.free(self.ledger, verdict, who, self._fence()):
                 self.metrics.gc_freed.labels(reason=str(verdict.reason)).inc()
                 freed.append(verdict)
+            else:
+                self._after_failed_write()
+        for retirement in self.retirements.confirm(retirements):
+            if gc.retire(self.ledger, retirement, who, self._fence()):
+                self.metrics.gc_freed.labels(reason=str(retirement.reason)).inc()
             else:
                 self._after_failed_write()
         self.metrics.gc_seconds.observe(time.monotonic() - started)

@@ -91,6 +91,12 @@ class OwnerChanged(IpwardError):
     code = 104
 
 
+class PoolNotAllowed(IpwardError):
+    """The pool chosen for the pod does not serve its namespace or its node."""
+
+    code = 105
+
+
 CODES = {
     cls.code: cls
     for cls in (
@@ -108,5 +114,6 @@ CODES = {
         AddressOutsidePool,
         UnknownPool,
         OwnerChanged,
+        PoolNotAllowed,
     )
 }

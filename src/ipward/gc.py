@@ -35,6 +35,7 @@ sandbox ID, ifname; created_at = when its ADD committed):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from ipward import log, testpoints
 from ipward import records as rec
@@ -54,6 +55,11 @@ POD_GONE = "pod-gone"
 POD_TERMINAL = "pod-terminal"
 NODE_GONE = "node-gone"
 REASONS = (SANDBOX_GONE, POD_GONE, POD_TERMINAL, NODE_GONE)
+# Reasons a detached sticky reservation is retired.
+SET_DELETED = "statefulset-deleted"
+ORDINAL_OUT = "ordinal-out-of-range"
+TTL_EXPIRED = "ttl-expired"
+RETIRE_REASONS = (SET_DELETED, ORDINAL_OUT, TTL_EXPIRED)
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,14 @@ class Verdict:
     reason: str | None  # a candidate's reason, None when kept
     evidence: str  # why, in words (logged, and shown by `ipward gc --dry-run`)
 
+    @property
+    def key(self) -> str:
+        return rec.ip_key(self.held.pool, self.held.ip)
+
+    @property
+    def revision(self) -> int:
+        return self.held.mod_revision
+
     def to_dict(self) -> dict:
         pod = self.held.pod
         return {
@@ -124,6 +138,8 @@ def snapshot(store: Store, node: str | None = None) -> list[Held]:
         except (ValueError, KeyError):
             log.error("allocation record unreadable; not judged", key=kv.key)
             continue
+        if rec.is_detached(record):
+            continue  # no sandbox to judge: its reservation is retired by identity
         if node is None or record.get("node") == node:
             held.append(Held(pool, ip, kv.mod_revision, record))
     return held
@@ -263,30 +279,33 @@ def judge(held: Held, evidence: Evidence, sticky: Callable[[Held], bool] | None 
     return Verdict(held, None, f"pod {pod.namespace}/{pod.name} {pod.phase}")
 
 
+class _Judged(Protocol):
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def revision(self) -> int: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+
+J = TypeVar("J", bound=_Judged)
+
+
 class Confirmations:
-    """Candidates of the previous pass, by record key and revision: the controller
-    frees only what two passes in a row found (a new instance starts over, which only
-    delays)."""
+    """Candidates of the previous pass, by key and revision: the controller acts only
+    on what two passes in a row found at one revision (a new instance starts over,
+    which only delays)."""
 
     def __init__(self) -> None:
         self.previous: dict[str, int] = {}
 
-    def confirm(self, verdicts: Sequence[Verdict]) -> list[Verdict]:
-        current = {
-            rec.ip_key(v.held.pool, v.held.ip): v.held.mod_revision for v in verdicts if v.reason
-        }
-        confirmed = [
-            v
-            for v in verdicts
-            if v.reason
-            and self.previous.get(rec.ip_key(v.held.pool, v.held.ip)) == v.held.mod_revision
-        ]
+    def confirm(self, judged: Sequence[J]) -> list[J]:
+        current = {j.key: j.revision for j in judged if j.reason}
+        confirmed = [j for j in judged if j.reason and self.previous.get(j.key) == j.revision]
         self.previous = current
         return confirmed
-
-    def forget(self, verdicts: Sequence[Verdict]) -> None:
-        for v in verdicts:
-            self.previous.pop(rec.ip_key(v.held.pool, v.held.ip), None)
 
 
 def free(ledger: Ledger, verdict: Verdict, who: str, fence: Sequence[Compare] = ()) -> bool:
@@ -340,3 +359,113 @@ def collect_once(
     verdicts = look(ledger.store, source, grace)
     freed = [v for v in confirmations.confirm(verdicts) if free(ledger, v, who)]
     return verdicts, freed
+
+
+# -- sticky reservations -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A sticky reservation as read (`sticky/<network>/<namespace>/<name>`)."""
+
+    key: str
+    mod_revision: int
+    record: dict
+
+    @property
+    def namespace(self) -> str:
+        return self.key.split("/")[2]
+
+    @property
+    def name(self) -> str:
+        return self.key.split("/")[3]
+
+
+@dataclass(frozen=True)
+class Retirement:
+    reservation: Reservation
+    reason: str | None  # why it is retired, None when kept
+    evidence: str
+
+    @property
+    def key(self) -> str:
+        return self.reservation.key
+
+    @property
+    def revision(self) -> int:
+        return self.reservation.mod_revision
+
+    def to_dict(self) -> dict:
+        r = self.reservation
+        return {
+            "sticky": r.key,
+            "ips": r.record.get("ips", []),
+            "revision": r.mod_revision,
+            "reason": self.reason,
+            "evidence": self.evidence,
+        }
+
+
+def reservations(store: Store) -> list[Reservation]:
+    out = []
+    for kv in store.range("sticky/")[0]:
+        try:
+            out.append(Reservation(kv.key, kv.mod_revision, rec.decode(kv.value)))
+        except ValueError:
+            log.error("sticky reservation unreadable; not judged", key=kv.key)
+    return out
+
+
+def judge_reservation(r: Reservation, cluster: ClusterView | str, grace: float) -> Retirement:
+    """Is the identity retired? Never while a sandbox holds the reservation, never while
+    the cluster lists any pod of that namespace/name (pending, starting, restarting,
+    failed before a restart), and only on a cluster view read at least `grace` after the
+    detach. Then: its StatefulSet is gone, or its ordinal is out of range; any other
+    identity, its TTL has passed since the detach."""
+    held = r.record
+    if held.get("attachment"):
+        return Retirement(r, None, f"bound to {held['attachment']}")
+    if not isinstance(cluster, ClusterView):
+        return Retirement(r, None, f"no evidence: cluster: {cluster}")
+    detached_at = held.get("detached_at")
+    detached = float(detached_at) if isinstance(detached_at, int | float) else 0.0
+    age = cluster.as_of - detached
+    if age < grace:
+        return Retirement(r, None, f"cluster view only {age:.1f}s after the detach")
+    pods = cluster.pods_named(r.namespace, r.name)
+    if pods:
+        return Retirement(r, None, f"pod {r.namespace}/{r.name} is {pods[0].phase}")
+    kind, owner = held.get("owner_kind", ""), str(held.get("owner_name", ""))
+    if kind == "StatefulSet":
+        replicas = cluster.statefulsets.get(f"{r.namespace}/{owner}")
+        if replicas is None:
+            return Retirement(r, SET_DELETED, f"StatefulSet {r.namespace}/{owner} is gone")
+        ordinal_text = r.name[len(owner) + 1 :] if r.name.startswith(f"{owner}-") else ""
+        if ordinal_text.isdigit() and int(ordinal_text) >= replicas:
+            return Retirement(
+                r, ORDINAL_OUT, f"ordinal {ordinal_text} >= {replicas} replicas of {owner}"
+            )
+        return Retirement(r, None, f"ordinal {ordinal_text} of {replicas} replicas: comes back")
+    ttl = held.get("ttl")
+    if isinstance(ttl, int | float) and age >= ttl:
+        return Retirement(r, TTL_EXPIRED, f"detached {age:.0f}s ago, TTL {ttl:g}s, no pod")
+    return Retirement(r, None, f"detached {age:.0f}s ago, TTL {ttl}")
+
+
+def retire(ledger: Ledger, retirement: Retirement, who: str, fence: Sequence[Compare] = ()) -> bool:
+    """Free a retired reservation at the revision judged; False when it moved."""
+    try:
+        ledger.free_sticky(
+            retirement.key,
+            retirement.revision,
+            f"{who}: {retirement.reason}: {retirement.evidence}",
+            fence,
+        )
+    except OwnerChanged as e:
+        log.info(
+            "reservation not retired: it changed since it was judged",
+            sticky=retirement.key,
+            why=e.msg,
+        )
+        return False
+    return True

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from ipward.addr import Block, RangeSet
-    from ipward.records import Attachment, PodInfo
+    from ipward.records import Attachment, PodInfo, Sticky
     from ipward.store.base import Compare, Store
 
 MAX_ATTEMPTS = 100
@@ -61,6 +61,7 @@ QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being rel
 QUEUE_MEMORY = 1.0  # seconds a long-lived ledger trusts its view of its free queues
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
 ADD_GRACE = 120.0  # seconds a record is never judged leaked after its ADD (DESIGN 5.4)
+STICKY_TTL = 600.0  # seconds a detached reservation of a pod with no StatefulSet is kept
 
 
 class Allocation:
@@ -182,6 +183,10 @@ class _Plan:
         self.index = index
 
 
+class _StickyExists(Exception):
+    """The reservation appeared while this ADD made a new one: take it over instead."""
+
+
 class _NeedsBlock(Exception):
     """This family has no free address in the blocks the node fills, and a plan to get
     one; carried out only once every family of the ADD is known to have room."""
@@ -250,14 +255,19 @@ class Ledger:
         attachment: Attachment,
         pod: PodInfo,
         requested: Sequence[str] = (),
+        sticky: Sticky | None = None,
     ) -> list[Allocation]:
         """One address per range set of each pool for the attachment, or the addresses it
         already has. `requested` addresses (bare, no prefix) are used for their family.
+        With `sticky`, the identity's reservation is taken over when there is one (its
+        addresses, whatever the pools), else made in the allocating transaction.
 
         Concurrent calls for the same pools are combined: one caller commits a batch of
         them in one transaction (distinct addresses, every compare kept), instead of all
         of them racing for the same queue head and block cursor. A batch that fails falls
         back to one transaction per request. Alone, a call is its own batch of one."""
+        if sticky is not None:
+            return self._allocate_sticky(pools, attachment, pod, requested, sticky)
         if requested:
             return self._allocate_one(pools, attachment, pod, requested)
         me = _Request(pools, attachment, pod)
@@ -365,6 +375,7 @@ class Ledger:
         attachment: Attachment,
         pod: PodInfo,
         requested: Sequence[str] = (),
+        sticky: Sticky | None = None,
     ) -> list[Allocation]:
         wanted = self._requested_by_pool(pools, requested)
         refused_once = False
@@ -377,6 +388,8 @@ class Ledger:
                 existing = self._get(attachment.key, fresh=True)
                 if existing is not None:
                     return self._allocations(rec.decode(existing.value)["ips"], pools)
+                if sticky is not None and self._get(sticky.key, fresh=True) is not None:
+                    raise _StickyExists  # another sandbox of the identity made it first
                 # A pool read from the store may have changed (or gone): read it again.
                 pools = [self.get_pool(p.name) if p.revision is not None else p for p in pools]
             try:
@@ -411,10 +424,17 @@ class Ledger:
                 self._known.clear()
                 continue
             now = self.clock()
+            refs = [f"{p.name}/{k.ip}" for p, k in picks]
             compares: list[Compare] = [absent(attachment.key)]
-            ops: list[Put | Delete] = [
-                Put(attachment.key, rec.encode({"ips": [f"{p.name}/{k.ip}" for p, k in picks]}))
-            ]
+            ops: list[Put | Delete] = [Put(attachment.key, rec.encode({"ips": refs}))]
+            if sticky is not None:
+                compares.append(absent(sticky.key))
+                ops.append(
+                    Put(
+                        sticky.key,
+                        rec.encode(sticky.record(refs, attachment, pod.uid, self.node, now)),
+                    )
+                )
             for guard_compares, guard_ops in guards:
                 compares += guard_compares
                 ops += guard_ops
@@ -427,18 +447,120 @@ class Ledger:
                     now,
                     (pool.name, pick.set_index) in wanted,
                 )
+                if sticky is not None:
+                    record["sticky"] = sticky.key
                 compares += pick.compares
                 ops += pick.ops
                 ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
             testpoints.pause("allocate")
             if self._txn(compares, ops):
-                allocations = self._allocations([f"{p.name}/{k.ip}" for p, k in picks], pools)
+                allocations = self._allocations(refs, pools)
                 log.info(
-                    "allocated", attachment=repr(attachment), ips=[repr(a) for a in allocations]
+                    "allocated",
+                    attachment=repr(attachment),
+                    ips=[repr(a) for a in allocations],
+                    **({"sticky": sticky.key} if sticky is not None else {}),
                 )
                 return allocations
             self._backoff(attempt)
         raise TryAgainLater(f"{attachment}: too much contention, no allocation made")
+
+    def _allocate_sticky(
+        self,
+        pools: list[PoolSpec],
+        attachment: Attachment,
+        pod: PodInfo,
+        requested: Sequence[str],
+        sticky: Sticky,
+    ) -> list[Allocation]:
+        for attempt in range(MAX_ATTEMPTS):
+            existing = self._get(attachment.key, fresh=True)
+            if existing is not None:
+                return self._allocations(rec.decode(existing.value)["ips"], pools)
+            reservation = self._get(sticky.key, fresh=True)
+            if reservation is None:
+                try:
+                    return self._allocate_one(pools, attachment, pod, requested, sticky)
+                except _StickyExists:
+                    continue
+            taken = self._take_over(reservation, attachment, pod, sticky, requested)
+            if taken is not None:
+                return taken
+            self._backoff(attempt)
+        raise TryAgainLater(f"{attachment}: too much contention on {sticky.key}")
+
+    def _take_over(
+        self,
+        reservation: KeyValue,
+        attachment: Attachment,
+        pod: PodInfo,
+        sticky: Sticky,
+        requested: Sequence[str],
+    ) -> list[Allocation] | None:
+        """DESIGN 5.1 step 2: the new sandbox of the identity takes the reserved
+        addresses by one CAS over the reservation, its records and the old sandbox's
+        index (deleted: its DEL then finds nothing). None when something moved."""
+        held = rec.decode(reservation.value)
+        refs: list[str] = held["ips"]
+        asked = set(requested)
+        if asked and not asked <= {rec.split_pool_ip(r)[1] for r in refs}:
+            raise AddressTaken(
+                f"{sticky.key} holds {', '.join(refs)}; the runtime asked for"
+                f" {', '.join(sorted(asked))}"
+            )
+        old = held.get("attachment") or ""
+        old_uid = str(held.get("uid", ""))
+        if (
+            old
+            and old_uid != pod.uid
+            and sticky.may_take is not None
+            and not sticky.may_take(old_uid)
+        ):
+            raise TryAgainLater(
+                f"{sticky.key} is bound to {old} of pod UID {old_uid}, which may still be"
+                " live; the address moves once that pod is gone"
+            )
+        now = self.clock()
+        compares: list[Compare] = [
+            at_revision(reservation.key, reservation.mod_revision),
+            absent(attachment.key),
+        ]
+        ops: list[Put | Delete] = [
+            Put(attachment.key, rec.encode({"ips": refs})),
+            Put(
+                reservation.key,
+                rec.encode({**held, **sticky.record(refs, attachment, pod.uid, self.node, now)}),
+            ),
+        ]
+        if old and old != attachment.key:
+            old_kv = self._get(old, fresh=True)
+            compares.append(at_revision(old, old_kv.mod_revision if old_kv else 0))
+            if old_kv is not None:
+                ops.append(Delete(old))
+        for ref in refs:
+            pool_name, ip = rec.split_pool_ip(ref)
+            key = rec.ip_key(pool_name, ip)
+            kv = self._get(key, fresh=True)
+            record = rec.decode(kv.value) if kv is not None else None
+            if kv is None or record is None or record.get("sticky") != sticky.key:
+                raise InvalidConfig(
+                    f"{sticky.key} lists {ref}, whose record is not its own; see 'ipward check'"
+                )
+            mine = rec.ip_record(attachment, pod, self.node, record["block"], now, False)
+            mine["sticky"] = sticky.key
+            compares.append(at_revision(key, kv.mod_revision))
+            ops.append(Put(key, rec.encode(mine)))
+        if not self._txn(compares, ops):
+            return None
+        allocations = self._allocations(refs)
+        log.info(
+            "sticky address taken over",
+            attachment=repr(attachment),
+            ips=refs,
+            sticky=sticky.key,
+            previous=old or "(detached)",
+        )
+        return allocations
 
     def _requested_by_pool(
         self, pools: list[PoolSpec], requested: Sequence[str]
@@ -823,38 +945,112 @@ class Ledger:
     # -- DEL --------------------------------------------------------------------------
 
     def release(self, attachment: Attachment, reason: str = "CNI DEL") -> list[str]:
-        """Free the attachment's addresses; an unknown attachment is not an error.
-        Returns the addresses freed; each is logged with `reason`."""
+        """Free the attachment's addresses (detach sticky ones); an unknown attachment is
+        not an error. Returns the addresses freed or detached; each is logged with
+        `reason`."""
         for attempt in range(MAX_ATTEMPTS):
             index_kv = self._get(attachment.key)
             if index_kv is None:
                 return []
-            refs = rec.decode(index_kv.value)["ips"]
-            compares: list[Compare] = [at_revision(index_kv.key, index_kv.mod_revision)]
-            ops: list[Put | Delete] = [Delete(index_kv.key)]
-            freed = []
-            now = self.clock()
-            for ref in refs:
-                pool_name, ip = rec.split_pool_ip(ref)
-                key = rec.ip_key(pool_name, ip)
-                record_kv = self._get(key)
-                # Every decision below is pinned by a compare, so it holds at commit.
-                compares.append(at_revision(key, record_kv.mod_revision if record_kv else 0))
-                if record_kv is None:
-                    continue  # index out of step with records: drop the index entry only
-                record = rec.decode(record_kv.value)
-                if rec.record_attachment(record) != attachment:
-                    continue  # the address belongs to someone else now: never touch it
-                free_ops, block_compare = self._free_ops(pool_name, ip, record, now)
-                ops += free_ops
-                compares += block_compare
-                freed.append(ref)
+            compares, ops, freed, detached = self._release_plan(index_kv, attachment)
             if self._txn(compares, ops):
-                if freed:
-                    log.info("released", attachment=repr(attachment), ips=freed, reason=reason)
-                return freed
+                self._log_release(attachment, freed, detached, reason)
+                return freed + detached
             self._backoff(attempt)
         raise TryAgainLater(f"{attachment}: too much contention, nothing released")
+
+    def _release_plan(
+        self, index_kv: KeyValue, attachment: Attachment
+    ) -> tuple[list[Compare], list[Put | Delete], list[str], list[str]]:
+        """The transaction that releases an attachment: delete its index; free each of
+        its records, or detach it when it is sticky. (compares, ops, freed, detached)."""
+        compares: list[Compare] = [at_revision(index_kv.key, index_kv.mod_revision)]
+        ops: list[Put | Delete] = [Delete(index_kv.key)]
+        freed: list[str] = []
+        detached: list[str] = []
+        now = self.clock()
+        for ref in rec.decode(index_kv.value)["ips"]:
+            pool_name, ip = rec.split_pool_ip(ref)
+            key = rec.ip_key(pool_name, ip)
+            record_kv = self._get(key)
+            # Every decision below is pinned by a compare, so it holds at commit.
+            compares.append(at_revision(key, record_kv.mod_revision if record_kv else 0))
+            if record_kv is None:
+                continue  # index out of step with records: drop the index entry only
+            record = rec.decode(record_kv.value)
+            if rec.record_attachment(record) != attachment:
+                continue  # the address belongs to someone else now: never touch it
+            if record.get("sticky"):
+                # Detach: the reservation keeps the address for the identity's next
+                # sandbox (DESIGN 2); retiring it is the controller's.
+                ops.append(Put(key, rec.encode(rec.detached(record, now))))
+                sticky_ops, sticky_compares = self._detach_reservation(record, attachment, now)
+                ops += sticky_ops
+                compares += sticky_compares
+                detached.append(ref)
+                continue
+            free_ops, block_compare = self._free_ops(pool_name, ip, record, now)
+            ops += free_ops
+            compares += block_compare
+            freed.append(ref)
+        return _unique_compares(compares), _last_write_per_key(ops), freed, detached
+
+    @staticmethod
+    def _log_release(
+        attachment: Attachment, freed: list[str], detached: list[str], reason: str, **more: object
+    ) -> None:
+        if freed:
+            log.info("released", attachment=repr(attachment), ips=freed, reason=reason, **more)
+        if detached:
+            log.info("detached", attachment=repr(attachment), ips=detached, reason=reason, **more)
+
+    def _detach_reservation(
+        self, record: dict, attachment: Attachment, now: float
+    ) -> tuple[list[Put | Delete], list[Compare]]:
+        """The reservation's side of a detach: it no longer names a sandbox (only when it
+        still names this one: a takeover may have moved it on)."""
+        key = record["sticky"]
+        kv = self._get(key, fresh=True)
+        if kv is None:
+            return [], [absent(key)]
+        held = rec.decode(kv.value)
+        compares = [at_revision(key, kv.mod_revision)]
+        if held.get("attachment") != attachment.key:
+            return [], compares
+        held.update(attachment="", detached_at=round(now, 3))
+        return [Put(key, rec.encode(held))], compares
+
+    def free_sticky(
+        self, key: str, expected_mod_revision: int, reason: str, fence: Sequence[Compare] = ()
+    ) -> list[str]:
+        """Retire a detached reservation: delete it and its records, compared at the
+        revision the caller judged, and queue the addresses (cooldown). Refuses
+        (OwnerChanged) when anything moved or a sandbox holds it. Returns the addresses."""
+        kv = self._get(key, fresh=True)
+        if kv is None or kv.mod_revision != expected_mod_revision:
+            raise OwnerChanged(f"{key} changed since it was read; look again")
+        held = rec.decode(kv.value)
+        if held.get("attachment"):
+            raise OwnerChanged(f"{key} is bound to {held['attachment']}: its pod holds it")
+        now = self.clock()
+        compares: list[Compare] = [*fence, at_revision(key, kv.mod_revision)]
+        ops: list[Put | Delete] = [Delete(key)]
+        for ref in held["ips"]:
+            pool_name, ip = rec.split_pool_ip(ref)
+            record_kv = self._get(rec.ip_key(pool_name, ip), fresh=True)
+            if record_kv is None:
+                compares.append(absent(rec.ip_key(pool_name, ip)))
+                continue
+            record = rec.decode(record_kv.value)
+            if record.get("sticky") != key or not rec.is_detached(record):
+                raise OwnerChanged(f"{ref} of {key} is in use; look again")
+            free_ops, block_compares = self._free_ops(pool_name, ip, record, now)
+            compares += [at_revision(record_kv.key, record_kv.mod_revision), *block_compares]
+            ops += free_ops
+        if not self._txn(compares, ops):
+            raise OwnerChanged(f"{key} changed while being freed; look again")
+        log.info("released", sticky=key, ips=held["ips"], reason=reason)
+        return list(held["ips"])
 
     def _free_ops(
         self, pool_name: str, ip: str, record: dict, now: float
@@ -894,24 +1090,27 @@ class Ledger:
             )
         record = rec.decode(record_kv.value)
         attachment = rec.record_attachment(record)
-        ops, compares = self._free_ops(pool, ip, record, self.clock())
-        compares += [*fence, at_revision(key, record_kv.mod_revision)]
-        index_kv = self._get(attachment.key)
-        if index_kv is not None:
-            refs = [r for r in rec.decode(index_kv.value)["ips"] if r != f"{pool}/{ip}"]
-            compares.append(at_revision(index_kv.key, index_kv.mod_revision))
-            ops.append(
-                Put(index_kv.key, rec.encode({"ips": refs})) if refs else Delete(index_kv.key)
-            )
+        index_kv = self._get(attachment.key, fresh=True)
+        if record.get("sticky"):
+            # A sticky address is detached with its whole attachment, never freed here:
+            # retiring the reservation is `free_sticky`'s.
+            if index_kv is None or rec.is_detached(record):
+                raise OwnerChanged(f"{pool}/{ip} is reserved by {record['sticky']}, detached")
+            compares, ops, freed, detached = self._release_plan(index_kv, attachment)
+            compares += [*fence, at_revision(key, record_kv.mod_revision)]
+        else:
+            ops, compares = self._free_ops(pool, ip, record, self.clock())
+            compares += [*fence, at_revision(key, record_kv.mod_revision)]
+            if index_kv is not None:
+                refs = [r for r in rec.decode(index_kv.value)["ips"] if r != f"{pool}/{ip}"]
+                compares.append(at_revision(index_kv.key, index_kv.mod_revision))
+                ops.append(
+                    Put(index_kv.key, rec.encode({"ips": refs})) if refs else Delete(index_kv.key)
+                )
+            freed, detached = [f"{pool}/{ip}"], []
         if not self._txn(compares, ops):
             raise OwnerChanged(f"{pool}/{ip} changed while being released; look again")
-        log.info(
-            "released",
-            attachment=repr(attachment),
-            ips=[f"{pool}/{ip}"],
-            reason=reason,
-            revision=expected_mod_revision,
-        )
+        self._log_release(attachment, freed, detached, reason, revision=expected_mod_revision)
         return record
 
     def collect_network(

@@ -5,7 +5,7 @@ or from an inline CNI config (see `config`)."""
 from __future__ import annotations
 
 from ipward.addr import DEFAULT_BLOCK_PREFIX, V4, V6, Range, RangeSet
-from ipward.errors import InvalidConfig
+from ipward.errors import InvalidConfig, PoolNotAllowed
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ class PoolSpec:
         "cooldown",
         "exclude",
         "name",
+        "namespaces",
+        "nodes",
         "range_sets",
         "release_delay",
         "revision",
@@ -53,8 +55,13 @@ class PoolSpec:
         warm: int = DEFAULT_WARM,
         release_delay: float = DEFAULT_RELEASE_DELAY,
         borrow: bool = False,
+        namespaces: Sequence[str] = (),
+        nodes: Sequence[str] = (),
     ) -> None:
         self.name = check_name(name)
+        # Who may use the pool: pod namespaces and nodes (empty: any).
+        self.namespaces = _names(namespaces, "namespaces")
+        self.nodes = _names(nodes, "nodes")
         self.exclude = [str(e) for e in exclude]
         self.routes = [dict(r) for r in routes]
         if not isinstance(cooldown, int | float) or not 0 <= cooldown <= 10**9:  # NaN too
@@ -112,6 +119,8 @@ class PoolSpec:
             warm=d.get("warm", DEFAULT_WARM),
             release_delay=d.get("releaseDelay", DEFAULT_RELEASE_DELAY),
             borrow=d.get("borrow", False),
+            namespaces=d.get("namespaces", []),
+            nodes=d.get("nodes", []),
         )
 
     def to_dict(self) -> dict:
@@ -126,7 +135,22 @@ class PoolSpec:
             "warm": self.warm,
             "releaseDelay": self.release_delay,
             "borrow": self.borrow,
+            **({"namespaces": self.namespaces} if self.namespaces else {}),
+            **({"nodes": self.nodes} if self.nodes else {}),
         }
+
+    def check_allowed(self, namespace: str, node: str) -> None:
+        """Raise PoolNotAllowed when the pool does not serve this pod's namespace or
+        this node."""
+        if self.namespaces and namespace not in self.namespaces:
+            raise PoolNotAllowed(
+                f"pool {self.name} serves namespaces {', '.join(self.namespaces)}, not"
+                f" {namespace or '(no namespace given)'}"
+            )
+        if self.nodes and node not in self.nodes:
+            raise PoolNotAllowed(
+                f"pool {self.name} serves nodes {', '.join(self.nodes)}, not {node}"
+            )
 
     def set_of(self, value_family: int) -> int | None:
         """Index of the range set of this family, if the pool has one."""
@@ -138,6 +162,12 @@ class PoolSpec:
     def attachments_capacity(self) -> int:
         """How many attachments fit: each takes one address of every range set."""
         return min(rs.capacity() for rs in self.range_sets)
+
+
+def _names(value: object, field: str) -> list[str]:
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+        raise InvalidConfig(f"{field} must be a list of names")
+    return list(value)
 
 
 def _range(r: object) -> Range:

@@ -8,6 +8,7 @@
     attach/<network>/<container>/<ifname>         {ips: ["<pool>/<ip>", ...]}
     free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
     freeq/<pool>/<family>/<node>/<ms>/<ip>           the same fact ordered by release time
+    sticky/<network>/<namespace>/<name>           a sticky reservation: the identity's addresses
     nodes/<node>                                  agent registration, held by its lease
     controller/leader                             {id, since}, held by the leader's lease
 
@@ -17,6 +18,10 @@ One record per fact and one key per address: nothing grows per pool.
 from __future__ import annotations
 
 from ipward import jsonc
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 # Block states (DESIGN 5.3): a block takes allocations only while active.
 ACTIVE = "active"
@@ -93,6 +98,10 @@ def queue_key(pool: str, family: int, node: str, released_at: float, ip: str) ->
     return f"{queue_prefix(pool, family, node)}{int(released_at * 1000):015d}/{ip}"
 
 
+def sticky_key(network: str, namespace: str, name: str) -> str:
+    return f"sticky/{network}/{namespace}/{name}"
+
+
 def split_pool_ip(ref: str) -> tuple[str, str]:
     """`<pool>/<ip>` as stored in an attachment index."""
     pool, _, ip = ref.partition("/")
@@ -163,6 +172,59 @@ def ip_record(
         "created_at": round(created_at, 3),
         "requested": requested,
     }
+
+
+class Sticky:
+    """An ADD's request to keep its addresses for a stable identity (network, pod
+    namespace, pod name): StatefulSet pods, or pods that ask for it. `may_take(uid)`
+    says whether a reservation still bound to a pod of another UID may be taken over
+    (that pod is known gone); None: always (no cluster to ask)."""
+
+    __slots__ = ("key", "may_take", "name", "namespace", "owner_kind", "owner_name", "ttl")
+
+    def __init__(
+        self,
+        network: str,
+        namespace: str,
+        name: str,
+        owner_kind: str = "",
+        owner_name: str = "",
+        ttl: float | None = None,
+        may_take: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.key = sticky_key(network, namespace, name)
+        self.namespace = namespace
+        self.name = name
+        self.owner_kind = owner_kind
+        self.owner_name = owner_name
+        self.ttl = ttl
+        self.may_take = may_take
+
+    def record(
+        self, refs: list[str], attachment: Attachment, uid: str, node: str, now: float
+    ) -> dict:
+        return {
+            "ips": refs,
+            "attachment": attachment.key,
+            "uid": uid,
+            "node": node,
+            "owner_kind": self.owner_kind,
+            "owner_name": self.owner_name,
+            "ttl": self.ttl,
+            "bound_at": round(now, 3),
+            "detached_at": None,
+        }
+
+
+def detached(record: dict, now: float) -> dict:
+    """An allocation record of a sticky address whose sandbox is gone: it keeps the
+    address (nobody else can take it, no block release can happen under it) for the
+    next sandbox of its identity."""
+    return {**record, "container": "", "detached_at": round(now, 3)}
+
+
+def is_detached(record: dict) -> bool:
+    return bool(record.get("sticky")) and not record.get("container")
 
 
 def record_attachment(record: dict) -> Attachment:

@@ -14,15 +14,18 @@ Model
   * Nodes, each with a runtime (its pod sandboxes) and a kubelet (a small thread pool that
     execs the plugin; never under the model's lock while a subprocess runs).
   * Pods: Pending until a sandbox's ADD succeeds, then Running; Job pods become Succeeded
-    after their duration. A sandbox is listed by the runtime only once its ADD succeeded;
-    a failed ADD is followed by a DEL of that sandbox and, `retry_delay` later, a new
-    sandbox. Deletion: after the grace (or at once when the containers exit, see
+    after their duration; a restarted pod (`restart_pod`) may be Failed, then Pending,
+    before its new sandbox runs. A sandbox is listed by the runtime only once its ADD
+    succeeded; a failed ADD is followed by a DEL of that sandbox and, `retry_delay` later,
+    a new sandbox. Deletion: after the grace (or at once when the containers exit, see
     `exit_after`), StopPodSandbox (listed not ready, CNI DEL), RemovePodSandbox (CNI DEL
     again, then not listed), then the pod leaves the API. A CNI DEL that fails is retried
     after `retry_delay`, as the kubelet retries the stop or remove.
   * Owners: Deployments (surge: new pods first, old ones deleted as new ones get ready),
     StatefulSets (OrderedReady or Parallel), Jobs (completions, parallelism, TTL).
   * Scheduling: the least-loaded node that is up, or the owner's fixed node.
+  * Annotations: a pod's own (`create_pod`, `annotate_pod`) or its owner's template's
+    (every pod of the owner gets a copy); a namespace's (`set_namespace`).
 
 Time: every decision of the model compares against `clock()` (default `time.time`), so a
 test can hold or move time. The driver itself runs in real time: the background thread
@@ -31,7 +34,10 @@ subprocesses. Without `start()`, call `tick()` (or `wait_until`, which ticks).
 
 Publishing: after every change and at least every `publish_interval` seconds while the
 background thread runs, `publish()` writes the state in `SimFileSource`'s format:
-`as_of` is the clock time of the state; nodes that are down have no runtime entry.
+`as_of` is the clock time of the state; nodes that are down have no runtime entry. The
+cluster part holds the pods (with their annotations), the nodes, the StatefulSets'
+replicas and the annotations of the namespaces given to `set_namespace`; all of it is one
+snapshot, so `lag_cluster` lags namespaces and annotations as it lags pods.
 
 Faults, each a method: `lag_cluster`, `lag_runtime` (a part published from the history of
 snapshots), `fail_cluster`, `fail_runtime`, `stall_runtime`, `clear_faults`; they change
@@ -41,8 +47,9 @@ conservative claim: readers stay correct). `drop_del`, `delay_del` and `drop_del
 change what the kubelet sends: a sandbox removed with no DEL, or with both DELs late.
 
 Not modelled: eviction of the pods of an unreachable node (delete them, or the node);
-the kubelet's exponential backoff (a fixed `retry_delay`); Failed pods; more than one
-interface per pod. A deleted node's calls already running still end and are logged.
+the kubelet's exponential backoff (a fixed `retry_delay`); terminally Failed pods (Failed
+is only a restart's passing phase); more than one interface per pod. A deleted node's
+calls already running still end and are logged.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ipward.liveness import TERMINAL_PHASES, Pod, Sandbox, write_sim_state
@@ -68,6 +75,7 @@ from ipward.liveness import TERMINAL_PHASES, Pod, Sandbox, write_sim_state
 PENDING = "Pending"
 RUNNING = "Running"
 SUCCEEDED = "Succeeded"
+FAILED = "Failed"
 
 IFNAME = "eth0"
 TICK = 0.05  # seconds between background ticks: deadlines are noticed at most this late
@@ -120,6 +128,8 @@ class _SimPod:
     retry_at: float = 0.0
     drop_del: bool = False
     del_delay: float | None = None
+    annotations: dict[str, str] = field(default_factory=dict)  # replaced, never mutated
+    failed_until: float | None = None  # a restart's Failed phase ends then (then Pending)
 
     @property
     def key(self) -> str:
@@ -127,7 +137,9 @@ class _SimPod:
 
     @property
     def terminal(self) -> bool:
-        return self.phase in TERMINAL_PHASES
+        """Finished for good (a Job's Succeeded pod). The Failed phase of a restart has
+        no `finished_at` and is not terminal: the pod will run again."""
+        return self.phase in TERMINAL_PHASES and self.finished_at is not None
 
     def public(self) -> Pod:
         return Pod(
@@ -141,6 +153,7 @@ class _SimPod:
             finished_at=self.finished_at,
             owner_kind=self.owner_kind,
             owner_name=self.owner_name,
+            annotations=dict(self.annotations),
         )
 
 
@@ -188,6 +201,7 @@ class _Deployment:
     node: str
     grace: float
     generation: int = 0
+    annotations: dict[str, str] = field(default_factory=dict)  # the pod template's
 
 
 @dataclass
@@ -198,6 +212,7 @@ class _StatefulSet:
     ordered: bool
     node: str
     grace: float
+    annotations: dict[str, str] = field(default_factory=dict)  # the pod template's
 
 
 @dataclass
@@ -212,6 +227,7 @@ class _Job:
     grace: float
     succeeded: int = 0
     finished_at: float | None = None
+    annotations: dict[str, str] = field(default_factory=dict)  # the pod template's
 
 
 _Owner = _Deployment | _StatefulSet | _Job
@@ -292,6 +308,7 @@ class SimCluster:
         self._nodes: dict[str, _SimNode] = {}
         self._pods: dict[str, _SimPod] = {}
         self._owners: dict[str, _Owner] = {}  # by "namespace/name"
+        self._namespaces: dict[str, dict[str, str]] = {}  # annotations, by name
         self._delayed: list[_DelayedDel] = []
         self._seq = 0
         self._version = 0  # bumped by every change of the model
@@ -439,17 +456,47 @@ class SimCluster:
             self._runtime_lag.pop(name, None)
             self._event("node", f"deleted {name} ({len(node.sandboxes)} sandboxes left behind)")
 
+    # -- namespaces ------------------------------------------------------------------
+
+    def set_namespace(self, name: str, annotations: dict[str, str]) -> None:
+        """Create the namespace `name`, or replace its annotations (a copy is kept).
+        Published in the cluster part as "namespaces": {name: annotations}
+        (`ClusterView.namespaces`), every namespace given here, even with no annotations;
+        namespaces that only have pods are not published. Pods need no namespace set."""
+        copied = _annotations(annotations)
+        with self._mutate():
+            self._namespaces[name] = copied
+            self._event("namespace", f"set {name} {copied}")
+
     # -- pods ------------------------------------------------------------------------
 
     def create_pod(
-        self, namespace: str, name: str, node: str | None = None, grace: float | None = None
+        self,
+        namespace: str,
+        name: str,
+        node: str | None = None,
+        grace: float | None = None,
+        annotations: dict[str, str] | None = None,
     ) -> Pod:
-        """A pod with no owner, on `node` or the least-loaded live node."""
+        """A pod with no owner, on `node` or the least-loaded live node, with a copy of
+        `annotations` (published as `Pod.annotations`)."""
+        copied = _annotations(annotations)
         with self._mutate():
             if self._named(namespace, name) is not None:
                 raise ValueError(f"pod {namespace}/{name} exists")
-            pod = self._new_pod(namespace, name, node or "", grace)
+            pod = self._new_pod(namespace, name, node or "", grace, annotations=copied)
             return pod.public()
+
+    def annotate_pod(self, ref: PodRef, annotations: dict[str, str]) -> None:
+        """Replace the pod's annotations with a copy of `annotations` (the whole set, not a
+        merge: pass `{**sim.pod(ref).annotations, key: value}` to add one). Any pod in the
+        API may be annotated, terminating or finished ones too; its owner's template is
+        unchanged (pods created later get the template's)."""
+        copied = _annotations(annotations)
+        with self._mutate():
+            pod = self._resolve(ref)
+            pod.annotations = copied
+            self._event("pod", f"annotated {pod.key} {pod.uid} {copied}")
 
     def delete_pod(self, ref: PodRef, grace: float | None = None, force: bool = False) -> None:
         """Delete a pod: `deleted_at` is set and the kubelet terminates it (see the
@@ -463,20 +510,45 @@ class SimCluster:
             else:
                 self._delete(pod, self.clock(), grace)
 
-    def restart_pod(self, ref: PodRef) -> None:
+    def restart_pod(self, ref: PodRef, failed_for: float = 0.0, pending_for: float = 0.0) -> None:
         """The pod's sandbox dies: it is listed not ready; the kubelet stops it (DEL),
-        then starts a new sandbox for the same pod (same UID, ADD), and removes the old
-        one (DEL again)."""
+        starts a new sandbox for the same pod (same UID and name, ADD) once the old one is
+        stopped, and removes the old one (DEL again). `address_of` is None from now until
+        the new sandbox's ADD succeeds.
+
+        Phases (clock time from now; the old sandbox's DELs go on meanwhile):
+          * `failed_for` > 0: the pod is published "Failed" for that long, with
+            `finished_at` None (it is not finished: it will restart; its Job does not
+            replace it, and it runs its whole `duration` again); no sandbox is started;
+          * then, `pending_for` > 0: "Pending" for that long, no sandbox started;
+          * then the kubelet starts the new sandbox. While its ADD is in flight the pod
+            is published Pending if `failed_for` or `pending_for` was > 0 (it stays
+            Pending until the ADD succeeds), otherwise still Running, as before the
+            restart. Either way it is Running, with its new address, once the ADD
+            succeeded (a failed ADD is retried as for any pod, still Pending/Running).
+        With both 0 the pod stays Running throughout. A restart does not cut short a wait
+        already running (a failed ADD's `retry_delay`, an earlier restart's phases)."""
+        if failed_for < 0 or pending_for < 0:
+            raise ValueError("failed_for and pending_for must be >= 0")
         with self._mutate():
             pod = self._resolve(ref)
             if pod.terminal or pod.deleted_at is not None:
                 raise ValueError(f"pod {pod.key} is finished or being deleted")
+            now = self.clock()
             sandbox = self._sandbox_of(pod)
             if sandbox is not None:
                 sandbox.ready = False
             pod.sandbox = None
             pod.address = None
-            self._event("pod", f"sandbox died {pod.key} {pod.uid}")
+            pod.retry_at = max(pod.retry_at, now + failed_for + pending_for)
+            if failed_for > 0:
+                pod.phase = FAILED
+                pod.failed_until = now + failed_for
+            elif pending_for > 0 or pod.phase == FAILED:
+                pod.phase = PENDING
+                pod.failed_until = None
+            phases = f" (Failed {failed_for:g}s, then Pending {pending_for:g}s)"
+            self._event("pod", f"sandbox died {pod.key} {pod.uid}{phases}")
 
     # -- owners ----------------------------------------------------------------------
 
@@ -487,9 +559,20 @@ class SimCluster:
         replicas: int,
         node: str | None = None,
         grace: float | None = None,
+        annotations: dict[str, str] | None = None,
     ) -> None:
-        """Pods named `<name>-<5 random letters>`, kept at `replicas`."""
-        self._add_owner(_Deployment(namespace, name, replicas, node or "", self._grace(grace)))
+        """Pods named `<name>-<5 random letters>`, kept at `replicas`; `annotations`: the
+        pod template's, a copy for every pod of the Deployment."""
+        self._add_owner(
+            _Deployment(
+                namespace,
+                name,
+                replicas,
+                node or "",
+                self._grace(grace),
+                annotations=_annotations(annotations),
+            )
+        )
 
     def create_statefulset(
         self,
@@ -499,13 +582,25 @@ class SimCluster:
         ordered: bool = True,
         node: str | None = None,
         grace: float | None = None,
+        annotations: dict[str, str] | None = None,
     ) -> None:
         """Pods named `<name>-<ordinal>`. `ordered` (OrderedReady): one pod at a time, up
         from the lowest missing ordinal once the lower ones are ready, down from the
         highest once no pod of the set is terminating. Otherwise (Parallel): all at once.
-        A pod gone from the API is recreated under its name with a new UID."""
+        A pod gone from the API is recreated under its name with a new UID. Pods are
+        published with `owner_kind` "StatefulSet" and `owner_name` `name`, the set as
+        "statefulsets": {"namespace/name": replicas} (following `scale`, gone with
+        `delete_statefulset`). `annotations`: the pod template's, a copy for every pod."""
         self._add_owner(
-            _StatefulSet(namespace, name, replicas, ordered, node or "", self._grace(grace))
+            _StatefulSet(
+                namespace,
+                name,
+                replicas,
+                ordered,
+                node or "",
+                self._grace(grace),
+                annotations=_annotations(annotations),
+            )
         )
 
     def create_job(
@@ -518,11 +613,12 @@ class SimCluster:
         ttl_after_finished: float | None = None,
         node: str | None = None,
         grace: float | None = None,
+        annotations: dict[str, str] | None = None,
     ) -> None:
         """Pods run `duration` seconds, then are Succeeded (their sandbox stopped, listed
         not ready, no DEL: the address stays allocated, as with a real completed pod);
         `ttl_after_finished` seconds after the last completion the pods are deleted
-        (None: kept)."""
+        (None: kept). `annotations`: the pod template's, a copy for every pod."""
         self._add_owner(
             _Job(
                 namespace,
@@ -533,6 +629,7 @@ class SimCluster:
                 ttl_after_finished,
                 node or "",
                 self._grace(grace),
+                annotations=_annotations(annotations),
             )
         )
 
@@ -672,7 +769,8 @@ class SimCluster:
 
     @property
     def events(self) -> list[tuple[float, str, str]]:
-        """(clock time, kind, detail); kinds: node, pod, owner, ADD, DEL, fault, error."""
+        """(clock time, kind, detail); kinds: node, namespace, pod, owner, ADD, DEL, fault,
+        error."""
         with self._cond:
             return list(self._events)
 
@@ -745,6 +843,8 @@ class SimCluster:
                     for key, o in self._owners.items()
                     if isinstance(o, _StatefulSet)
                 },
+                # The annotation dicts are replaced, never mutated: shared, not copied.
+                "namespaces": dict(sorted(self._namespaces.items())),
             }
             runtimes = {
                 n.name: {
@@ -1023,6 +1123,8 @@ class SimCluster:
             fixed_node=node,
             **fields,
         )
+        if owner is not None:
+            pod.annotations = dict(owner.annotations)
         self._pods[pod.uid] = pod
         self._event("pod", f"created {pod.key} {pod.uid}")
         return pod
@@ -1232,6 +1334,12 @@ class SimCluster:
                     self._forget(pod, "terminated")
                     changed = True
                 continue
+            if pod.failed_until is not None and now >= pod.failed_until:
+                # A restart's Failed phase is over: Pending until the new sandbox runs.
+                pod.phase = PENDING
+                pod.failed_until = None
+                self._event("pod", f"pending {pod.key} {pod.uid} (restarting)")
+                changed = True
             if (
                 pod.duration is not None
                 and pod.phase == RUNNING
@@ -1241,7 +1349,7 @@ class SimCluster:
                 changed |= self._complete(pod, now)
             elif (
                 pod.sandbox is None
-                and not pod.terminal
+                and pod.phase in (PENDING, RUNNING)
                 and now >= pod.retry_at
                 and all(s.stopped for s in mine)
             ):
@@ -1311,6 +1419,15 @@ class SimCluster:
             delay = sandbox.del_delay or 0.0
             self._delayed.append(_DelayedDel(self.clock() + delay, node.name, sandbox))
             self._event("fault", f"DELs delayed {delay:g}s: {what} removed")
+
+
+def _annotations(annotations: dict[str, str] | None) -> dict[str, str]:
+    """A copy of `annotations`, checked: the published format has strings only."""
+    copied = dict(annotations or {})
+    for key, value in copied.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"annotation {key!r}: {value!r}: keys and values must be str")
+    return copied
 
 
 def _address(stdout: bytes) -> str | None:
