@@ -10,6 +10,8 @@
   free-queue           a free record without its queue entry, or the reverse
   block-owner          a block without exactly one affinity entry (its node's), an
                        affinity entry without its block, or a block also listed as released
+  sticky               a reservation whose addresses are not recorded for it (bound to the
+                       sandbox it names, detached when it names none), or the reverse
 
 Read-only, and at one revision: keys are read with `range` per prefix, so the report
 names the revision each part was read at; run it on a quiet store for a strict answer.
@@ -24,7 +26,7 @@ from ipward.pool import PoolSpec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ipward.store.base import Store
+    from ipward.store.base import KeyValue, Store
 
 
 class Problem:
@@ -58,6 +60,7 @@ def check(store: Store) -> tuple[list[Problem], dict]:
     frees, _ = store.range("free/")
     queue, _ = store.range("freeq/")
 
+    sticky_of: dict[str, tuple[str, bool]] = {}  # "<pool>/<ip>" -> (reservation, detached)
     index_refs: dict[str, list[str]] = {}
     for kv in indexes:
         index_refs[kv.key] = rec.decode(kv.value).get("ips", [])
@@ -70,6 +73,8 @@ def check(store: Store) -> tuple[list[Problem], dict]:
         record = rec.decode(kv.value)
         attachment = rec.record_attachment(record)
         allocated[ref] = attachment.key
+        if record.get("sticky"):
+            sticky_of[ref] = (record["sticky"], rec.is_detached(record))
         family, value = parse_ip(ip)
         spec = pools.get(pool_name)
         if spec is None:
@@ -90,6 +95,8 @@ def check(store: Store) -> tuple[list[Problem], dict]:
                     "duplicate-address", kv.key, f"{attachment} also holds {twin} (same family)"
                 )
             )
+        if rec.is_detached(record):
+            continue  # held by its reservation: no sandbox, no index (checked below)
         if ref not in index_refs.get(attachment.key, []):
             problems.append(
                 Problem("index-missing", kv.key, f"index {attachment.key} does not list it")
@@ -115,14 +122,46 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             problems.append(Problem("free-queue", kv.key, f"queue entry {queue_key} missing"))
     for key in sorted(queued - referenced):
         problems.append(Problem("free-queue", key, "queue entry without a free record"))
+    reservations, _ = store.range("sticky/")
+    problems += _reservations(reservations, sticky_of, index_refs)
     problems += _block_owners(store)
     counts = {
         "pools": len(pools),
         "allocations": len(records),
         "attachments": len(indexes),
         "free": len(frees),
+        "sticky": len(reservations),
     }
     return problems, counts
+
+
+def _reservations(
+    reservations: list[KeyValue],
+    sticky_of: dict[str, tuple[str, bool]],
+    index_refs: dict[str, list[str]],
+) -> list[Problem]:
+    """Invariant 6 as the store shows it: a reservation's addresses are recorded for it
+    (bound to the sandbox it names, or detached when it names none), and no record
+    claims a reservation that does not list it."""
+    problems = []
+    listed: set[str] = set()
+    for kv in reservations:
+        held = rec.decode(kv.value)
+        bound = held.get("attachment") or ""
+        for ref in held.get("ips", []):
+            listed.add(ref)
+            owner = sticky_of.get(ref)
+            if owner is None or owner[0] != kv.key:
+                problems.append(Problem("sticky", kv.key, f"{ref} is not recorded for it"))
+            elif owner[1] == bool(bound):
+                state = "detached" if owner[1] else "bound"
+                problems.append(Problem("sticky", kv.key, f"{ref} is {state}, the reservation not"))
+            elif bound and ref not in index_refs.get(bound, []):
+                problems.append(Problem("sticky", kv.key, f"{bound} does not list {ref}"))
+    for ref, (key, _) in sorted(sticky_of.items()):
+        if ref not in listed:
+            problems.append(Problem("sticky", ref, f"recorded for {key}, which does not list it"))
+    return problems
 
 
 def _block_owners(store: Store) -> list[Problem]:

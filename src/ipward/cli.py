@@ -149,6 +149,18 @@ def parse_range_option(text: str) -> dict:
     show_default=True,
     help="Let a node take one address from another node's block when no block is free.",
 )
+@click.option(
+    "--namespace",
+    "namespaces",
+    multiple=True,
+    help="Only pods of this namespace may use the pool; repeatable (default: any).",
+)
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    help="Only this node may use the pool; repeatable (default: any).",
+)
 @pass_ctx
 def pool_create(
     c: Context,
@@ -162,6 +174,8 @@ def pool_create(
     warm: int,
     release_delay: float,
     borrow: bool,
+    namespaces: tuple[str, ...],
+    nodes: tuple[str, ...],
 ) -> None:
     """Create pool NAME (refuses if it exists)."""
     by_family: dict[int, list[dict]] = {}
@@ -183,6 +197,8 @@ def pool_create(
         warm=warm,
         release_delay=release_delay,
         borrow=borrow,
+        namespaces=namespaces,
+        nodes=nodes,
     )
     from ipward.store.base import Put, absent
 
@@ -380,6 +396,7 @@ def alloc_list(c: Context, pool_name: str | None, node: str | None, pod: str | N
     prefix = f"ips/{pool_name}/" if pool_name else "ips/"
     rows = []
     now = time.time()
+    reservations = {kv.key: rec.decode(kv.value) for kv in c.store.range("sticky/")[0]}
     for kv in c.store.range(prefix)[0]:
         _, pname, ip = kv.key.split("/", 2)
         record = rec.decode(kv.value)
@@ -388,26 +405,69 @@ def alloc_list(c: Context, pool_name: str | None, node: str | None, pod: str | N
             continue
         if pod and pod not in (f"{p.get('namespace')}/{p.get('name')}", p.get("name")):
             continue
-        rows.append({"pool": pname, "ip": ip, "revision": kv.mod_revision, **record})
+        row = {"pool": pname, "ip": ip, "revision": kv.mod_revision, **record}
+        if record.get("sticky"):
+            row["sticky_state"] = _sticky_state(reservations.get(record["sticky"]), now)
+        rows.append(row)
     rows.sort(key=lambda r: (r["pool"], parse_ip(r["ip"])))
     table = Table(
-        "pool", "address", "network", "container", "ifname", "pod", "node", "age", "revision"
+        "pool",
+        "address",
+        "network",
+        "container",
+        "ifname",
+        "pod",
+        "node",
+        "age",
+        "sticky",
+        "revision",
     )
     for r in rows:
         p = r.get("pod", {})
         pod_text = f"{p.get('namespace')}/{p.get('name')}" if p.get("name") else "-"
+        state = r.get("sticky_state")
         table.add_row(
             r["pool"],
             r["ip"],
             r["network"],
-            r["container"][:12],
+            r["container"][:12] or "-",
             r["ifname"],
             pod_text,
             r.get("node", "-"),
             _age(now - r.get("created_at", now)),
+            _sticky_text(state) if state else "-",
             str(r["revision"]),
         )
     c.emit(rows, table if rows else "no allocations")
+
+
+def _sticky_state(held: dict | None, now: float) -> dict:
+    """A reservation's state for `alloc list`: bound or detached (since when), and how
+    long it lives (a StatefulSet's as long as its ordinal; others their TTL)."""
+    if held is None:
+        return {"state": "missing"}
+    if held.get("attachment"):
+        return {"state": "bound", "owner": held.get("owner_kind") or "-"}
+    since = float(held.get("detached_at") or now)
+    ttl = held.get("ttl")
+    left = None if ttl is None else max(0.0, since + float(ttl) - now)
+    return {
+        "state": "detached",
+        "detached_for": round(now - since, 1),
+        "ttl_left": None if left is None else round(left, 1),
+        "owner": held.get("owner_kind") or "-",
+    }
+
+
+def _sticky_text(state: dict) -> str:
+    if state["state"] != "detached":
+        return str(state["state"])
+    lives = (
+        f"TTL {_age(state['ttl_left'])} left"
+        if state["ttl_left"] is not None
+        else f"kept by {state['owner']}"
+    )
+    return f"detached {_age(state['detached_for'])}, {lives}"
 
 
 # -- check, release, status -------------------------------------------------------------
@@ -520,8 +580,15 @@ def gc_command(
 
 
 @cli.command("release")
-@click.option("--pool", "pool_name", required=True, help="Pool of the address.")
-@click.option("--ip", required=True, help="Address to release.")
+@click.option("--pool", "pool_name", help="Pool of the address.")
+@click.option("--ip", help="Address to release.")
+@click.option(
+    "--sticky",
+    "sticky",
+    metavar="NS/NAME",
+    help="Free the sticky reservation of this pod identity (it must be detached).",
+)
+@click.option("--network", help="With --sticky: the network, when the identity has several.")
 @click.option(
     "--revision",
     type=int,
@@ -529,9 +596,25 @@ def gc_command(
 )
 @click.option("--yes", is_flag=True, help="Do not ask; release the record as shown.")
 @pass_ctx
-def release_command(c: Context, pool_name: str, ip: str, revision: int | None, yes: bool) -> None:
-    """Free one address by hand: compare-and-delete, refused if its owner changed since
-    it was shown."""
+def release_command(
+    c: Context,
+    pool_name: str | None,
+    ip: str | None,
+    sticky: str | None,
+    network: str | None,
+    revision: int | None,
+    yes: bool,
+) -> None:
+    """Free one address (--pool, --ip) or one sticky reservation (--sticky) by hand:
+    compare-and-delete, refused if it changed since it was shown. A sticky address given
+    by --ip is detached (its reservation keeps it), not freed."""
+    if sticky:
+        if pool_name or ip:
+            raise InvalidConfig("--sticky frees a reservation; do not give --pool or --ip too")
+        _release_sticky(c, sticky, network, revision, yes)
+        return
+    if not pool_name or not ip:
+        raise InvalidConfig("give --pool and --ip (an address), or --sticky NS/NAME")
     ip = format_ip(*parse_ip(ip))
     kv = c.store.get(rec.ip_key(pool_name, ip))
     if kv is None:
@@ -551,6 +634,44 @@ def release_command(c: Context, pool_name: str, ip: str, revision: int | None, y
     c.emit(
         {"released": f"{pool_name}/{ip}", "record": freed, "revision": shown},
         f"released {pool_name}/{ip}",
+    )
+
+
+def _release_sticky(
+    c: Context, identity: str, network: str | None, revision: int | None, yes: bool
+) -> None:
+    namespace, sep, name = identity.partition("/")
+    if not sep or not namespace or not name or "/" in name:
+        raise InvalidConfig(f"--sticky {identity!r}: expected NAMESPACE/NAME")
+    found = [
+        kv
+        for kv in c.store.range("sticky/")[0]
+        if kv.key.split("/")[2:] == [namespace, name]
+        and (network is None or kv.key.split("/")[1] == network)
+    ]
+    if not found:
+        raise InvalidConfig(f"--sticky {identity}: no reservation for it")
+    if len(found) > 1:
+        networks = ", ".join(kv.key.split("/")[1] for kv in found)
+        raise InvalidConfig(
+            f"--sticky {identity} is reserved on networks {networks}: give --network"
+        )
+    kv = found[0]
+    held = rec.decode(kv.value)
+    if held.get("attachment"):
+        raise InvalidConfig(
+            f"--sticky {identity}: bound to {held['attachment']}; its pod holds the address"
+            " (delete the pod first)"
+        )
+    shown = revision if revision is not None else kv.mod_revision
+    if revision is None and not yes and not c.as_json:
+        console.print(f"{kv.key} holds {', '.join(held['ips'])} (revision {kv.mod_revision})")
+        if not click.confirm("free it?", default=False):
+            raise click.Abort
+    freed = c.ledger().free_sticky(kv.key, shown, "ipward release --sticky by an operator")
+    c.emit(
+        {"released": kv.key, "ips": freed, "revision": shown},
+        f"released {kv.key}: {', '.join(freed)}",
     )
 
 
