@@ -1,6 +1,7 @@
 """Real processes behind a simulated cluster: one `ipward agent` per simulated node, all
-on one store, so the simulated kubelets' plugin calls allocate for real; and a clock
-that moves only when told."""
+on one store, so the simulated kubelets' plugin calls allocate for real; a `World` of
+agents, controllers and the simulated cluster for the scenario tests; and a clock that
+moves only when told."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from conftest import run_cli, wait_for
 from ipward import fleet
+from ipward import records as rec
+from ipward.simcluster import SimCluster
+from ipward.store import open_store
 
 
 @contextmanager
@@ -48,3 +53,139 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+GRACE = 2.0  # the ADD grace of agents and controllers here
+INTERVAL = 0.3  # GC and reconcile passes
+NODE_TTL = 2
+NS = "ns"
+
+
+class World:
+    """One store, one simulated cluster, agents per node and controllers."""
+
+    def __init__(self, tmp: Path, plugin: Path, url: str, grace: float = GRACE) -> None:
+        self.grace = grace  # the ADD grace of its agents and controllers
+        self.tmp = tmp
+        self.url = url
+        self.plugin = plugin
+        self.state = tmp / "cluster.json"
+        self.liveness = f"sim://{self.state}"
+        self.sim = SimCluster(
+            str(self.state), str(plugin), network="simnet", pool="p", grace=1.0, retry_delay=0.3
+        )
+        # Sockets in a short directory: a pytest tmp path can pass AF_UNIX's 108 bytes.
+        self.run_dir = Path(tempfile.mkdtemp(prefix="ipw-"))
+        self.agents: dict[str, fleet.Agent] = {}
+        self.controllers: list[fleet.Controller] = []
+        self.store = open_store(url)
+
+    def pool(self, *options: str) -> None:
+        run_cli("pool", "create", "p", "--cooldown", "0", *options, store=self.url, check=True)
+
+    def agent(
+        self,
+        node: str,
+        liveness: bool = True,
+        env: dict[str, str] | None = None,
+        cluster: bool = False,
+    ) -> fleet.Agent:
+        extra = [
+            "--duty-interval",
+            "0.2",
+            "--node-ttl",
+            str(NODE_TTL),
+            "--add-grace",
+            str(self.grace),
+            "--reconcile-interval",
+            str(INTERVAL),
+        ]
+        if liveness:
+            extra += ["--liveness", self.liveness]
+        if cluster:  # pod annotations and owners at ADD: sticky StatefulSets
+            extra += ["--cluster", self.liveness]
+        socket = self.run_dir / node / "agent.sock"
+        agent = fleet.Agent(node, self.url, socket, self.tmp / "logs", tuple(extra), env)
+        self.agents[node] = agent
+        return agent.wait_ready()
+
+    def node(self, name: str, liveness: bool = True, cluster: bool = False) -> fleet.Agent:
+        agent = self.agent(name, liveness, cluster=cluster)
+        self.sim.add_node(name, str(agent.socket))
+        return agent
+
+    def controller(
+        self,
+        ident: str,
+        gc: bool = True,
+        env: dict[str, str] | None = None,
+        gc_interval: float = INTERVAL,
+    ) -> fleet.Controller:
+        extra = ["--interval", "0.2", "--lease-ttl", "2", "--ready-delay", "0.3"]
+        if gc:
+            extra += [
+                "--liveness",
+                self.liveness,
+                "--add-grace",
+                str(self.grace),
+                "--gc-interval",
+                str(gc_interval),
+            ]
+        ctl = fleet.Controller(ident, self.url, self.tmp / "logs", tuple(extra), env)
+        self.controllers.append(ctl)
+        ctl.wait_started()
+        return ctl
+
+    # -- observing
+
+    def records(self) -> dict[str, tuple[dict, int]]:
+        """ip -> (record, mod_revision)."""
+        kvs, _ = self.store.range("ips/")
+        return {kv.key.rsplit("/", 1)[1]: (rec.decode(kv.value), kv.mod_revision) for kv in kvs}
+
+    def running(self, ref: str) -> str:
+        """Wait until the pod runs with an address; its address."""
+        return str(wait_for(lambda: self._running_address(ref), f"{ref} running with an address"))
+
+    def _running_address(self, ref: str) -> str | None:
+        try:
+            pod = self.sim.pod(ref)
+        except KeyError:
+            return None
+        return self.sim.address_of(ref) if pod.phase == "Running" else None
+
+    def gone(self, ref: str) -> None:
+        def absent() -> bool:
+            try:
+                self.sim.pod(ref)
+            except KeyError:
+                return True
+            return False
+
+        wait_for(absent, f"{ref} gone from the API")
+
+    def freed_logs(self) -> list[dict]:
+        """Every `released` log line of every process, with who wrote it."""
+        out = []
+        for p in [*self.agents.values(), *self.controllers]:
+            for entry in p.logged("released"):
+                out.append({**entry, "by": p.name})
+        return out
+
+    def assert_invariants(self) -> None:
+        res = run_cli("check", store=self.url)
+        assert res.returncode == 0, res.stdout + res.stderr
+        shared = {ip: pods for ip, pods in self.sim.ready_addresses().items() if len(pods) > 1}
+        assert not shared, f"ready pods sharing an address: {shared}"
+        records = self.records()
+        for ip, pods in self.sim.ready_addresses().items():
+            assert ip in records, f"running pod {pods[0].name} has {ip} without a record"
+            sandboxes = self.sim.sandboxes_of(pods[0])
+            assert records[ip][0]["container"] == sandboxes[-1], (ip, records[ip], pods)
+
+    def close(self) -> None:
+        self.sim.stop()
+        for p in [*self.controllers, *self.agents.values()]:
+            p.kill()
+        self.store.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -6,6 +6,7 @@ and what it publishes, read back the way agents and controllers read it
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import threading
@@ -293,6 +294,13 @@ def test_statefulset_comes_back_with_the_same_names_and_new_uids(sim: SimCluster
     sim.create_statefulset("sts", "db", 3)  # OrderedReady
     pods = wait_running(sim, "sts", 3)
     assert [p.name for p in pods] == ["db-0", "db-1", "db-2"]
+    published = source.cluster_view().pods
+    for pod in pods:
+        assert (pod.owner_kind, pod.owner_name) == ("StatefulSet", "db")
+        assert (published[pod.uid].owner_kind, published[pod.uid].owner_name) == (
+            "StatefulSet",
+            "db",
+        )
     # One at a time, each after the previous one ran.
     assert event_index(sim, "running sts/db-0 ") < event_index(sim, "created sts/db-1 ")
     assert event_index(sim, "running sts/db-1 ") < event_index(sim, "created sts/db-2 ")
@@ -318,15 +326,25 @@ def test_statefulset_comes_back_with_the_same_names_and_new_uids(sim: SimCluster
     assert after.keys() == before.keys()
     assert not set(after.values()) & set(before.values())
 
+    assert source.cluster_view().statefulsets == {"sts/db": 3}
+
     sim.create_statefulset("sts", "par", 3, ordered=False)
     sim.wait_until(lambda: len([p for p in running(sim, "sts") if p.owner_name == "par"]) == 3)
+    assert source.cluster_view().statefulsets == {"sts/db": 3, "sts/par": 3}
+    listed = source.cluster_view().pods.values()
+    assert {(p.name, p.owner_kind, p.owner_name) for p in listed if p.namespace == "sts"} == {
+        *((f"db-{i}", "StatefulSet", "db") for i in range(3)),
+        *((f"par-{i}", "StatefulSet", "par") for i in range(3)),
+    }
     sim.scale("sts", "par", 1)
+    assert source.cluster_view().statefulsets == {"sts/db": 3, "sts/par": 1}
     sim.wait_until(lambda: [p.name for p in sim.pods("sts") if p.owner_name == "par"] == ["par-0"])
     # Parallel: both deleted before either is gone.
     last_deleted = max(event_index(sim, f"deleted sts/par-{i} ") for i in (1, 2))
     assert last_deleted < min(event_index(sim, f"gone sts/par-{i} ") for i in (1, 2))
 
     sim.delete_statefulset("sts", "db")
+    assert source.cluster_view().statefulsets == {"sts/par": 1}
     sim.delete_statefulset("sts", "par")
     sim.wait_until(lambda: not sim.pods("sts"), what="sets deleted")
     assert source.cluster_view().statefulsets == {}
@@ -524,3 +542,180 @@ def test_dropped_dels_leave_the_record_and_delayed_dels_free_it_later(
         ("DEL", "delayed", 0),
     ]
     assert addresses["delayed"] not in records(lab.store)
+
+
+# -- annotations and restart phases ----------------------------------------------------
+
+
+def test_pod_and_namespace_annotations_are_published_and_lag_with_the_cluster(
+    make_sim: Callable[..., SimCluster],
+) -> None:
+    clock = ManualClock(1000.0)
+    sim = make_sim(clock=clock)
+    source = SimFileSource(sim.state_path)
+    sim.set_namespace("ann", {"ipward.io/pool": "simpool"})
+    sim.set_namespace("bare", {})
+    own = {"ipward.io/address": "10.44.9.9"}
+    solo = sim.create_pod("ann", "solo", annotations=own)
+    own["changed"] = "after"  # the pod kept a copy
+    plain = sim.create_pod("ann", "plain")
+    template = {"team": "web"}
+    sim.create_deployment("ann", "web", 2, annotations=template)
+    template["changed"] = "after"
+    sim.create_statefulset("ann", "db", 2, ordered=False, annotations={"team": "db"})
+    sim.create_job("ann", "batch", duration=100, annotations={"team": "batch"})
+    pods = wait_running(sim, "ann", 7)
+    expected = {
+        "Deployment": {"team": "web"},
+        "StatefulSet": {"team": "db"},
+        "Job": {"team": "batch"},
+    }
+    cluster = source.cluster_view()
+    assert cluster.namespaces == {"ann": {"ipward.io/pool": "simpool"}, "bare": {}}
+    for pod in pods:
+        want = expected.get(pod.owner_kind, {})
+        if pod.uid == solo.uid:
+            want = {"ipward.io/address": "10.44.9.9"}
+        assert pod.annotations == want, pod
+        assert cluster.pods[pod.uid].annotations == want, pod
+    assert cluster.pods[plain.uid].annotations == {}
+    with open(sim.state_path) as f:
+        raw = json.load(f)["cluster"]
+    assert raw["namespaces"]["ann"] == {"ipward.io/pool": "simpool"}
+    assert {p["name"]: p["annotations"] for p in raw["pods"]}["solo"] == solo.annotations
+    # A Pod handed out is a copy: changing it changes nothing in the model.
+    sim.pod(solo).annotations["x"] = "y"
+    assert sim.pod(solo).annotations == {"ipward.io/address": "10.44.9.9"}
+    with pytest.raises(TypeError):
+        sim.create_pod("ann", "bad", annotations={"n": 1})  # type: ignore[dict-item]
+
+    # Pods an owner creates later get its template too.
+    [web] = [p for p in pods if p.owner_kind == "Deployment"][:1]
+    sim.delete_pod(web, force=True)
+    sim.wait_until(lambda: len(running(sim, "ann")) == 7, what="replacement running")
+    [replacement] = [p for p in running(sim, "ann") if p.uid not in {q.uid for q in pods}]
+    assert replacement.owner_kind == "Deployment"
+    assert source.cluster_view().pods[replacement.uid].annotations == {"team": "web"}
+
+    clock.advance(10)
+    sim.set_namespace("ann", {"ipward.io/pool": "other"})  # replaced, not merged
+    sim.annotate_pod("ann/solo", {"b": "2"})  # replaced, not merged
+    cluster = source.cluster_view()
+    assert cluster.as_of == 1010.0
+    assert cluster.namespaces["ann"] == {"ipward.io/pool": "other"}
+    assert cluster.pods[solo.uid].annotations == {"b": "2"}
+    assert sim.pod(solo).annotations == {"b": "2"}
+
+    sim.lag_cluster(5)  # the state of t=1000: namespaces and pods as they were
+    cluster = source.cluster_view()
+    assert cluster.as_of == 1000.0
+    assert cluster.namespaces == {"ann": {"ipward.io/pool": "simpool"}, "bare": {}}
+    assert cluster.pods[solo.uid].annotations == {"ipward.io/address": "10.44.9.9"}
+    sim.clear_faults()
+    cluster = source.cluster_view()
+    assert cluster.namespaces == {"ann": {"ipward.io/pool": "other"}, "bare": {}}
+    assert cluster.pods[solo.uid].annotations == {"b": "2"}
+
+
+def test_restart_phases_failed_then_pending_then_running_with_a_new_sandbox(
+    make_sim: Callable[..., SimCluster], lab: Lab
+) -> None:
+    clock = ManualClock(1000.0)
+    may_add = threading.Event()
+    may_add.set()
+    adding = threading.Event()  # an ADD has started while held
+    sim: SimCluster
+
+    def held_adds(
+        node: str, command: str, env: dict[str, str], stdin: bytes
+    ) -> tuple[int, bytes, bytes]:
+        if command == "ADD" and not may_add.is_set():
+            adding.set()
+            assert may_add.wait(10)
+        return sim.exec_plugin(node, command, env, stdin)
+
+    def adds_of(pod: Pod) -> list[float]:
+        return [c.at for c in sim.calls if c.uid == pod.uid and c.command == "ADD"]
+
+    sim = make_sim(cni_exec=held_adds, clock=clock)
+    source = SimFileSource(sim.state_path)
+    plain = sim.create_pod("phases", "plain", node="node-a")
+    slow = sim.create_pod("phases", "slow", node="node-b")
+    wait_running(sim, "phases", 2)
+    with pytest.raises(ValueError):
+        sim.restart_pod(slow, failed_for=-1)
+
+    # Both 0, as before: Running throughout, no address while the new ADD is in flight.
+    may_add.clear()
+    sim.restart_pod(plain)
+    assert adding.wait(10)
+    assert sim.pod(plain).phase == "Running" and sim.address_of(plain) is None
+    assert source.cluster_view().pods[plain.uid].phase == "Running"
+    assert not [s for s in source.node_view("node-a").sandboxes.values() if s.ready]
+    may_add.set()
+    sim.wait_until(lambda: sim.address_of(plain) is not None, what="plain running again")
+    assert len(sim.sandboxes_of(plain)) == 2
+
+    # Failed 5 s, then Pending 3 s, then the new sandbox.
+    [old] = sim.sandboxes_of(slow)
+    old_ip = sim.address_of(slow)
+    may_add.clear()
+    adding.clear()
+    sim.restart_pod(slow, failed_for=5, pending_for=3)
+    published = source.cluster_view().pods[slow.uid]
+    assert published.phase == "Failed" and published.finished_at is None
+    assert (published.name, published.deleted_at) == ("slow", None)
+    assert sim.address_of(slow) is None
+    sim.wait_until(lambda: len(calls(sim, old)) == 3, what="old sandbox stopped and removed")
+    assert calls(sim, old) == [("ADD", "add", 0), ("DEL", "stop", 0), ("DEL", "remove", 0)]
+    assert [c.at for c in sim.calls_for(old) if c.command == "DEL"] == [1000.0, 1000.0]
+    assert old_ip not in records(lab.store)
+    assert source.node_view("node-b").sandboxes == {}
+    assert source.cluster_view().pods[slow.uid].phase == "Failed"
+    assert sim.pod(slow).phase == "Failed"
+
+    clock.advance(5)
+    sim.wait_until(lambda: sim.pod(slow).phase == "Pending", what="Pending after Failed")
+    assert source.cluster_view().pods[slow.uid].phase == "Pending"
+    clock.advance(2)
+    time.sleep(0.3)  # several ticks: still no sandbox started
+    assert not adding.is_set() and adds_of(slow) == [1000.0]
+    assert source.cluster_view().pods[slow.uid].phase == "Pending"
+
+    clock.advance(1)
+    assert adding.wait(10)  # the ADD is in flight: still Pending, no address, not listed
+    assert sim.pod(slow).phase == "Pending" and sim.address_of(slow) is None
+    assert source.cluster_view().pods[slow.uid].phase == "Pending"
+    assert source.node_view("node-b").sandboxes == {}
+    may_add.set()
+    sim.wait_until(
+        lambda: sim.pod(slow).phase == "Running" and sim.address_of(slow) is not None,
+        what="slow running again",
+    )
+    assert adds_of(slow) == [1000.0, 1008.0]
+    _, new = sim.sandboxes_of(slow)
+    again = source.cluster_view().pods[slow.uid]
+    assert (again.uid, again.name, again.phase) == (slow.uid, "slow", "Running")
+    assert source.node_view("node-b").sandboxes[new].ready
+    assert records(lab.store)[str(sim.address_of(slow))]["container"] == new
+
+    # Pending only: Pending at once, the new sandbox 2 s later.
+    sim.restart_pod(plain, pending_for=2)
+    assert source.cluster_view().pods[plain.uid].phase == "Pending"
+    time.sleep(0.3)
+    assert adds_of(plain) == [1000.0, 1000.0] and sim.address_of(plain) is None
+    clock.advance(2)
+    sim.wait_until(lambda: sim.pod(plain).phase == "Running", what="plain running again")
+    assert adds_of(plain) == [1000.0, 1000.0, 1010.0] and sim.address_of(plain) is not None
+
+    # A Job's pod in a restart's Failed phase is neither finished nor replaced.
+    sim.create_job("phases-job", "batch", duration=100, node="node-c")
+    [job_pod] = wait_running(sim, "phases-job", 1)
+    sim.restart_pod(job_pod, failed_for=5)
+    time.sleep(0.3)
+    [still] = sim.pods("phases-job")
+    assert (still.uid, still.phase, still.finished_at) == (job_pod.uid, "Failed", None)
+    clock.advance(5)
+    [job_pod] = wait_running(sim, "phases-job", 1)
+    assert job_pod.uid == still.uid and len(sim.sandboxes_of(job_pod)) == 2
+    assert_no_shared_address(sim)
