@@ -657,15 +657,26 @@ class SimCluster:
     def delete_statefulset(self, namespace: str, name: str) -> None:
         """The set leaves the API (and the published `statefulsets`); its pods are
         deleted, all at once, with their grace."""
+        self._delete_owner(namespace, name, _StatefulSet)
+
+    def delete_deployment(self, namespace: str, name: str) -> None:
+        """The Deployment leaves the API; its pods are deleted, all at once."""
+        self._delete_owner(namespace, name, _Deployment)
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        """The Job leaves the API; its pods, running or finished, are deleted."""
+        self._delete_owner(namespace, name, _Job)
+
+    def _delete_owner(self, namespace: str, name: str, kind: type) -> None:
         with self._mutate():
             owner = self._owner(namespace, name)
-            if not isinstance(owner, _StatefulSet):
-                raise ValueError(f"{namespace}/{name} is not a StatefulSet")
+            if not isinstance(owner, kind):
+                raise ValueError(f"{namespace}/{name} is not a {kind.__name__.lstrip('_')}")
             del self._owners[f"{namespace}/{name}"]
             now = self.clock()
             for pod in self._owned(owner):
                 self._delete(pod, now)
-            self._event("owner", f"deleted StatefulSet {namespace}/{name}")
+            self._event("owner", f"deleted {kind.__name__.lstrip('_')} {namespace}/{name}")
 
     # -- faults ----------------------------------------------------------------------
 
