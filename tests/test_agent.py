@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from etcd_server import etcd_server
 from ipward import blocks, fleet
 from ipward import records as rec
+from ipward.etcdlab import etcd_server
 from ipward.pool import PoolSpec
 from ipward.store import open_store
 from ipward.wire import encode_env, frame, recv_frame

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, run_cli, wait_for
-from etcd_server import etcd_server
 from ipward import records as rec
+from ipward.etcdlab import etcd_server
 from ipward.netlab import NetLab, Pod, bridge_network_config, skip_reason
 from ipward.store import open_store
 from test_agent import AgentProcess

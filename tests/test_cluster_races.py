@@ -33,9 +33,9 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, run_cli, wait_for
-from etcd_server import EtcdCluster, etcd_cluster, etcd_server
 from ipward import blocks, log, testpoints
 from ipward import records as rec
+from ipward.etcdlab import EtcdCluster, etcd_cluster, etcd_server
 from ipward.pool import PoolSpec
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT, Put

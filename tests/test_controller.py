@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, wait_for
-from etcd_server import etcd_server
 from ipward import blocks, fleet
 from ipward import records as rec
 from ipward.controller import LEADER_KEY, Controller, Election, Metrics
 from ipward.errors import IpwardError, TryAgainLater
+from ipward.etcdlab import etcd_server
 from ipward.ledger import Ledger
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, run_cli, wait_for
-from etcd_server import etcd_server
 from ipward import fleet
 from ipward import records as rec
+from ipward.etcdlab import etcd_server
 from simprocs import GRACE, INTERVAL, NS, World
 
 

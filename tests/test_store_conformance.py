@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import pytest
 
-from etcd_server import EtcdServer, etcd_cluster, etcd_server
+from ipward.etcdlab import EtcdServer, etcd_cluster, etcd_server
 from ipward.store import open_store
 from ipward.store.base import (
     DELETE,

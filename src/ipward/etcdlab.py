@@ -1,4 +1,6 @@
-"""Real etcd servers for tests: one member or a small cluster, on loopback, in a temp dir.
+"""Real etcd servers on loopback in a temp dir, one member or a small cluster: for the
+tests, `ipward sim` and `ipward bench` (never for production, where etcd is run by its
+operators).
 
 Uses the Debian `etcd` (3.4) binary. Every process is stopped when its context manager
 exits, also on failure. Settings are etcd's defaults apart from addresses: no unsafe
