@@ -220,3 +220,15 @@ def test_cli_lists_and_releases_a_sticky_reservation(sqlite_url, sqlite_store, p
     assert len(json.loads(done.stdout)["ips"]) == 2
     assert sqlite_store.range("ips/")[0] == []
     assert run_cli("check", store=sqlite_url).returncode == 0
+
+
+def test_two_detached_reservations_check_clean(sqlite_store, pool) -> None:
+    """Detached records have no sandbox; two of them are not one attachment's twins."""
+    ledger = Ledger(sqlite_store, "n1")
+    for n, name in ((1, "db-0"), (2, "db-1")):
+        ledger.allocate(
+            [pool], sandbox(n), rec.PodInfo("db", name, f"u{n}"), sticky=rec.Sticky(NET, "db", name)
+        )
+        ledger.release(sandbox(n))
+    assert len(sqlite_store.range("ips/")[0]) == 4
+    assert_clean(sqlite_store)

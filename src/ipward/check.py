@@ -88,12 +88,12 @@ def check(store: Store) -> tuple[list[Problem], dict]:
         other = seen_on_network.setdefault((attachment.network, ip), kv.key)
         if other != kv.key:
             problems.append(Problem("duplicate-address", kv.key, f"{ip} also recorded as {other}"))
-        twin = families.setdefault((attachment.key, pool_name, family), kv.key)
+        # A detached sticky record has no sandbox: its reservation is its owner.
+        owner = record["sticky"] if rec.is_detached(record) else attachment.key
+        twin = families.setdefault((owner, pool_name, family), kv.key)
         if twin != kv.key:
             problems.append(
-                Problem(
-                    "duplicate-address", kv.key, f"{attachment} also holds {twin} (same family)"
-                )
+                Problem("duplicate-address", kv.key, f"{owner} also holds {twin} (same family)")
             )
         if rec.is_detached(record):
             continue  # held by its reservation: no sandbox, no index (checked below)

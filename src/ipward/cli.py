@@ -732,11 +732,13 @@ def _attach_commands() -> None:
     from ipward.bench import bench_command
     from ipward.controller import controller_command
     from ipward.demo import demo_command
+    from ipward.sim import sim_command
 
     cli.add_command(agent_command, "agent")
     cli.add_command(bench_command, "bench")
     cli.add_command(controller_command, "controller")
     cli.add_command(demo_command, "demo")
+    cli.add_command(sim_command, "sim")
 
 
 _attach_commands()
