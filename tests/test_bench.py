@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +14,34 @@ from click.testing import CliRunner
 
 from ipward.bench import (
     ETCD,
+    NODE,
+    PLOT_FILL,
+    PLOT_GC_MEMORY,
+    PLOT_POOL_SIZE,
     PLUGIN_PYTHON,
+    RecordStore,
+    agent_memory,
     bench_command,
+    bulk_fill,
+    fill_latency,
+    gc_pass_times,
     ledger_pair_rate,
+    machine,
     p99,
     percentile,
+    pool_size_latency,
     raw_cas_rate,
     run,
     run_cluster,
+    run_growth,
     write_launcher,
+    write_report,
 )
+from ipward.check import check
+from ipward.ledger import Ledger
+from ipward.pool import PoolSpec
+from ipward.records import Attachment, PodInfo
+from ipward.report import PNG_MAGIC, Page, Panel, line_plot, line_plots, save_png
 from ipward.store.sqlite import SqliteStore
 
 
@@ -70,10 +89,20 @@ def test_fallback_launcher_runs_the_plugin(tmp_path: Path) -> None:
 def test_command_options() -> None:
     result = CliRunner().invoke(bench_command, ["--help"])
     assert result.exit_code == 0
-    for option in ("--quick", "--no-etcd", "--json", "--cluster", "--agents", "--concurrency"):
+    for option in (
+        "--quick",
+        "--no-etcd",
+        "--json",
+        "--cluster",
+        "--agents",
+        "--concurrency",
+        "--report",
+    ):
         assert option in result.output
     misplaced = CliRunner().invoke(bench_command, ["--agents", "2"])
     assert misplaced.exit_code == 2 and "--cluster" in misplaced.output
+    both = CliRunner().invoke(bench_command, ["--cluster", "--report", "/nonexistent/x"])
+    assert both.exit_code == 2 and "--report" in both.output
 
 
 CLUSTER_FIGURES = [
@@ -179,3 +208,263 @@ def test_quick_run_reports_every_figure() -> None:
     assert math.isfinite(figures["exec.ipward_minus_python_ms"])
     assert result["machine"]["nproc"] > 0
     assert any("ipward ADD" in line for line in lines)
+
+
+# -- the report's pieces -------------------------------------------------------------------
+
+
+def _store_items(store: SqliteStore) -> dict[str, bytes]:
+    return {kv.key: kv.value for kv in store.range("")[0]}
+
+
+@pytest.mark.parametrize(
+    "count",
+    [
+        1,  # one block claimed, its cursor at 1
+        13,  # the first /28 block exactly used up (16 less network, gateway, an exclusion)
+        150,  # dual stack, exclusions, a block emptied by them, the last block part used
+    ],
+)
+def test_bulk_fill_writes_what_the_ledger_writes(tmp_path: Path, count: int) -> None:
+    """bulk_fill's keys and values are byte for byte those of `count` ADDs through a
+    ledger on an empty pool, and `ipward check` finds nothing wrong with them."""
+    spec = PoolSpec(
+        "eq",
+        [[{"subnet": "10.5.0.0/24", "gateway": "10.5.0.1"}], [{"subnet": "fd00:5::/120"}]],
+        exclude=["10.5.0.15", "10.5.0.32/28", "10.5.0.70", "fd00:5::20/124"],
+        block_prefix={4: 28, 6: 124},
+        cooldown=0,
+    )
+    at = 1_700_000_000.0
+    through_ledger = SqliteStore(str(tmp_path / "ledger.db"))
+    bulk = SqliteStore(str(tmp_path / "bulk.db"))
+    try:
+        ledger = Ledger(through_ledger, NODE, clock=lambda: at)
+        pod = PodInfo("bench", "fill", "uid-fill")
+        for i in range(count):
+            ledger.allocate([spec], Attachment("benchfill", f"fill-{i}", "eth0"), pod)
+        attachments = bulk_fill(bulk, spec, count, created_at=at, batch=37)
+        assert [a.container for a in attachments] == [f"fill-{i}" for i in range(count)]
+        expected, got = _store_items(through_ledger), _store_items(bulk)
+        differ = {k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k)}
+        assert not differ, sorted(differ)[:10]
+        assert check(bulk)[0] == []
+        # And the ledger carries on from it as from its own work.
+        more = Ledger(bulk, NODE).allocate([spec], Attachment("benchfill", "next", "eth0"), pod)
+        again = Ledger(through_ledger, NODE).allocate(
+            [spec], Attachment("benchfill", "next", "eth0"), pod
+        )
+        assert [a.ip for a in more] == [a.ip for a in again]
+    finally:
+        through_ledger.close()
+        bulk.close()
+
+
+def test_bulk_fill_refuses_more_than_the_pool_holds(tmp_path: Path) -> None:
+    from ipward.bench import BenchError
+
+    store = SqliteStore(str(tmp_path / "b.db"))
+    try:
+        spec = PoolSpec("small", [[{"subnet": "10.6.0.0/29"}]])  # 6 usable
+        assert len(bulk_fill(store, spec, 6)) == 6
+        with pytest.raises(BenchError):
+            bulk_fill(SqliteStore(str(tmp_path / "c.db")), spec, 7)
+    finally:
+        store.close()
+
+
+def _positive(figures: dict[str, float]) -> None:
+    bad = {k: v for k, v in figures.items() if not (v > 0 and math.isfinite(v))}
+    assert not bad, bad
+
+
+def test_latency_against_pool_size_and_fill(tmp_path: Path) -> None:
+    sizes = pool_size_latency(tmp_path, rounds=1, per_round=5, in_use=10)
+    assert set(sizes) == {"v4_24", "v4_20", "v4_16", "v4_12", "v4_8", "v6_64"}
+    for row in sizes.values():
+        assert row["in_use"] == 10
+        _positive(row)
+    assert sizes["v4_8"]["addresses"] == 2**24 - 2
+    fills = fill_latency(tmp_path, prefix=22, rounds=1, per_round=5, percents=(10, 95))
+    assert [fills[p]["in_use"] for p in (10, 95)] == [1022 * 10 // 100, 1022 * 95 // 100]
+    for row in fills.values():
+        _positive(row)
+
+
+def test_gc_pass_times_and_agent_memory(tmp_path: Path) -> None:
+    empty, records = RecordStore(tmp_path, 0), RecordStore(tmp_path, 300)
+    times = gc_pass_times([records], repeats=1)
+    assert set(times[300]) == {
+        "raw_range_s",
+        "look_s",
+        "snapshot_s",
+        "gather_s",
+        "judge_s",
+        "controller_pass_s",
+    }
+    _positive(times[300])
+    for memory in (
+        agent_memory(tmp_path, empty),
+        agent_memory(tmp_path, records),
+        agent_memory(tmp_path, records, other_node=True),
+    ):
+        assert set(memory) == {"rss_mib", "hwm_mib"}
+        _positive(memory)
+        assert memory["hwm_mib"] >= memory["rss_mib"]
+
+
+def test_growth_and_report_files(tmp_path: Path) -> None:
+    """The growth part at tiny sizes, then the report written from it: every file, the
+    figures in the JSON, the plots embedded in the page."""
+    lines: list[str] = []
+    work = tmp_path / "work"
+    work.mkdir()
+    figures, series, tables = run_growth(
+        work,
+        quick=True,
+        out=lines.append,
+        rounds=1,
+        per_round=5,
+        fill_prefix=20,
+        counts=(200, 1000),
+    )
+    for name in ("v4_24", "v4_8", "v6_64"):
+        assert figures[f"growth.size.{name}.add_median_ms"] > 0
+    assert figures["growth.size.v4_24.vs_24"] == 1.0
+    for pct in (10, 50, 90, 99):
+        assert figures[f"growth.fill.{pct}.add_p99_ms"] > 0
+    for label in ("200", "1k"):
+        assert figures[f"growth.gc.{label}.look_ms"] > 0
+        assert figures[f"growth.gc.{label}.look_vs_range"] > 0
+        assert figures[f"growth.agent.{label}.hwm_mib"] > 0
+        assert figures[f"growth.agent_other.{label}.hwm_mib"] > 0
+    assert figures["growth.agent.empty.rss_mib"] > 0
+    assert set(tables) == {"pool_size", "fill", "gc", "agent"}
+    result = {
+        "machine": machine(),
+        "figures": figures,
+        "targets": {},
+        "skipped": {"etcd": "not in this test"},
+        "notes": {"quick": "yes"},
+        "tables": tables,
+        "series": series,
+    }
+    out = tmp_path / "report"
+    written = write_report(result, out, console=["line <one>", "line & two"])
+    names = {p.name for p in written}
+    assert names == {PLOT_POOL_SIZE, PLOT_FILL, PLOT_GC_MEMORY, "report.html", "report.json"}
+    for plot in (PLOT_POOL_SIZE, PLOT_FILL, PLOT_GC_MEMORY):
+        assert (out / plot).read_bytes().startswith(PNG_MAGIC)
+    assert json.loads((out / "report.json").read_text())["figures"] == figures
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 3
+    assert 'src="http' not in page and "<script" not in page
+    assert "line &lt;one&gt;" in page and "line &amp; two" in page
+    assert "Headline" in page and "GC pass (gc.look)" in page
+
+
+def test_page_is_self_contained_and_escaped(tmp_path: Path) -> None:
+    png = line_plot(
+        {"median <ms>": [(1.0, 2.0), (2.0, 3.0)], "$p99$": [(1.0, 4.0)]},
+        "x & y",
+        "ms",
+        "title <b>",
+        logx=True,
+        markers=[(1.5, "fault: <kill> $x")],
+        xticks=[(1.0, "/24"), (2.0, "/8")],
+    )
+    assert png.startswith(PNG_MAGIC)
+    page = Page("bench <script>alert(1)</script>")
+    page.heading("a & b").paragraph('say "hi" <now>')
+    page.table(["name", "value"], [["<td>", "1,234.5x"], ["x", "2^64"]])
+    page.figure(png, "caption <i>")
+    page.preformatted("<pre> & more")
+    path = tmp_path / "page.html"
+    page.write(path)
+    text = path.read_text()
+    assert "<script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "a &amp; b" in text and "say &quot;hi&quot; &lt;now&gt;" in text
+    assert "<td>&lt;td&gt;</td>" in text and 'class="num">1,234.5x<' in text
+    assert "caption &lt;i&gt;" in text and "&lt;pre&gt; &amp; more" in text
+    assert text.count('src="data:image/png;base64,') == 1
+    for external in ('src="http', "href=", "@import", "url("):
+        assert external not in text
+    with pytest.raises(ValueError):
+        page.figure(b"GIF89a", "not a PNG")
+
+
+def test_panels_and_save_png(tmp_path: Path) -> None:
+    many = [(float(t), float(t % 7)) for t in range(500)]  # a time series: no dots
+    png = line_plots(
+        [
+            Panel({"allocations/s": many}, "s", "per s", markers=[(100.0, "kill agent")]),
+            Panel({"errors": many[:10]}, "s", "count", logy=True, ymin=None),
+            Panel({}, "s", "nothing yet"),
+        ],
+        title="sim",
+        columns=2,
+    )
+    save_png(png, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes() == png
+    with pytest.raises(ValueError):
+        save_png(b"not a png", tmp_path / "q.png")
+    with pytest.raises(ValueError):
+        line_plots([])
+
+
+def test_plugin_and_agent_do_not_load_matplotlib() -> None:
+    """matplotlib is imported by the report's plotting functions only: not by the CLI
+    the agent runs in, nor by the plugin."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, ipward.cli, ipward.cni, ipward.plugin, ipward.report;"
+            " print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+REPORT_FIGURES = [
+    "sqlite.ledger_allocations_per_s",
+    "exec.ipward.median_ms",
+    "latency.empty_24.median_ms",
+    "growth.size.v4_24.add_median_ms",
+    "growth.size.v4_8.vs_24",
+    "growth.size.v6_64.add_p99_ms",
+    "growth.fill.10.add_median_ms",
+    "growth.fill.99.vs_first",
+    "growth.gc.1k.look_ms",
+    "growth.gc.10k.raw_range_ms",
+    "growth.gc.10k.controller_pass_ms",
+    "growth.agent.empty.hwm_mib",
+    "growth.agent.10k.hwm_mib",
+    "growth.agent_other.10k.hwm_mib",
+]
+
+
+@pytest.mark.slow
+def test_report_quick_run(tmp_path: Path) -> None:
+    """`ipward bench --report DIR --quick --no-etcd` as a subprocess."""
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "ipward.cli", "bench", "--report", str(out), "--quick", "--no-etcd"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "7. agent memory" in done.stdout
+    for name in ("report.html", "report.json", PLOT_POOL_SIZE, PLOT_FILL, PLOT_GC_MEMORY):
+        assert (out / name).stat().st_size > 0, name
+    result = json.loads((out / "report.json").read_text())
+    missing = [name for name in REPORT_FIGURES if name not in result["figures"]]
+    assert not missing, missing
+    assert result["skipped"]["cluster"] == "--no-etcd"
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 3 and 'src="http' not in page

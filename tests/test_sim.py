@@ -49,7 +49,7 @@ def test_soak_three_member_etcd_every_fault(tmp_path: Path) -> None:
     counts = fault_counts(run.stdout)
     assert set(counts) == set(FAULTS) and min(counts.values()) >= 1, counts
     report = (tmp_path / "report" / "report.html").read_text()
-    assert "<img" in report and "Pool use over time" in report
+    assert report.count("<img") == 2 and "GC" in report and "Faults" in report
 
 
 def test_soak_sqlite_every_fault(tmp_path: Path) -> None:

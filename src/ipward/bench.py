@@ -10,6 +10,16 @@ speed; targets are printed next to the figures for the reader.
 3. Allocate latency in the ledger as a pool fills: an empty /24 next to a /16 that is 90%
    full, an IPv6 /64 and a 10.0.0.0/8 with 10,000 addresses in use.
 
+`ipward bench --report DIR` (`run_report`) also measures how cost grows (`run_growth`):
+4. ADD and DEL latency against pool size (/24 to /8, IPv6 /64), next to the /24;
+5. ADD and DEL latency against pool fill (10% to 99%), next to the 10% fill;
+6. one GC pass (`gc.look`, and the controller's `gc_pass`) against the number of records
+   (1k, 10k, 100k), next to the raw read of those records;
+7. a real agent's memory after its reconcile pass over those records, next to the same
+   agent on an empty store;
+then runs the cluster part (unless --no-etcd) and writes DIR/report.html (self-contained,
+`ipward.report`), DIR/report.json and the plots as PNG files.
+
 `ipward bench --cluster` instead (`run_cluster`): N real `ipward agent` processes on one
 temporary etcd, C client threads per agent looping ADD then DEL through the plugin's own
 socket call, next to raw etcd CAS by as many threads in the same run (the two loads take
@@ -42,11 +52,17 @@ import click
 
 import ipward
 from ipward import records as rec
+from ipward.addr import Block
 from ipward.ledger import Ledger
+from ipward.liveness import write_sim_state
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
 from ipward.store.base import Put, Store, StoreError, absent, at_revision
 from ipward.store.sqlite import SqliteStore
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.report import Page
 
 ETCD = "/usr/bin/etcd"
 PLUGIN_PYTHON = "/usr/bin/python3"
@@ -402,26 +418,129 @@ def _scenario_pool(s: Scenario) -> PoolSpec:
 
 
 def _fill(path: str, spec: PoolSpec, count: int) -> None:
-    """`count` allocations through the ledger. The fill is set-up, not measured: the
-    file is written without fsync at each commit (synchronous=OFF) to save time."""
+    """`count` addresses of `spec` in use in the SQLite file at `path`, as one ledger
+    leaves them (`bulk_fill`). Set-up, not measured: written without fsync at each commit
+    (synchronous=OFF) to save time."""
     store = SqliteStore(path)
     try:
         store._conn.execute("PRAGMA synchronous=OFF")
-        ledger = Ledger(store, NODE)
-        pod = PodInfo("bench", "fill", "uid-fill")
-        for i in range(count):
-            ledger.allocate([spec], Attachment("benchfill", f"fill-{i}", "eth0"), pod)
+        bulk_fill(store, spec, count)
     finally:
         store.close()
 
 
+class _BlockFiller:
+    """One range set's blocks as one ledger on one node fills them from an empty pool
+    with no releases: blocks claimed in order as they run out, addresses taken in
+    order within a block (`Block.next_usable`), so exclusions and the gateway are
+    skipped the ledger's way."""
+
+    def __init__(self, spec: PoolSpec, index: int, node: str) -> None:
+        self.spec = spec
+        self.rs = spec.range_sets[index]
+        self.node = node
+        self.claimed = 0  # blocks claimed: the pool's block cursor
+        self.block: Block | None = None  # the block being filled (the node's fill record)
+        self.offset = 0  # where to look from in it
+        self.last: dict[str, int] = {}  # cidr -> the block's cursor (last offset taken + 1)
+
+    def take(self) -> tuple[str, str]:
+        """The next address and its block's CIDR."""
+        while True:
+            if self.block is not None:
+                found = self.block.next_usable(self.offset)
+                if found is not None:
+                    self.offset = found + 1
+                    self.last[self.block.cidr] = found + 1
+                    return self.block.address(found), self.block.cidr
+            # The block is used up (or none is claimed yet): claim the next one.
+            block = self.rs.block(self.claimed)
+            if block is None:
+                raise BenchError(f"pool {self.spec.name} has fewer addresses than asked")
+            self.claimed += 1
+            self.block = block
+            self.offset = 0
+            self.last.setdefault(block.cidr, 0)
+
+    def ops(self) -> list[Put]:
+        """The blocks, their affinity entries, the node's fill record and the cursor."""
+        name, family = self.spec.name, self.rs.family
+        out: list[Put] = []
+        for cidr, next_offset in self.last.items():
+            state = {"node": self.node, "state": rec.ACTIVE, "next": next_offset}
+            out.append(Put(rec.block_key(name, cidr), rec.encode(state)))
+            out.append(Put(rec.affinity_key(name, self.node, cidr), b""))
+        if self.block is not None:
+            out.append(
+                Put(rec.fill_key(name, family, self.node), rec.encode({"block": self.block.cidr}))
+            )
+            out.append(Put(rec.block_cursor_key(name, family), rec.encode({"next": self.claimed})))
+        return out
+
+
+def bulk_fill(
+    store: Store,
+    spec: PoolSpec,
+    count: int,
+    *,
+    node: str = NODE,
+    network: str = "benchfill",
+    prefix: str = "fill",
+    pods: Callable[[int], PodInfo] | None = None,
+    created_at: float | None = None,
+    batch: int = 2000,
+) -> list[Attachment]:
+    """Write what `count` ADDs through one ledger on `node` leave in an empty pool (no
+    releases): the pool spec, one record per address naming its block, one index per
+    attachment (`<network>/<prefix>-<i>/eth0`, pod `pods(i)`), every block claimed with
+    its affinity entry and cursor, the node's fill records and the pool's block cursors:
+    the same keys and values as the ledger's (tests/test_bench.py compares them), in
+    large transactions without compares, so 100,000 take seconds. Set-up only: on an
+    empty store, with nothing else writing. Returns the attachments."""
+    if count <= 0:
+        return []
+    now = time.time() if created_at is None else created_at
+    default_pod = PodInfo("bench", "fill", "uid-fill")
+    fillers = [_BlockFiller(spec, i, node) for i in range(len(spec.range_sets))]
+    ops: list[Put] = [Put(rec.pool_key(spec.name), rec.encode(spec.to_dict()))]
+    attachments = []
+    for i in range(count):
+        attachment = Attachment(network, f"{prefix}-{i}", "eth0")
+        pod = default_pod if pods is None else pods(i)
+        refs = []
+        for filler in fillers:
+            ip, cidr = filler.take()
+            refs.append(f"{spec.name}/{ip}")
+            record = rec.ip_record(attachment, pod, node, cidr, now, False)
+            ops.append(Put(rec.ip_key(spec.name, ip), rec.encode(record)))
+        ops.append(Put(attachment.key, rec.encode({"ips": refs})))
+        attachments.append(attachment)
+        if len(ops) >= batch:
+            _write(store, ops)
+            ops = []
+    for filler in fillers:
+        ops += filler.ops()
+    _write(store, ops)
+    return attachments
+
+
+def _write(store: Store, ops: Sequence[Put]) -> None:
+    if ops and not store.txn([], list(ops)).succeeded:
+        raise BenchError("bulk write failed")
+
+
 def allocate_latency(
-    pools: Sequence[tuple[str, PoolSpec]], rounds: int, per_round: int, warmup: int = 20
+    pools: Sequence[tuple[str, PoolSpec]],
+    rounds: int,
+    per_round: int,
+    warmup: int = 20,
+    releases: list[list[float]] | None = None,
 ) -> list[list[float]]:
     """Seconds per ledger allocate (in-process) on each (SQLite path, pool): `rounds`
-    rounds of `per_round` timed allocations, each round released afterwards (not timed).
-    The pools take turns allocation by allocation, so drift in the machine's speed
-    falls on all of them alike. Returns one list of samples per pool."""
+    rounds of `per_round` timed allocations, each round released afterwards. The pools
+    take turns call by call, so drift in the machine's speed falls on all of them
+    alike. Returns one list of samples per pool; with `releases` (a list), appends the
+    seconds of each release per pool to it as well."""
     stores = [SqliteStore(path) for path, _ in pools]
     try:
         ledgers = [Ledger(store, NODE) for store in stores]
@@ -433,6 +552,7 @@ def allocate_latency(
                 ledger.allocate([spec], attachment, pod)
                 ledger.release(attachment)
         samples: list[list[float]] = [[] for _ in pools]
+        released: list[list[float]] = [[] for _ in pools]
         clock = time.perf_counter
         for r in range(rounds):
             attachments = [Attachment("benchlat", f"r{r}-{i}", "eth0") for i in range(per_round)]
@@ -441,13 +561,515 @@ def allocate_latency(
                     start = clock()
                     ledger.allocate(spec_list, attachment, pod)
                     out.append(clock() - start)
-            for ledger in ledgers:
-                for attachment in attachments:
-                    ledger.release(attachment)
+            for attachment in attachments:
+                for ledger, out in zip(ledgers, released, strict=True):
+                    start = clock()
+                    freed = ledger.release(attachment)
+                    out.append(clock() - start)
+                    if not freed:
+                        raise BenchError(f"release of {attachment} freed nothing")
+        if releases is not None:
+            releases.extend(released)
         return samples
     finally:
         for store in stores:
             store.close()
+
+
+# -- 4. how cost grows: pool size, pool fill, records ---------------------------------------
+
+GROWTH_IN_USE = 100  # addresses in use in every pool of the pool-size series
+POOL_SIZES = [  # (name, label, subnet)
+    ("v4_24", "/24", "10.1.0.0/24"),
+    ("v4_20", "/20", "10.2.0.0/20"),
+    ("v4_16", "/16", "10.3.0.0/16"),
+    ("v4_12", "/12", "10.16.0.0/12"),
+    ("v4_8", "/8", "10.0.0.0/8"),
+    ("v6_64", "IPv6 /64", "fd00:be::/64"),
+]
+FILL_PERCENTS = (10, 50, 90, 99)
+RECORD_COUNTS = (1_000, 10_000, 100_000)
+GC_POOL = "benchgc"
+GC_SUBNET = "10.0.0.0/8"
+OTHER_NODE = "bench-other-node"
+RECORD_AGE = 3600.0  # seconds since the ADD of every record of the GC stores (past the grace)
+AGENT_RECONCILE_TIMEOUT = 300.0
+
+
+def _count_label(n: int) -> str:
+    return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
+
+
+def _latency_rows(
+    tmp: Path,
+    tag: str,
+    pools: Sequence[tuple[str, PoolSpec, int]],
+    rounds: int,
+    per_round: int,
+) -> list[dict[str, float]]:
+    """Each (name, pool, addresses in use) in a SQLite file of its own, filled, then
+    timed allocate and release calls taking turns: {in_use, add/del median and p99 ms}
+    per pool."""
+    paths = []
+    for name, spec, in_use in pools:
+        path = str(tmp / f"{tag}-{name}.db")
+        _fill(path, spec, in_use)
+        paths.append((path, spec))
+    releases: list[list[float]] = []
+    adds = allocate_latency(paths, rounds, per_round, releases=releases)
+    rows = []
+    for (_, _, in_use), add_s, del_s in zip(pools, adds, releases, strict=True):
+        add_median, add_p99 = _summary(add_s)
+        del_median, del_p99 = _summary(del_s)
+        rows.append(
+            {
+                "in_use": float(in_use),
+                "add_median_ms": add_median,
+                "add_p99_ms": add_p99,
+                "del_median_ms": del_median,
+                "del_p99_ms": del_p99,
+            }
+        )
+    return rows
+
+
+def pool_size_latency(
+    tmp: Path, rounds: int, per_round: int, in_use: int = GROWTH_IN_USE
+) -> dict[str, dict[str, float]]:
+    """ADD (in-process `Ledger.allocate`) and DEL latency on SQLite in pools from /24 to
+    /8 and an IPv6 /64, each with `in_use` addresses in use: {name: figures}, with the
+    pool's capacity in `addresses`."""
+    pools = [
+        (name, PoolSpec(f"size-{name}", [[{"subnet": subnet}]], cooldown=0), in_use)
+        for name, _, subnet in POOL_SIZES
+    ]
+    rows = _latency_rows(tmp, "size", pools, rounds, per_round)
+    out = {}
+    for (name, spec, _), row in zip(pools, rows, strict=True):
+        out[name] = {**row, "addresses": float(spec.range_sets[0].capacity())}
+    return out
+
+
+def fill_latency(
+    tmp: Path, prefix: int, rounds: int, per_round: int, percents: Sequence[int] = FILL_PERCENTS
+) -> dict[int, dict[str, float]]:
+    """ADD and DEL latency in one /`prefix` pool filled to each of `percents` (a file
+    each): {percent: figures}. Fewer than `per_round` + 20 addresses left free is an
+    error (the rounds would exhaust the pool)."""
+    pools = []
+    for pct in percents:
+        spec = PoolSpec(f"fill-{pct}", [[{"subnet": f"10.4.0.0/{prefix}"}]], cooldown=0)
+        capacity = spec.range_sets[0].capacity()
+        in_use = capacity * pct // 100
+        if capacity - in_use < per_round + 20:
+            raise BenchError(
+                f"/{prefix} at {pct}% leaves too few addresses for {per_round} calls a round"
+            )
+        pools.append((str(pct), spec, in_use))
+    rows = _latency_rows(tmp, "fill", pools, rounds, per_round)
+    return {pct: row for pct, row in zip(percents, rows, strict=True)}
+
+
+class RecordStore:
+    """A SQLite store holding `records` allocation records of one node (pool
+    `benchgc`, 10.0.0.0/8), every record's sandbox listed ready in a simulated
+    cluster's published state: `state` with the runtime's sandboxes and the cluster's
+    pods (what the controller's GC reads), `runtime_state` with the sandboxes only (what
+    its agent's runtime answers), `other_state` with another node's empty runtime."""
+
+    def __init__(self, tmp: Path, records: int) -> None:
+        self.records = records
+        label = _count_label(records)
+        self.path = str(tmp / f"records-{label}.db")
+        self.state = str(tmp / f"records-{label}.state.json")
+        self.runtime_state = str(tmp / f"records-{label}.runtime.json")
+        self.other_state = str(tmp / f"records-{label}.other.json")
+        spec = PoolSpec(GC_POOL, [[{"subnet": GC_SUBNET}]])
+        now = time.time()
+        store = SqliteStore(self.path)
+        try:
+            store._conn.execute("PRAGMA synchronous=OFF")
+            bulk_fill(
+                store,
+                spec,
+                records,
+                network="benchgc",
+                prefix="sandbox",
+                pods=lambda i: PodInfo("bench", f"pod-{i}", f"uid-{i}"),
+                created_at=now - RECORD_AGE,
+            )
+        finally:
+            store.close()
+        sandboxes = [
+            {
+                "id": f"sandbox-{i}",
+                "ready": True,
+                "namespace": "bench",
+                "name": f"pod-{i}",
+                "uid": f"uid-{i}",
+                "created_at": now - RECORD_AGE,
+            }
+            for i in range(records)
+        ]
+        pods = [
+            {
+                "uid": f"uid-{i}",
+                "namespace": "bench",
+                "name": f"pod-{i}",
+                "phase": "Running",
+                "node": NODE,
+            }
+            for i in range(records)
+        ]
+        runtimes = {NODE: {"sandboxes": sandboxes}}
+        write_sim_state(self.state, now, {"pods": pods, "nodes": [NODE]}, runtimes)
+        write_sim_state(self.runtime_state, now, {"pods": [], "nodes": [NODE]}, runtimes)
+        # Another node's runtime, which holds none of these sandboxes.
+        write_sim_state(
+            self.other_state, now, {"pods": [], "nodes": [NODE]}, {OTHER_NODE: {"sandboxes": []}}
+        )
+
+
+def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict[str, float]]:
+    """Per store, the median seconds (of `repeats`, the stores taking turns) of: the raw
+    `store.range("ips/")` (the reference), one `gc.look` pass (records, registrations,
+    liveness, every record judged), its parts alone (`snapshot`, `gather`, `judge`),
+    and the controller's own `gc_pass` (also the sticky reservations; first pass, so
+    nothing is confirmed). Every record must be judged alive."""
+    from ipward import gc
+    from ipward.controller import Controller, Election, Metrics
+    from ipward.ledger import ADD_GRACE
+    from ipward.liveness import SimFileSource
+
+    samples: dict[int, dict[str, list[float]]] = {s.records: {} for s in stores}
+    sessions = []
+    try:
+        for s in stores:
+            store = SqliteStore(s.path)
+            source = SimFileSource(s.state, timeout=30.0)
+            controller = Controller(
+                store,
+                Election(store, "bench", 10),  # never started: gc_pass only reads
+                Metrics("bench", lambda: False),
+                interval=3600.0,
+                ready_delay=3600.0,
+                liveness=source,
+            )
+            sessions.append((s, store, source, controller))
+        for _ in range(repeats):
+            for s, store, source, controller in sessions:
+                times = samples[s.records]
+
+                def timed(name: str, times: dict[str, list[float]] = times) -> _Timer:
+                    return _Timer(times.setdefault(name, []))
+
+                with timed("raw_range_s"):
+                    kvs, _ = store.range("ips/")
+                if len(kvs) != s.records:
+                    raise BenchError(f"{len(kvs)} records in {s.path}, expected {s.records}")
+                del kvs
+                with timed("look_s"):
+                    verdicts = gc.look(store, source, ADD_GRACE)
+                leaked = sum(v.reason is not None for v in verdicts)
+                if leaked or len(verdicts) != s.records:
+                    raise BenchError(f"GC judged {leaked} of {len(verdicts)} records leaked")
+                del verdicts
+                with timed("snapshot_s"):
+                    held = gc.snapshot(store)
+                with timed("gather_s"):
+                    evidence = gc.gather(
+                        source,
+                        sorted({h.node for h in held}),
+                        grace=ADD_GRACE,
+                        registered=gc.registered_nodes(store),
+                    )
+                with timed("judge_s"):
+                    for h in held:
+                        gc.judge(h, evidence)
+                del held, evidence
+                with timed("controller_pass_s"):
+                    freed = controller.gc_pass()
+                if freed:
+                    raise BenchError(f"the controller's GC pass freed {len(freed)} records")
+    finally:
+        for _, store, _, _ in sessions:
+            store.close()
+    return {
+        n: {name: statistics.median(values) for name, values in times.items()}
+        for n, times in samples.items()
+    }
+
+
+class _Timer:
+    """`with _Timer(samples):` appends the seconds the block took."""
+
+    def __init__(self, samples: list[float]) -> None:
+        self.samples = samples
+        self.start = 0.0
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.samples.append(time.perf_counter() - self.start)
+
+
+def _memory_mib(pid: int) -> dict[str, float]:
+    """VmRSS (resident now) and VmHWM (peak resident) of a process in MiB."""
+    values = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                values[name] = int(rest.split()[0]) / 1024
+    return {"rss_mib": values["VmRSS"], "hwm_mib": values["VmHWM"]}
+
+
+def agent_memory(tmp: Path, records: RecordStore, other_node: bool = False) -> dict[str, float]:
+    """A real `ipward agent` (fleet.Agent) of the records' node on their store, its
+    runtime the simulated one listing every record's sandbox ready; once its first
+    reconcile pass has read and judged every record of its node (its "reconciled" log
+    line), its VmRSS and VmHWM in MiB. Then it is stopped. With `other_node`, the agent
+    of another node (its pass reads every record and keeps none)."""
+    from ipward.fleet import Agent, FleetError
+
+    label = f"{_count_label(records.records)}{'-other' if other_node else ''}"
+    node, state = (OTHER_NODE, records.other_state) if other_node else (NODE, records.runtime_state)
+    expected = 0 if other_node else records.records
+    agent = Agent(
+        node,
+        f"sqlite://{records.path}",
+        tmp / "sockets" / f"agent-{label}.sock",
+        tmp / "agent-logs",
+        extra=("--liveness", f"sim://{state}", "--reconcile-interval", "3600"),
+        metrics=False,
+    )
+    try:
+        agent.wait_started(AGENT_READY_TIMEOUT)
+        deadline = time.monotonic() + AGENT_RECONCILE_TIMEOUT
+        while not (passes := agent.logged("reconciled")):
+            if not agent.running or time.monotonic() > deadline:
+                raise BenchError(f"agent on {label} records: no reconcile pass:\n{agent.output()}")
+            time.sleep(0.05)
+        if passes[0].get("records") != expected or passes[0].get("freed"):
+            raise BenchError(f"agent on {label} records: unexpected pass {passes[0]}")
+        # The line is logged before the pass lets go of what it read: wait until the
+        # resident size stops moving (or 3 s), then read it.
+        memory = _memory_mib(agent.pid)
+        settle = time.monotonic() + 3.0
+        while time.monotonic() < settle:
+            time.sleep(0.1)
+            now = _memory_mib(agent.pid)
+            steady = abs(now["rss_mib"] - memory["rss_mib"]) < 0.25
+            memory = now
+            if steady:
+                break
+        return memory
+    except FleetError as e:
+        raise BenchError(str(e)) from None
+    finally:
+        try:
+            agent.stop(AGENT_STOP_TIMEOUT)
+        except (subprocess.TimeoutExpired, FleetError):
+            agent.kill()
+
+
+def _addresses(n: float) -> str:
+    if n >= 1e12:
+        return f"2^{round(math.log2(n + 2))}"
+    return f"{n:,.0f}"
+
+
+def run_growth(
+    tmp: Path,
+    quick: bool,
+    out: Callable[[str], object] = print,
+    *,
+    rounds: int | None = None,
+    per_round: int | None = None,
+    fill_prefix: int | None = None,
+    counts: Sequence[int] | None = None,
+) -> tuple[dict[str, float], dict, dict[str, list[list[str]]]]:
+    """How cost grows (`ipward bench --report`): ADD latency against pool size and pool
+    fill, GC pass time and agent memory against the number of records, each next to
+    its reference from the same run (the /24, the 10% fill, the raw store read, the
+    agent on an empty store). Sizes default by `quick`: rounds x per_round timed calls
+    (2 x 50, else 5 x 100), the filled pool's prefix (/18, else /16), record counts (1k
+    and 10k, else also 100k). Returns (figures, series for the plots, tables)."""
+    figures: dict[str, float] = {}
+    series: dict = {}
+    tables: dict[str, list[list[str]]] = {}
+    if rounds is None or per_round is None:
+        rounds, per_round = (2, 50) if quick else (5, 100)
+    samples = f"{rounds * per_round}"
+
+    # 4. pool size -------------------------------------------------------------------
+    out(
+        f"  ... ADD vs pool size: {samples} timed allocations and releases in pools /24 to /8"
+        f" and IPv6 /64, {GROWTH_IN_USE} in use each, taking turns"
+    )
+    sizes = pool_size_latency(tmp, rounds, per_round)
+    base = sizes["v4_24"]["add_median_ms"]
+    rows = [
+        [
+            f"4. ADD vs pool size ({GROWTH_IN_USE} in use, {samples} allocs)",
+            "addresses",
+            "ADD median ms",
+            "ADD p99 ms",
+            "DEL median ms",
+            "vs /24",
+        ]
+    ]
+    series["pool_size"] = []
+    for name, label, _ in POOL_SIZES:
+        row = sizes[name]
+        row["vs_24"] = row["add_median_ms"] / base
+        for key, value in row.items():
+            figures[f"growth.size.{name}.{key}"] = value
+        series["pool_size"].append({"name": name, "label": label, **row})
+        rows.append(
+            [
+                label,
+                _addresses(row["addresses"]),
+                f"{row['add_median_ms']:.3f}",
+                f"{row['add_p99_ms']:.3f}",
+                f"{row['del_median_ms']:.3f}",
+                f"{row['vs_24']:.2f}x",
+            ]
+        )
+    tables["pool_size"] = rows
+
+    # 5. pool fill -------------------------------------------------------------------
+    prefix = fill_prefix or (18 if quick else 16)
+    out(
+        f"  ... ADD vs fill: a /{prefix} at {', '.join(f'{p}%' for p in FILL_PERCENTS)} (bulk"
+        f" written), {samples} timed allocations and releases each, taking turns"
+    )
+    fills = fill_latency(tmp, prefix, rounds, per_round)
+    base = fills[FILL_PERCENTS[0]]["add_median_ms"]
+    rows = [
+        [
+            f"5. ADD vs fill, /{prefix} ({samples} allocs)",
+            "in use",
+            "ADD median ms",
+            "ADD p99 ms",
+            "DEL median ms",
+            f"vs {FILL_PERCENTS[0]}%",
+        ]
+    ]
+    series["fill"] = []
+    for pct, row in fills.items():
+        row["vs_first"] = row["add_median_ms"] / base
+        for key, value in row.items():
+            figures[f"growth.fill.{pct}.{key}"] = value
+        series["fill"].append({"percent": pct, "prefix": prefix, **row})
+        rows.append(
+            [
+                f"{pct}% full",
+                f"{row['in_use']:,.0f}",
+                f"{row['add_median_ms']:.3f}",
+                f"{row['add_p99_ms']:.3f}",
+                f"{row['del_median_ms']:.3f}",
+                f"{row['vs_first']:.2f}x",
+            ]
+        )
+    tables["fill"] = rows
+
+    # 6. GC pass against records -------------------------------------------------------
+    if counts is None:
+        counts = RECORD_COUNTS[:2] if quick else RECORD_COUNTS
+    repeats = 3
+    out(
+        f"  ... GC: stores of {', '.join(_count_label(n) for n in counts)} records (bulk"
+        f" written), every sandbox listed ready; {repeats} passes each, taking turns"
+    )
+    stores = [RecordStore(tmp, n) for n in counts]
+    passes = gc_pass_times(stores, repeats)
+    rows = [
+        [
+            f"6. GC pass, SQLite (median of {repeats})",
+            "raw range ms",
+            "gc.look ms",
+            "vs range",
+            "snapshot ms",
+            "liveness ms",
+            "judge ms",
+            "controller ms",
+        ]
+    ]
+    series["gc"] = []
+    for n in counts:
+        t = {key.removesuffix("_s") + "_ms": value * 1000 for key, value in passes[n].items()}
+        t["look_vs_range"] = t["look_ms"] / t["raw_range_ms"]
+        t["look_us_per_record"] = t["look_ms"] * 1000 / n
+        label = _count_label(n)
+        for key, value in t.items():
+            figures[f"growth.gc.{label}.{key}"] = value
+        series["gc"].append({"records": n, **t})
+        rows.append(
+            [
+                f"{n:,} records",
+                f"{t['raw_range_ms']:.1f}",
+                f"{t['look_ms']:.1f}",
+                f"{t['look_vs_range']:.1f}x",
+                f"{t['snapshot_ms']:.1f}",
+                f"{t['gather_ms']:.1f}",
+                f"{t['judge_ms']:.1f}",
+                f"{t['controller_pass_ms']:.1f}",
+            ]
+        )
+    tables["gc"] = rows
+
+    # 7. agent memory against records --------------------------------------------------
+    out(
+        "  ... agent memory: a real agent on an empty store, then on each store (its own"
+        " node's records, then another node's), after its first reconcile pass"
+    )
+    empty = RecordStore(tmp, 0)
+    reference = agent_memory(tmp, empty)
+    figures["growth.agent.empty.rss_mib"] = reference["rss_mib"]
+    figures["growth.agent.empty.hwm_mib"] = reference["hwm_mib"]
+    series["agent_empty"] = reference
+    rows = [
+        [
+            "7. agent memory, after one reconcile pass",
+            "VmRSS MiB",
+            "VmHWM MiB",
+            "peak vs empty",
+            "peak KiB/record",
+        ],
+        [
+            "empty store (reference)",
+            f"{reference['rss_mib']:.1f}",
+            f"{reference['hwm_mib']:.1f}",
+            "1.00x",
+            "",
+        ],
+    ]
+    series["agent"] = []
+    for whose in ("own", "other"):
+        for s in stores:
+            memory = agent_memory(tmp, s, other_node=whose == "other")
+            memory["hwm_vs_empty"] = memory["hwm_mib"] / reference["hwm_mib"]
+            memory["hwm_kib_per_record"] = (
+                (memory["hwm_mib"] - reference["hwm_mib"]) * 1024 / s.records
+            )
+            label = _count_label(s.records)
+            prefix_name = "agent" if whose == "own" else "agent_other"
+            for key, value in memory.items():
+                figures[f"growth.{prefix_name}.{label}.{key}"] = value
+            series["agent"].append({"records": s.records, "node": whose, **memory})
+            rows.append(
+                [
+                    f"{s.records:,} records, {'its node' if whose == 'own' else 'another node'}",
+                    f"{memory['rss_mib']:.1f}",
+                    f"{memory['hwm_mib']:.1f}",
+                    f"{memory['hwm_vs_empty']:.2f}x",
+                    f"{memory['hwm_kib_per_record']:.2f}",
+                ]
+            )
+    tables["agent"] = rows
+    return figures, series, tables
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -493,10 +1115,17 @@ def _verdict(ok: bool) -> str:
     return "meets" if ok else "MISSES"
 
 
-def run(quick: bool = False, etcd: bool = True, out: Callable[[str], object] = print) -> dict:
+def run(
+    quick: bool = False,
+    etcd: bool = True,
+    out: Callable[[str], object] = print,
+    growth: bool = False,
+) -> dict:
     """Measure everything, print a report with `out`, and return the figures:
     {"machine": {...}, "figures": {name: number}, "targets": {name: {...}},
-     "skipped": {part: reason}, "notes": {...}}."""
+     "skipped": {part: reason}, "notes": {...}, "tables": {name: rows}}; with `growth`
+    also how cost grows (`run_growth`: its figures are `growth.*`, its points in
+    "series")."""
     began = time.perf_counter()
     figures: dict[str, float] = {}
     targets: dict[str, dict] = {}
@@ -637,7 +1266,7 @@ def run(quick: bool = False, etcd: bool = True, out: Callable[[str], object] = p
             spec = _scenario_pool(s)
             path = str(tmp / f"latency-{s.name}.db")
             if s.fill:
-                out(f"  ... filling {s.label} through the ledger")
+                out(f"  ... filling {s.label} (written in bulk as one ledger leaves it)")
                 _fill(path, spec, s.fill)
             pools.append((path, spec))
         out(f"  ... {rounds * per_round} timed allocations in each pool, taking turns")
@@ -663,14 +1292,19 @@ def run(quick: bool = False, etcd: bool = True, out: Callable[[str], object] = p
                 }
                 target = f"<= {TARGET_IN_USE_VS_EMPTY}x {_verdict(ok)}"
             lat_rows.append([s.label, f"{median:.3f}", f"{tail:.3f}", f"{ratio:.2f}x", target])
+        tables = {"throughput": rows, "exec": exec_rows, "latency": lat_rows}
+
+        # 4-7. how cost grows --------------------------------------------------------
+        series: dict = {}
+        if growth:
+            growth_figures, series, growth_tables = run_growth(tmp, quick, out)
+            figures.update(growth_figures)
+            tables.update(growth_tables)
 
     elapsed = time.perf_counter() - began
-    out("")
-    _table(rows, out)
-    out("")
-    _table(exec_rows, out)
-    out("")
-    _table(lat_rows, out)
+    for table in tables.values():
+        out("")
+        _table(table, out)
     out("")
     out(f"  plugin installed by: {notes['plugin_installed_by']}")
     out("  1: allocs/s times the allocate calls of the pairs loop; a pair is one allocate and")
@@ -678,15 +1312,35 @@ def run(quick: bool = False, etcd: bool = True, out: Callable[[str], object] = p
     out("     CAS rate; raw CAS is get + txn(compare mod_revision, put) on one key; same run.")
     out("  3: pools with cooldown 0; rounds of allocations, each round released (untimed)")
     out("     before the next, so later rounds reuse freed addresses in every pool alike.")
+    if growth:
+        for line in GROWTH_NOTES:
+            out(line)
     out(f"  whole run: {elapsed:.1f} s")
     notes["elapsed_s"] = f"{elapsed:.1f}"
-    return {
+    result = {
         "machine": info,
         "figures": figures,
         "targets": targets,
         "skipped": skipped,
         "notes": notes,
+        "tables": tables,
     }
+    if growth:
+        result["series"] = series
+    return result
+
+
+GROWTH_NOTES = [
+    "  4, 5: in-process Ledger.allocate and release on SQLite (fsync at commit), pools with",
+    "     cooldown 0 filled as one ledger leaves them (blocks claimed in order); the pools",
+    "     take turns call by call.",
+    "  6: records of one node, all listed ready by the simulated runtime; gc.look = records",
+    "     (snapshot), registrations and liveness (the simulated cluster's state file, read",
+    "     once for the node and once for the cluster), then every record judged; controller",
+    "     = Controller.gc_pass (also the sticky reservations). Raw range: store.range('ips/').",
+    "  7: a real `ipward agent` on the same stores; VmRSS settled after its first reconcile",
+    "     pass, VmHWM its peak; 'another node': the agent of a node holding none of them.",
+]
 
 
 @contextlib.contextmanager
@@ -1266,7 +1920,336 @@ def run_cluster(
         "targets": targets,
         "errors": errors,
         "notes": notes,
+        "tables": {"cluster": rows, "exec": exec_rows},
     }
+
+
+# -- the report ---------------------------------------------------------------------------
+
+PLOT_POOL_SIZE = "add-latency-vs-pool-size.png"
+PLOT_FILL = "add-latency-vs-fill.png"
+PLOT_GC_MEMORY = "gc-and-memory-vs-records.png"
+
+
+def headline(result: dict) -> list[list[str]]:
+    """The report's first table: [figure, value, reference from the same run, ratio]
+    for every part that was measured."""
+    f = result["figures"]
+    rows: list[list[str]] = []
+
+    def add(label: str, value: str, reference: str, ratio: str) -> None:
+        rows.append([label, value, reference, ratio])
+
+    for name, what in (("sqlite", "SQLite"), ("etcd", "etcd")):
+        if f"{name}.ledger_allocations_per_s" in f:
+            add(
+                f"allocations/s, sequential, {what}",
+                f"{f[f'{name}.ledger_allocations_per_s']:,.0f}",
+                f"raw CAS {f[f'{name}.raw_cas_per_s']:,.0f}/s",
+                f"{f[f'{name}.ledger_vs_cas']:.2f}x",
+            )
+    if "exec.ipward.median_ms" in f:
+        host_local = f.get("exec.host_local.median_ms")
+        add(
+            "plugin ADD exec, single-node (median)",
+            f"{f['exec.ipward.median_ms']:.2f} ms",
+            f"python3 -I -S start {f['exec.python.median_ms']:.2f} ms"
+            + (f"; host-local {host_local:.2f} ms" if host_local is not None else ""),
+            f"{f['exec.ipward_minus_python_ms']:+.2f} ms",
+        )
+    cluster = result.get("cluster")
+    if cluster:
+        c = cluster["figures"]
+        add(
+            f"allocations/s, {cluster['notes']['agents']} agents x"
+            f" {cluster['notes']['concurrency']} callers, etcd",
+            f"{c['cluster.alloc_per_s']:,.0f}",
+            f"raw etcd CAS {c['cluster.raw_cas_per_s']:,.0f}/s, same concurrency",
+            f"{c['cluster.vs_cas']:.2f}x",
+        )
+        host_local = c.get("exec.host_local.median_ms")
+        add(
+            "plugin ADD exec through the agent (median)",
+            f"{c['exec.ipward.median_ms']:.2f} ms",
+            f"python3 -I -S start {c['exec.python.median_ms']:.2f} ms"
+            + (f"; host-local {host_local:.2f} ms" if host_local is not None else ""),
+            f"{c['exec.ipward_minus_python_ms']:+.2f} ms",
+        )
+    series = result.get("series", {})
+    sizes = {p["name"]: p for p in series.get("pool_size", [])}
+    if sizes:
+        base = sizes["v4_24"]
+        for name in ("v4_8", "v6_64"):
+            p = sizes[name]
+            add(
+                f"ADD median, {p['label']} ({p['in_use']:,.0f} in use)",
+                f"{p['add_median_ms']:.3f} ms",
+                f"/24 {base['add_median_ms']:.3f} ms",
+                f"{p['vs_24']:.2f}x",
+            )
+    fills = series.get("fill", [])
+    if fills:
+        first, last = fills[0], fills[-1]
+        add(
+            f"ADD median, /{last['prefix']} {last['percent']}% full",
+            f"{last['add_median_ms']:.3f} ms",
+            f"{first['percent']}% full {first['add_median_ms']:.3f} ms",
+            f"{last['vs_first']:.2f}x",
+        )
+    passes = series.get("gc", [])
+    if passes:
+        p = passes[-1]
+        add(
+            f"GC pass (gc.look), {p['records']:,} records",
+            f"{p['look_ms']:,.0f} ms",
+            f"raw store range {p['raw_range_ms']:,.0f} ms",
+            f"{p['look_vs_range']:.1f}x",
+        )
+    agents = [a for a in series.get("agent", []) if a["node"] == "own"]
+    if agents:
+        a, empty = agents[-1], series["agent_empty"]
+        add(
+            f"agent peak memory (VmHWM), {a['records']:,} records",
+            f"{a['hwm_mib']:.0f} MiB",
+            f"empty store {empty['hwm_mib']:.0f} MiB",
+            f"{a['hwm_vs_empty']:.2f}x",
+        )
+    return rows
+
+
+def report_plots(series: dict) -> dict[str, bytes]:
+    """The report's plots as PNG, by file name (those whose series were measured)."""
+    from ipward.report import Panel, line_plot, line_plots
+
+    plots: dict[str, bytes] = {}
+    sizes = series.get("pool_size", [])
+    if sizes:
+        positions = list(range(len(sizes)))
+        in_use = sizes[0]["in_use"]
+        plots[PLOT_POOL_SIZE] = line_plot(
+            {
+                label: [(x, p[key]) for x, p in zip(positions, sizes, strict=True)]
+                for label, key in (
+                    ("ADD median", "add_median_ms"),
+                    ("ADD p99", "add_p99_ms"),
+                    ("DEL median", "del_median_ms"),
+                )
+            },
+            "pool (usable addresses)",
+            "ms per call",
+            f"Ledger ADD latency vs pool size ({in_use:,.0f} in use, SQLite)",
+            xticks=[
+                (x, f"{p['label']}\n{_addresses(p['addresses'])}")
+                for x, p in zip(positions, sizes, strict=True)
+            ],
+            styles={"DEL median": ":"},
+        )
+    fills = series.get("fill", [])
+    if fills:
+        plots[PLOT_FILL] = line_plot(
+            {
+                label: [(p["percent"], p[key]) for p in fills]
+                for label, key in (
+                    ("ADD median", "add_median_ms"),
+                    ("ADD p99", "add_p99_ms"),
+                    ("DEL median", "del_median_ms"),
+                )
+            },
+            "pool fill",
+            "ms per call",
+            f"Ledger ADD latency vs pool fill (/{fills[0]['prefix']}, SQLite)",
+            xticks=[(p["percent"], f"{p['percent']}%") for p in fills],
+            styles={"DEL median": ":"},
+        )
+    passes = series.get("gc", [])
+    agents = series.get("agent", [])
+    if passes and agents:
+        counts = [p["records"] for p in passes]
+        ticks = [(n, _count_label(n)) for n in counts]
+        gc_panel = Panel(
+            {
+                label: [(p["records"], p[key]) for p in passes]
+                for label, key in (
+                    ("GC pass (gc.look)", "look_ms"),
+                    ("  records read (snapshot)", "snapshot_ms"),
+                    ("  liveness read (sim state)", "gather_ms"),
+                    ("  judging", "judge_ms"),
+                    ("raw store range (reference)", "raw_range_ms"),
+                )
+            },
+            "allocation records",
+            "ms per pass",
+            "GC pass time",
+            logx=True,
+            logy=True,
+            xticks=ticks,
+            styles={
+                "  records read (snapshot)": "--",
+                "  liveness read (sim state)": "--",
+                "  judging": "--",
+                "raw store range (reference)": ":",
+            },
+        )
+        own = [a for a in agents if a["node"] == "own"]
+        other = [a for a in agents if a["node"] == "other"]
+        empty = series["agent_empty"]
+        memory_panel = Panel(
+            {
+                "peak (VmHWM), its node's records": [(a["records"], a["hwm_mib"]) for a in own],
+                "after the pass (VmRSS)": [(a["records"], a["rss_mib"]) for a in own],
+                "peak, another node's records": [(a["records"], a["hwm_mib"]) for a in other],
+                "empty store, peak (reference)": [(n, empty["hwm_mib"]) for n in counts],
+            },
+            "allocation records",
+            "MiB",
+            "Agent memory after a reconcile pass",
+            logx=True,
+            xticks=ticks,
+            styles={"empty store, peak (reference)": ":"},
+        )
+        plots[PLOT_GC_MEMORY] = line_plots([gc_panel, memory_panel], columns=2)
+    return plots
+
+
+def write_report(result: dict, directory: str | Path, console: Sequence[str] = ()) -> list[Path]:
+    """DIR/report.html (one self-contained page: every table of the run, the plots,
+    the console output), the plots as PNG files, and DIR/report.json (the result).
+    Returns the files written."""
+    from ipward.report import Page, save_png
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    info = result["machine"]
+    notes = result["notes"]
+    tables = result.get("tables", {})
+    plots = report_plots(result.get("series", {}))
+    written = []
+    for name, png in plots.items():
+        save_png(png, root / name)
+        written.append(root / name)
+
+    page = Page(f"ipward bench report{' (--quick)' if notes.get('quick') == 'yes' else ''}")
+    page.paragraph(
+        f"{info['nproc']} CPUs ({info['platform']}); Python {info['python']}; plugin"
+        f" interpreter {info['plugin_python']}; SQLite {info['sqlite']}; etcd {info['etcd']}."
+        f" Run {notes.get('started', '')}, {notes.get('report_elapsed_s', '?')} s in all."
+    )
+    page.paragraph(
+        "Every figure stands next to a reference measured on the same machine in the same"
+        " run: the store's own transaction rate, the bare interpreter's start, host-local's"
+        " ADD, the smallest pool, the emptiest pool, the raw store read, the agent on an"
+        " empty store. Nothing here passes or fails: targets are printed for the reader."
+    )
+    page.heading("Headline")
+    page.table(["figure", "value", "reference (same run)", "vs reference"], headline(result))
+    sections = [
+        ("throughput", None, ""),
+        ("exec", None, ""),
+        ("latency", None, ""),
+        (
+            "pool_size",
+            PLOT_POOL_SIZE,
+            "ADD and DEL latency (in-process ledger, SQLite) as the"
+            " pool grows from a /24 to a /8 and an IPv6 /64, the same addresses in use.",
+        ),
+        ("fill", PLOT_FILL, "ADD and DEL latency as one pool fills from 10% to 99%."),
+        (
+            "gc",
+            PLOT_GC_MEMORY,
+            "Left: one garbage-collection pass and its parts against the"
+            " number of allocation records, next to the raw read of the records. Right: a real"
+            " agent's memory after its reconcile pass read them, next to the agent on an empty"
+            " store.",
+        ),
+        ("agent", None, ""),
+    ]
+    for key, plot, caption in sections:
+        if key not in tables:
+            continue
+        _report_table(page, tables[key])
+        if plot and plot in plots:
+            page.figure(plots[plot], caption, alt=plot)
+    cluster = result.get("cluster")
+    if cluster:
+        page.heading("Cluster mode: agents on one etcd")
+        for key in ("cluster", "exec"):
+            _report_table(page, cluster["tables"][key], level=3)
+        if cluster.get("errors"):
+            page.paragraph(f"errors: {cluster['errors']}")
+    if result.get("skipped"):
+        page.heading("Skipped")
+        page.table(["part", "why"], [[k, v] for k, v in sorted(result["skipped"].items())])
+    targets = dict(result.get("targets", {}))
+    if cluster:
+        targets.update({f"cluster: {k}": v for k, v in cluster.get("targets", {}).items()})
+    if targets:
+        page.heading("Targets")
+        page.table(
+            ["figure", "value", "target", "met"],
+            [
+                [name, f"{t['value']:.2f}", str(t["target"]), "yes" if t["met"] else "NO"]
+                for name, t in sorted(targets.items())
+            ],
+        )
+    if console:
+        page.heading("Console output")
+        page.preformatted("\n".join(console))
+    page.write(root / "report.html")
+    written.append(root / "report.html")
+    with open(root / "report.json", "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+        f.write("\n")
+    written.append(root / "report.json")
+    return written
+
+
+def _report_table(page: Page, rows: list[list[str]], level: int = 2) -> None:
+    """A console table (its first row the header, the header's first cell its title)."""
+    page.heading(rows[0][0], level)
+    page.table(["", *rows[0][1:]], rows[1:])
+
+
+def run_report(
+    directory: str | Path,
+    quick: bool = False,
+    etcd: bool = True,
+    out: Callable[[str], object] = print,
+) -> dict:
+    """`ipward bench --report DIR`: `run` with the growth measurements, then the cluster
+    part (`run_cluster`) when etcd is measured, then `write_report` into `directory`.
+    Returns the result written to DIR/report.json (the cluster's under "cluster")."""
+    began = time.perf_counter()
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    console: list[str] = []
+
+    def say(line: str) -> None:
+        console.append(line)
+        out(line)
+
+    result = run(quick=quick, etcd=etcd, out=say, growth=True)
+    if not etcd:
+        result["skipped"]["cluster"] = "--no-etcd"
+    elif not os.access(ETCD, os.X_OK):
+        result["skipped"]["cluster"] = f"{ETCD} is missing (Debian package etcd-server)"
+    else:
+        say("")
+        try:
+            result["cluster"] = run_cluster(quick=quick, out=say)
+        except (BenchError, StoreError) as e:
+            result["skipped"]["cluster"] = f"failed: {e}"
+            say(f"  ... cluster part failed: {e}")
+    notes = result["notes"]
+    notes["quick"] = "yes" if quick else "no"
+    notes["started"] = started
+    notes["report_elapsed_s"] = f"{time.perf_counter() - began:.1f}"
+    written = write_report(result, directory, console)
+    out("")
+    _table([["headline", "value", "reference (same run)", "vs reference"], *headline(result)], out)
+    out("")
+    out(f"  report ({notes['report_elapsed_s']} s in all):")
+    for path in written:
+        out(f"    {path}")
+    return result
 
 
 @click.command("bench")
@@ -1298,6 +2281,14 @@ def run_cluster(
     type=click.FloatRange(0.1),
     help="--cluster: seconds of each load in all (default 20, --quick 4).",
 )
+@click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(file_okay=False),
+    help="Also measure how cost grows (ADD vs pool size and fill, GC pass and agent memory"
+    " vs records) and run the cluster part (unless --no-etcd); write DIR/report.html,"
+    " DIR/report.json and the plots as PNG in DIR (~2 min with --quick, ~5 min without).",
+)
 def bench_command(
     quick: bool,
     no_etcd: bool,
@@ -1306,6 +2297,7 @@ def bench_command(
     agents: int | None,
     concurrency: int | None,
     duration: float | None,
+    report_dir: str | None,
 ) -> None:
     """Measure allocation throughput and latency against references from the same run."""
 
@@ -1316,8 +2308,14 @@ def bench_command(
         raise click.UsageError("--agents, --concurrency and --duration go with --cluster")
     if cluster and no_etcd:
         raise click.UsageError("--cluster measures agents on etcd: it does not go with --no-etcd")
+    if cluster and report_dir:
+        raise click.UsageError(
+            "--report runs the cluster part itself (unless --no-etcd): drop --cluster"
+        )
     try:
-        if cluster:
+        if report_dir:
+            result = run_report(report_dir, quick=quick, etcd=not no_etcd, out=report)
+        elif cluster:
             result = run_cluster(
                 agents=3 if agents is None else agents,
                 concurrency=8 if concurrency is None else concurrency,
@@ -1336,15 +2334,23 @@ def bench_command(
 __all__ = [
     "BenchError",
     "agent_exec_latency",
+    "agent_memory",
     "allocate_latency",
     "bench_command",
+    "bulk_fill",
     "exec_latency",
+    "fill_latency",
+    "gc_pass_times",
     "ledger_pair_rate",
     "p99",
     "percentile",
+    "pool_size_latency",
     "raw_cas_rate",
     "run",
     "run_cluster",
+    "run_growth",
+    "run_report",
     "throughput",
     "write_launcher",
+    "write_report",
 ]
