@@ -34,7 +34,6 @@ import json
 import math
 import os
 import platform
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -43,7 +42,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -53,6 +51,7 @@ import click
 import ipward
 from ipward import records as rec
 from ipward.addr import Block
+from ipward.etcdlab import ETCD, etcd_server
 from ipward.ledger import Ledger
 from ipward.liveness import write_sim_state
 from ipward.pool import PoolSpec
@@ -64,7 +63,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.report import Page
 
-ETCD = "/usr/bin/etcd"
 PLUGIN_PYTHON = "/usr/bin/python3"
 HOST_LOCAL = "/usr/lib/cni/host-local"
 CNI_BIN_DIR = "/usr/lib/cni"
@@ -190,59 +188,12 @@ def throughput(store: Store, n: int, chunks: int = 4, warmup: int = 20) -> dict[
 # -- a temporary etcd ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
-def _etcd(root: Path, timeout: float = 30.0) -> Iterator[str]:
-    """A one-member etcd on free loopback ports with its data in `root`; yields its
-    etcd:// URL and stops it on exit. etcd's defaults otherwise (fsync on)."""
-    client = f"http://127.0.0.1:{_free_port()}"
-    peer = f"http://127.0.0.1:{_free_port()}"
-    log_path = root / "etcd.log"
-    args = [
-        ETCD,
-        "--name=bench",
-        f"--data-dir={root / 'data'}",
-        f"--listen-client-urls={client}",
-        f"--advertise-client-urls={client}",
-        f"--listen-peer-urls={peer}",
-        f"--initial-advertise-peer-urls={peer}",
-        f"--initial-cluster=bench={peer}",
-        f"--initial-cluster-token=ipward-bench-{uuid.uuid4().hex}",
-        "--initial-cluster-state=new",
-    ]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-    try:
-        deadline = time.monotonic() + timeout
-        while not _etcd_healthy(client):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-                raise BenchError(f"etcd did not become healthy (exit {proc.poll()}):\n{tail}")
-            time.sleep(0.05)
-        yield "etcd://" + client.removeprefix("http://")
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _etcd_healthy(client_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(client_url + "/health", timeout=1) as r:
-            return bool(json.load(r).get("health") == "true")
-    except (OSError, ValueError):
-        return False
+def _etcd(root: Path) -> Iterator[str]:
+    """A one-member etcd on free loopback ports with its data in `root` (etcd's
+    defaults otherwise: fsync on); yields its etcd:// URL and stops it on exit."""
+    with etcd_server(root) as server:
+        yield server.url
 
 
 # -- 2. plugin exec -----------------------------------------------------------------------
