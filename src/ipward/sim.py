@@ -114,7 +114,7 @@ class Result:
     converged_after: float | None = None
     emptied_after: float | None = None
     add_calls: int = 0
-    add_failures: int = 0
+    add_failures: Counter[str] = field(default_factory=Counter)  # by CNI error code
 
     @property
     def ok(self) -> bool:
@@ -469,7 +469,10 @@ class Soak:
         self._seen_calls = len(calls)
         adds = [c for c in fresh if c.command == "ADD"]
         self.result.add_calls += len(adds)
-        self.result.add_failures += sum(1 for c in adds if c.returncode != 0)
+        for c in adds:
+            if c.returncode != 0:
+                code = re.search(r'"code":\s*(\d+)', c.stdout)
+                self.result.add_failures[code.group(1) if code else "no answer"] += 1
         ok = [c for c in adds if c.returncode == 0]
         try:
             records = len(self.store.range(f"ips/{POOL}/")[0])
@@ -681,7 +684,8 @@ def summary(result: Result) -> Table:
         "faults",
         ", ".join(f"{k} {v}" for k, v in sorted(Counter(f[1] for f in result.faults).items())),
     )
-    table.add_row("ADD calls (failed, retried)", f"{result.add_calls} ({result.add_failures})")
+    failed = ", ".join(f"code {k}: {v}" for k, v in sorted(result.add_failures.items()))
+    table.add_row("ADD calls", f"{result.add_calls}; failed and retried: {failed or 'none'}")
     latencies = [ms for s in result.samples for ms in s.add_ms]
     if latencies:
         table.add_row(

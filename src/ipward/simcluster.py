@@ -996,6 +996,10 @@ class SimCluster:
     def _task_add(self, node: _SimNode, sandbox: _SimSandbox) -> None:
         """RunPodSandbox: ADD; on failure DEL what it may have set up, drop the sandbox,
         and let the pod try again with a new one after `retry_delay`."""
+        # The kubelet only runs pods the API shows: the pod is published before its ADD.
+        with self._cond:
+            version = self._version
+        self._publish(version)
         rc, out = self._cni(node, sandbox, "ADD", "add")
         address = _address(out) if rc == 0 else None
         if address is None:
