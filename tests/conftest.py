@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +116,13 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
         time.sleep(poll)
+
+
+@pytest.fixture
+def world(tmp_path: Path, plugin: Path, sqlite_url: str) -> Iterator[Any]:
+    """A running `simprocs.World` on SQLite (agents and controllers are added by the
+    test); everything stopped at the end."""
+    from simprocs import World  # simprocs imports this module
+
+    with World(tmp_path, plugin, sqlite_url) as w:
+        yield w

@@ -183,6 +183,13 @@ class World:
             sandboxes = self.sim.sandboxes_of(pods[0])
             assert records[ip][0]["container"] == sandboxes[-1], (ip, records[ip], pods)
 
+    def __enter__(self) -> World:
+        self.sim.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self.sim.stop()
         for p in [*self.controllers, *self.agents.values()]:

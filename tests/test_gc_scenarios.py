@@ -23,16 +23,6 @@ from ipward.etcdlab import etcd_server
 from simprocs import GRACE, INTERVAL, NS, World
 
 
-@pytest.fixture
-def world(tmp_path: Path, plugin: Path, sqlite_url: str) -> Iterator[World]:
-    w = World(tmp_path, plugin, sqlite_url)
-    w.sim.start()
-    try:
-        yield w
-    finally:
-        w.close()
-
-
 def net_config(w: World, node: str) -> dict:
     return {
         "cniVersion": "1.0.0",
@@ -365,13 +355,8 @@ def test_cooldown_across_agent_restart(world: World) -> None:
 
 @pytest.fixture
 def etcd_world(tmp_path: Path, plugin: Path) -> Iterator[World]:
-    with etcd_server(tmp_path / "etcd") as server:
-        w = World(tmp_path, plugin, server.url)
-        w.sim.start()
-        try:
-            yield w
-        finally:
-            w.close()
+    with etcd_server(tmp_path / "etcd") as server, World(tmp_path, plugin, server.url) as w:
+        yield w
 
 
 def test_missed_dels_on_etcd_with_two_controllers(etcd_world: World) -> None:

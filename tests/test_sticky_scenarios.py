@@ -45,16 +45,6 @@ class Watcher:
 
 
 @pytest.fixture
-def world(tmp_path: Path, plugin: Path, sqlite_url: str) -> Iterator[World]:
-    w = World(tmp_path, plugin, sqlite_url)
-    w.sim.start()
-    try:
-        yield w
-    finally:
-        w.close()
-
-
-@pytest.fixture
 def watched(world: World) -> Iterator[tuple[World, Watcher]]:
     watcher = Watcher(world)
     try:
@@ -108,9 +98,7 @@ def test_two_statefulsets_share_a_pool_of_five(watched: tuple[World, Watcher]) -
 def test_statefulset_5_0_5_within_the_grace_gets_every_address_back(
     tmp_path: Path, plugin: Path, sqlite_url: str
 ) -> None:
-    w = World(tmp_path, plugin, sqlite_url, grace=30.0)
-    w.sim.start()
-    try:
+    with World(tmp_path, plugin, sqlite_url, grace=30.0) as w:
         w.pool("--range", "10.81.0.0/24")
         w.node("n1", cluster=True)
         w.controller("c1")
@@ -128,8 +116,6 @@ def test_statefulset_5_0_5_within_the_grace_gets_every_address_back(
         assert all(uids[p.name] != p.uid for p in w.sim.pods(NS))  # new pods, old addresses
         watcher.stop()
         w.assert_invariants()
-    finally:
-        w.close()
 
 
 @pytest.mark.parametrize(
