@@ -607,10 +607,11 @@ class ClusterDirectory(PodDirectory):
 
     def meta(self, namespace: str, name: str, uid: str) -> PodMeta:
         view = self._view()
-        pod = view.pods.get(uid) if uid else None
-        if pod is None:
+        if uid:
+            pod = view.pods.get(uid)
+        else:  # no UID in CNI_ARGS: the pod of that name
             named = view.pods_named(namespace, name)
-            pod = named[0] if named and not uid else None
+            pod = named[0] if named else None
         if pod is None:
             raise TryAgainLater(f"pod {namespace}/{name} ({uid or 'no UID'}) not listed yet")
         return PodMeta(

@@ -720,7 +720,7 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
                     raise BenchError(f"{len(kvs)} records in {s.path}, expected {s.records}")
                 del kvs
                 with timed("look_s"):
-                    verdicts = gc.look(store, source, ADD_GRACE)
+                    verdicts = gc.look(store, source, ADD_GRACE).verdicts
                 leaked = sum(v.reason is not None for v in verdicts)
                 if leaked or len(verdicts) != s.records:
                     raise BenchError(f"GC judged {leaked} of {len(verdicts)} records leaked")

@@ -531,7 +531,7 @@ def gc_command(
     try:
         freed: list[gc_rules.Verdict] = []
         if dry_run:
-            verdicts = gc_rules.look(c.store, source, add_grace)
+            verdicts = gc_rules.look(c.store, source, add_grace).verdicts
         else:
             verdicts, freed = gc_rules.collect_once(
                 c.ledger(),

@@ -531,11 +531,8 @@ class Controller:
         registrations, then liveness; frees what the previous pass found too, each by
         compare-and-delete on the revision judged, fenced. Returns what it freed."""
         started = time.monotonic()
-        held = gc.snapshot(self.store)
-        reserved = gc.reservations(self.store)
-        registered = gc.registered_nodes(self.store)
-        nodes = sorted({h.node for h in held})
-        evidence = gc.gather(self.liveness, nodes, grace=self.add_grace, registered=registered)
+        seen = gc.look(self.store, self.liveness, self.add_grace)
+        nodes, evidence = seen.nodes, seen.evidence
         cluster_ok = isinstance(evidence.cluster, ClusterView)
         runtime_ok = [n for n in nodes if isinstance(evidence.nodes.get(n), NodeView)]
         if not cluster_ok:
@@ -549,17 +546,16 @@ class Controller:
             log.warning(
                 "garbage collection: no liveness source answered; nothing judged",
                 cluster=evidence.cluster,
-                records=len(held),
+                records=len(seen.held),
             )
             return []
         if isinstance(evidence.cluster, ClusterView):
             self.gone_nodes = frozenset(
                 n
                 for n in {*nodes, *self._block_nodes()}
-                if n not in registered and n not in evidence.cluster.nodes
+                if n not in evidence.registered and n not in evidence.cluster.nodes
             )
-        verdicts = [gc.judge(h, evidence) for h in held]
-        retirements = [gc.judge_reservation(r, evidence.cluster, self.add_grace) for r in reserved]
+        verdicts, retirements = seen.verdicts, seen.retirements
         candidates = Tally(
             [v.reason for v in verdicts if v.reason] + [r.reason for r in retirements if r.reason]
         )
@@ -581,7 +577,7 @@ class Controller:
         self.metrics.gc_seconds.observe(time.monotonic() - started)
         log.debug(
             "garbage collection pass",
-            records=len(held),
+            records=len(seen.held),
             candidates=dict(candidates),
             freed=len(freed),
             gone_nodes=sorted(self.gone_nodes),

@@ -205,7 +205,7 @@ def gather(
     return evidence
 
 
-def judge(held: Held, evidence: Evidence, sticky: Callable[[Held], bool] | None = None) -> Verdict:
+def judge(held: Held, evidence: Evidence) -> Verdict:
     """The rules of this module's docstring for one record."""
     created, grace = held.created_at, evidence.grace
     sandbox_id = held.container
@@ -254,8 +254,6 @@ def judge(held: Held, evidence: Evidence, sticky: Callable[[Held], bool] | None 
         return Verdict(held, None, "no pod UID on the record and no runtime answer")
     pod = cluster.pods.get(uid)
     if pod is None:
-        if not stopped and sticky is not None and sticky(held):
-            return Verdict(held, None, "pod gone but a sticky reservation holds the address")
         if stopped:
             return Verdict(held, None, "sandbox stopped, pod gone: the runtime will DEL it")
         return Verdict(
@@ -333,13 +331,33 @@ def free(ledger: Ledger, verdict: Verdict, who: str, fence: Sequence[Compare] = 
     return True
 
 
-def look(store: Store, source: LivenessSource | None, grace: float) -> list[Verdict]:
-    """One look: records, registrations, then liveness; every record judged."""
+@dataclass
+class Look:
+    """One look at the cluster: what was read, in the order it was read (records and
+    reservations, registrations, then liveness), and every record judged."""
+
+    held: list[Held]
+    reserved: list[Reservation]
+    nodes: list[str]  # the nodes of the records
+    evidence: Evidence
+    verdicts: list[Verdict]
+    retirements: list[Retirement]
+
+
+def look(store: Store, source: LivenessSource | None, grace: float) -> Look:
     held = snapshot(store)
+    reserved = reservations(store)
     registered = registered_nodes(store)
     nodes = sorted({h.node for h in held})
     evidence = gather(source, nodes, grace=grace, registered=registered)
-    return [judge(h, evidence) for h in held]
+    return Look(
+        held,
+        reserved,
+        nodes,
+        evidence,
+        [judge(h, evidence) for h in held],
+        [judge_reservation(r, evidence.cluster, grace) for r in reserved],
+    )
 
 
 def collect_once(
@@ -354,9 +372,9 @@ def collect_once(
     """`ipward gc`: two looks `confirm_after` apart (the two passes of rule 6), then
     free what both found. Returns (the second look's verdicts, the records freed)."""
     confirmations = Confirmations()
-    confirmations.confirm(look(ledger.store, source, grace))
+    confirmations.confirm(look(ledger.store, source, grace).verdicts)
     sleep(confirm_after)
-    verdicts = look(ledger.store, source, grace)
+    verdicts = look(ledger.store, source, grace).verdicts
     freed = [v for v in confirmations.confirm(verdicts) if free(ledger, v, who)]
     return verdicts, freed
 

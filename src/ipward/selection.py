@@ -22,6 +22,7 @@ with code 11: a pod is never put in a pool it did not ask for.
 
 from __future__ import annotations
 
+from ipward.addr import parse_ip
 from ipward.errors import AddressOutsidePool, InvalidEnvironment
 from ipward.records import Sticky
 
@@ -96,7 +97,6 @@ def _annotated(meta: PodMeta | None) -> list[str]:
 def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> list[PoolSpec]:
     """The chosen pools when they hold every requested address; else, per address, the
     pool that holds it."""
-    from ipward.addr import parse_ip
 
     def holds(pool: PoolSpec, text: str) -> bool:
         family, value = parse_ip(text)

@@ -137,7 +137,6 @@ class Soak:
         self.agents: dict[str, fleet.Agent] = {}
         self.controllers: list[fleet.Controller] = []
         self.dead: list[fleet.Process] = []  # killed by faults, for the logs
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._restarts: list[tuple[float, str, Any]] = []  # (due, what, arg)
         self._ctl_seq = 0
@@ -590,32 +589,29 @@ class Soak:
         return False
 
     def _converged(self) -> bool:
-        assert self.sim is not None and self.store is not None
-        pods = self.sim.pods(NS)
-        if any(p.phase != "Running" and not p.terminal for p in pods):
-            return False
-        held = {self.sim.address_of(p) for p in pods} - {None}
-        bound = {
-            kv.key.rsplit("/", 1)[1]
-            for kv in self.store.range(f"ips/{POOL}/")[0]
-            if not rec.is_detached(rec.decode(kv.value))
-        }
-        return held == bound
+        waiting, held, bound = self._state()
+        return not waiting and held == bound
 
     def _why_not(self) -> str:
+        waiting, held, bound = self._state()
+        return (
+            f"pods not running: {waiting[:10]}; recorded, no pod: {sorted(bound - held)[:10]};"
+            f" pods without record: {sorted(held - bound)[:10]}"
+        )
+
+    def _state(self) -> tuple[list[str], set[str], set[str]]:
+        """(pods not running, addresses the pods hold, addresses recorded for a sandbox:
+        detached sticky records aside)."""
         assert self.sim is not None and self.store is not None
         pods = self.sim.pods(NS)
         waiting = [f"{p.name}:{p.phase}" for p in pods if p.phase != "Running" and not p.terminal]
-        held = {self.sim.address_of(p) for p in pods} - {None}
+        held = {a for p in pods if (a := self.sim.address_of(p)) is not None}
         bound = {
             kv.key.rsplit("/", 1)[1]
             for kv in self.store.range(f"ips/{POOL}/")[0]
             if not rec.is_detached(rec.decode(kv.value))
         }
-        return (
-            f"pods not running: {waiting[:10]}; recorded, no pod: {sorted(bound - held)[:10]};"
-            f" pods without record: {sorted(str(a) for a in held - bound)[:10]}"
-        )
+        return waiting, held, bound
 
     def _empty(self) -> bool:
         assert self.sim is not None and self.store is not None
@@ -670,35 +666,41 @@ def _pct(values: list[float], q: int) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
-def summary(result: Result) -> Table:
+def summary_rows(result: Result) -> list[tuple[str, str]]:
     o = result.options
+    faults = Counter(f[1] for f in result.faults)
+    failed = ", ".join(f"code {k}: {v}" for k, v in sorted(result.add_failures.items()))
+    rows = [
+        ("store", o.backend),
+        (
+            "nodes / pods / rate / duration",
+            f"{o.nodes} / {o.pods} / {o.rate:g}/s / {o.duration:g}s",
+        ),
+        ("actions", ", ".join(f"{k} {v}" for k, v in sorted(result.actions.items()))),
+        ("faults", ", ".join(f"{k} {v}" for k, v in sorted(faults.items()))),
+        ("ADD calls", f"{result.add_calls}; failed and retried: {failed or 'none'}"),
+    ]
+    latencies = [ms for s in result.samples for ms in s.add_ms]
+    if latencies:
+        p50, p99 = statistics.median(latencies), _pct(latencies, 99)
+        rows.append(("ADD latency p50 / p99", f"{p50:.1f} / {p99:.1f} ms"))
+    frees = ", ".join(f"{k} {v}" for k, v in sorted(result.gc_frees.items()))
+    rows += [
+        ("GC frees", frees or "-"),
+        ("invariant checks", str(result.checks)),
+        ("converged after", _secs(result.converged_after)),
+        ("pool empty after teardown", _secs(result.emptied_after)),
+        ("violations", str(len(result.violations))),
+    ]
+    return rows
+
+
+def summary(result: Result) -> Table:
     table = Table(title="ipward sim: summary")
     table.add_column("")
     table.add_column("")
-    table.add_row("store", o.backend)
-    table.add_row(
-        "nodes / pods / rate / duration", f"{o.nodes} / {o.pods} / {o.rate:g}/s / {o.duration:g}s"
-    )
-    table.add_row("actions", ", ".join(f"{k} {v}" for k, v in sorted(result.actions.items())))
-    table.add_row(
-        "faults",
-        ", ".join(f"{k} {v}" for k, v in sorted(Counter(f[1] for f in result.faults).items())),
-    )
-    failed = ", ".join(f"code {k}: {v}" for k, v in sorted(result.add_failures.items()))
-    table.add_row("ADD calls", f"{result.add_calls}; failed and retried: {failed or 'none'}")
-    latencies = [ms for s in result.samples for ms in s.add_ms]
-    if latencies:
-        table.add_row(
-            "ADD latency p50 / p99",
-            f"{statistics.median(latencies):.1f} / {_pct(latencies, 99):.1f} ms",
-        )
-    table.add_row(
-        "GC frees", ", ".join(f"{k} {v}" for k, v in sorted(result.gc_frees.items())) or "-"
-    )
-    table.add_row("invariant checks", str(result.checks))
-    table.add_row("converged after", _secs(result.converged_after))
-    table.add_row("pool empty after teardown", _secs(result.emptied_after))
-    table.add_row("violations", str(len(result.violations)))
+    for name, value in summary_rows(result):
+        table.add_row(name, value)
     return table
 
 
@@ -716,7 +718,7 @@ def write_report(result: Result, directory: Path) -> Path:
     samples = result.samples
     page = Page(f"ipward sim: {result.options.backend}, seed {result.options.seed}")
     page.heading("Summary")
-    page.table(["", ""], [[str(c) for c in row] for row in _summary_rows(result)])
+    page.table(["", ""], [list(row) for row in summary_rows(result)])
     page.figure(
         line_plot(
             {
@@ -759,12 +761,6 @@ def write_report(result: Result, directory: Path) -> Path:
     path = directory / "report.html"
     page.write(path)
     return path
-
-
-def _summary_rows(result: Result) -> list[list[str]]:
-    table = summary(result)
-    cells = [list(c.cells) for c in table.columns]
-    return [[str(a), str(b)] for a, b in zip(*cells, strict=True)]
 
 
 @contextlib.contextmanager
