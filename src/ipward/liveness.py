@@ -251,9 +251,7 @@ def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSourc
 
         return open_k8s(url, node=node, timeout=timeout)
     if not sep or not rest:
-        raise InvalidConfig(
-            f"liveness source {url!r}: expected cri:///PATH, sim:///PATH or k8s://"
-        )
+        raise InvalidConfig(f"liveness source {url!r}: expected cri:///PATH, sim:///PATH or k8s://")
     if scheme == "sim":
         return SimFileSource(rest, timeout)
     if scheme == "cri":

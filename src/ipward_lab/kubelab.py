@@ -1,8 +1,8 @@
 """A real kube-apiserver on loopback for tests: a throwaway etcd (`ipward.etcdlab`), then
-`$KUBE_APISERVER` with a self-signed serving certificate, a static token file and
-service-account keys made with `openssl`; ready when `/readyz` answers; a kubeconfig
-written for it. Everything is stopped and removed when the context manager exits, also
-on failure.
+`$KUBE_APISERVER` with a self-signed serving certificate, a static token file, a client
+CA (`ipward_lab.pki`) and service-account keys made with `openssl`; ready when `/readyz`
+answers; a kubeconfig written for it. Everything is stopped and removed when the
+context manager exits, also on failure.
 
 No controller-manager and no kubelet run: nothing creates a StatefulSet's pods or
 removes a gracefully deleted pod (tests do what a kubelet would: status updates, delete
@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ipward.etcdlab import etcd_server, free_port
+from ipward_lab.pki import ClientPki, client_pki, openssl
 
 READY_TIMEOUT = 90.0
 # token -> (user, groups). system:masters may do anything (RBAC); nobody may do nothing.
@@ -55,6 +56,7 @@ class KubeLab:
         self.log_path = root / "kube-apiserver.log"
         self.tokens = dict(TOKENS)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.client_pki: ClientPki | None = None  # client certificates it accepts
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -90,10 +92,6 @@ class KubeLab:
         self.kubeconfig.write_text(json.dumps(config))  # JSON is YAML
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-
 @contextlib.contextmanager
 def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[KubeLab]:
     """Start etcd and the kube-apiserver `executable`; yield when it is ready."""
@@ -102,8 +100,9 @@ def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[Kub
     try:
         with etcd_server(root / "etcd") as etcd:
             (root / "certs").mkdir()
-            _openssl("genrsa", "-out", str(root / "sa.key"), "2048")
-            _openssl("rsa", "-in", str(root / "sa.key"), "-pubout", "-out", str(root / "sa.pub"))
+            openssl("genrsa", "-out", str(root / "sa.key"), "2048")
+            openssl("rsa", "-in", str(root / "sa.key"), "-pubout", "-out", str(root / "sa.pub"))
+            lab.client_pki = client_pki(root)
             (root / "tokens.csv").write_text(
                 "".join(f'{t},{user},{user},"{groups}"\n' for t, (user, groups) in TOKENS.items())
             )
@@ -115,6 +114,7 @@ def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[Kub
                 "--advertise-address=127.0.0.1",
                 f"--cert-dir={root / 'certs'}",
                 f"--token-auth-file={root / 'tokens.csv'}",
+                f"--client-ca-file={lab.client_pki.ca}",
                 "--authorization-mode=RBAC",
                 f"--service-account-key-file={root / 'sa.pub'}",
                 f"--service-account-signing-key-file={root / 'sa.key'}",
