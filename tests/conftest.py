@@ -134,23 +134,22 @@ class KubeApi:
     injected) or the real kube-apiserver (shared by the session: names are made unique
     per test with `name`)."""
 
-    def __init__(self, url: str, kubeconfig: Path, token: str, tag: str, server: Any) -> None:
+    def __init__(
+        self, url: str, kubeconfig: Path, ca_file: Path, client_pki: Any, tag: str, server: Any
+    ) -> None:
         from ipward.cluster.k8s.client import ApiClient
         from ipward.cluster.k8s.config import from_kubeconfig
         from ipward_lab.kubeadmin import KubeAdmin
 
         self.url = url
-        self.kubeconfig = kubeconfig
-        self.token = token
+        self.kubeconfig = kubeconfig  # admin token
+        self.ca_file = ca_file  # the server's certificate
+        self.client_pki = client_pki  # a client certificate it accepts (ipward_lab.pki)
         self.tag = tag
         self.server = server  # KubeApiServer, or None for the real one
         self.client = ApiClient(from_kubeconfig(str(kubeconfig)))
         self.admin = KubeAdmin(self.client)
         self.sources: list[Any] = []
-
-    @property
-    def real(self) -> bool:
-        return self.server is None
 
     def name(self, base: str) -> str:
         return f"{base}-{self.tag}"
@@ -187,9 +186,8 @@ def kube_server(tmp_path: Path) -> Iterator[KubeApi]:
     from ipward_lab.kubeapi import kube_api_server
 
     with kube_api_server(tmp_path) as server:
-        api = KubeApi(
-            server.url, server.kubeconfig(tmp_path / "kubeconfig"), server.token, "t", server
-        )
+        kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
+        api = KubeApi(server.url, kubeconfig, server.ca_file, server.client_pki, "t", server)
         try:
             yield api
         finally:
@@ -205,7 +203,7 @@ def kube(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KubeApi]:
         return
     lab = request.getfixturevalue("real_kube_apiserver")
     tag = uuid.uuid4().hex[:8]
-    api = KubeApi(lab.url, lab.kubeconfig, "admin-token", tag, None)
+    api = KubeApi(lab.url, lab.kubeconfig, lab.ca_file, lab.client_pki, tag, None)
     try:
         yield api
     finally:

@@ -5,6 +5,7 @@ condition."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -388,22 +389,17 @@ def test_live_confirmation_keeps_when_the_server_is_down(kube_server: KubeApi) -
         source.meta("ns", "p", "u")
 
 
-def _kubeconfig(kube: KubeApi, path: Any, token: str = "", **user: Any) -> Any:
-    import json
-
-    ca = kube.server.ca_file if kube.server is not None else None
-    if ca is None:
-        import yaml
-
-        base = yaml.safe_load(kube.kubeconfig.read_text())
-        ca = base["clusters"][0]["cluster"]["certificate-authority"]
+def _kubeconfig(kube: KubeApi, path: Any, token: str) -> Any:
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [
-            {"name": "c", "cluster": {"server": kube.url, "certificate-authority": str(ca)}}
+            {
+                "name": "c",
+                "cluster": {"server": kube.url, "certificate-authority": str(kube.ca_file)},
+            }
         ],
-        "users": [{"name": "u", "user": {"token": token} if token else user}],
+        "users": [{"name": "u", "user": {"token": token}}],
         "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
         "current-context": "x",
     }

@@ -604,7 +604,7 @@ class _Server(ThreadingHTTPServer):
 
 
 class KubeApiServer:
-    """The test API server (use `kube_api_server()`); `url`, `ca_file`, `token`."""
+    """The test API server (use `kube_api_server()`): `url`, `ca_file`, `tokens`, `client_pki`."""
 
     def __init__(self, root: Path, *, bookmark_interval: float = 1.0, window: int = 10_000) -> None:
         self.root = root
@@ -617,9 +617,9 @@ class KubeApiServer:
         # token -> (user, resources it may use, None: all)
         self.tokens: dict[str, tuple[str, frozenset[str] | None]] = {
             ADMIN_TOKEN: ("admin", None),
+            "spare-token": ("spare", None),
             "nobody-token": ("nobody", frozenset()),
         }
-        self.token = ADMIN_TOKEN
         self.delay = 0.0
         self.requests: deque[tuple[str, str, str]] = deque(maxlen=10_000)  # method, path, Accept
         self.stalled = False
