@@ -180,12 +180,18 @@ def real_kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
         yield lab
 
 
+@pytest.fixture(scope="session")
+def kube_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Certificates for the test API servers, made once per session (RSA keys are slow)."""
+    return tmp_path_factory.mktemp("kube-certs")
+
+
 @pytest.fixture
-def kube_server(tmp_path: Path) -> Iterator[KubeApi]:
+def kube_server(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
     """The loopback test API server (faults can be injected through `.server`)."""
     from ipward_lab.kubeapi import kube_api_server
 
-    with kube_api_server(tmp_path) as server:
+    with kube_api_server(tmp_path, certs=kube_certs) as server:
         kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
         api = KubeApi(server.url, kubeconfig, server.ca_file, server.client_pki, "t", server)
         try:

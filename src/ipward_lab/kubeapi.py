@@ -158,6 +158,7 @@ class KubeStore:
             meta.update(uid=meta.get("uid") or str(uuid.uuid4()), resourceVersion=str(self.rv))
             meta.setdefault("creationTimestamp", now_text())
             obj.update(kind=kind.kind, apiVersion=kind.api_version)
+            meta["managedFields"] = [_managed_entry(obj, "Update")]
             if resource == "pods":
                 obj.setdefault("spec", {}).setdefault("terminationGracePeriodSeconds", 30)
                 obj.setdefault("status", {}).setdefault("phase", "Pending")
@@ -169,7 +170,9 @@ class KubeStore:
         """Bulk load (labs filling the server): no history, one resourceVersion."""
         with self.cond:
             self.rv += 1
+            kind = KINDS[resource]
             for obj in objects:
+                obj.update(kind=kind.kind, apiVersion=kind.api_version)
                 meta = obj["metadata"]
                 meta["resourceVersion"] = str(self.rv)
                 self.objects[resource][
@@ -195,6 +198,10 @@ class KubeStore:
         with self.cond:
             obj = copy.deepcopy(self.get(resource, namespace, name))
             _merge(obj, change)
+            obj["metadata"]["managedFields"] = [
+                *obj["metadata"].get("managedFields", [])[:1],
+                _managed_entry(change, "Update"),
+            ]
             self.rv += 1
             obj["metadata"]["resourceVersion"] = str(self.rv)
             self.objects[resource][self.key(resource, namespace, name)] = obj
@@ -202,26 +209,27 @@ class KubeStore:
             return obj
 
     def delete(self, resource: str, namespace: str, name: str, grace: int | None = None) -> dict:
-        """A pod with a grace > 0 only gets its deletionTimestamp (no kubelet here)."""
+        """As the real server: a pod's delete first sets its deletionTimestamp (now +
+        grace; grace 0 for a pod not on a node or already terminal), a MODIFIED event;
+        with grace 0 the pod is then removed (DELETED, carrying that last state). With a
+        grace > 0 it stays terminating: no kubelet here finishes the job."""
         with self.cond:
             obj = self.get(resource, namespace, name)
             if resource == "pods":
+                spec, state = obj.get("spec") or {}, obj.get("status") or {}
                 if grace is None:
-                    grace = int(obj.get("spec", {}).get("terminationGracePeriodSeconds", 30))
+                    grace = int(spec.get("terminationGracePeriodSeconds") or 0)
+                if not spec.get("nodeName") or state.get("phase") in ("Succeeded", "Failed"):
+                    grace = 0
+                current = obj["metadata"].get("deletionGracePeriodSeconds")
+                if current is None or grace < current:
+                    marks = {
+                        "deletionTimestamp": now_text(time.time() + grace),
+                        "deletionGracePeriodSeconds": grace,
+                    }
+                    obj = self.update(resource, namespace, name, {"metadata": marks})
                 if grace > 0:
-                    if obj["metadata"].get("deletionTimestamp"):
-                        return obj
-                    return self.update(
-                        resource,
-                        namespace,
-                        name,
-                        {
-                            "metadata": {
-                                "deletionTimestamp": now_text(time.time() + grace),
-                                "deletionGracePeriodSeconds": grace,
-                            }
-                        },
-                    )
+                    return obj
             self.rv += 1
             gone = copy.deepcopy(obj)
             gone["metadata"]["resourceVersion"] = str(self.rv)
@@ -292,6 +300,25 @@ class KubeStore:
 
     def events_after(self, rv: int) -> list[Event]:
         return self.history[bisect.bisect_right(self.history_rvs, rv) :]
+
+
+def _fields(value: object) -> dict:
+    """A FieldsV1 tree of the keys written, as the real server records in managedFields."""
+    if not isinstance(value, dict):
+        return {}
+    return {f"f:{k}": _fields(v) for k, v in value.items() if k != "managedFields"}
+
+
+def _managed_entry(written: dict, operation: str) -> dict:
+    fields = {k: v for k, v in written.items() if k not in ("kind", "apiVersion")}
+    return {
+        "manager": "unknown",
+        "operation": operation,
+        "apiVersion": "v1",
+        "time": now_text(),
+        "fieldsType": "FieldsV1",
+        "fieldsV1": _fields(fields),
+    }
 
 
 def _token(rv: int, start: str) -> str:
@@ -606,14 +633,23 @@ class _Server(ThreadingHTTPServer):
 class KubeApiServer:
     """The test API server (use `kube_api_server()`): `url`, `ca_file`, `tokens`, `client_pki`."""
 
-    def __init__(self, root: Path, *, bookmark_interval: float = 1.0, window: int = 10_000) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        bookmark_interval: float = 1.0,
+        window: int = 10_000,
+        certs: Path | None = None,
+    ) -> None:
+        """`certs`: a directory of certificates to reuse (made there when missing)."""
         self.root = root
         self.store = KubeStore(window)
         self.bookmark_interval = bookmark_interval
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}"
-        self.ca_file = root / "apiserver.crt"
-        self.key_file = root / "apiserver.key"
+        certs = certs or root
+        self.ca_file = certs / "apiserver.crt"
+        self.key_file = certs / "apiserver.key"
         # token -> (user, resources it may use, None: all)
         self.tokens: dict[str, tuple[str, frozenset[str] | None]] = {
             ADMIN_TOKEN: ("admin", None),
@@ -626,8 +662,9 @@ class KubeApiServer:
         self.generation = 0  # bumped to cut every open stream
         self.lock = threading.Lock()
         self.connections: set[socket.socket] = set()
-        serving_cert(self.ca_file, self.key_file)
-        self.client_pki = client_pki(root)
+        if not self.key_file.exists():
+            serving_cert(self.ca_file, self.key_file)
+        self.client_pki = client_pki(certs)
         self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.tls.load_cert_chain(str(self.ca_file), str(self.key_file))
         self.tls.verify_mode = ssl.CERT_OPTIONAL  # a client certificate, or a token

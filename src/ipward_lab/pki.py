@@ -33,8 +33,11 @@ class ClientPki:
 
 
 def client_pki(directory: Path) -> ClientPki:
-    """A client CA and a certificate it signed for CLIENT_USER in CLIENT_GROUP."""
+    """A client CA and a certificate it signed for CLIENT_USER in CLIENT_GROUP (those
+    already in `directory`, when there)."""
     pki = ClientPki(directory / "client-ca.crt", directory / "client.crt", directory / "client.key")
+    if pki.cert.exists():
+        return pki
     ca_key = directory / "client-ca.key"
     csr = directory / "client.csr"
     openssl(
