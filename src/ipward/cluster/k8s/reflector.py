@@ -5,8 +5,8 @@ over) replaces the cache whole; then a watch from the list's resourceVersion wit
 bookmarks. A watch the server ends cleanly (at `timeoutSeconds`) is opened again from
 the last resourceVersion seen. Anything else ends in a new list: an ERROR event (410
 Expired or any other), a broken or stalled stream, an event older than the last one (a
-gap), an event that cannot be decoded. A relist replaces the cache, so deletions that
-happened while away are found.
+gap), an event that cannot be decoded, a stream quiet for twice `stale_after`. A relist
+replaces the cache, so deletions that happened while away are found.
 
 The cache answers (`snapshot`, `get`) only while it is trusted: after a list completed,
 not during a relist, and while something (an event or a bookmark) arrived less than
@@ -210,8 +210,10 @@ class Reflector(Generic[V]):
                 "timeoutSeconds": str(self.watch_timeout),
             }
             try:
+                # Quiet for stale_after: the cache is not trusted (`_check`); quiet twice
+                # as long: the stream is given up and the resource listed again.
                 stream = self.client.watch(
-                    self.resource.path, query, accept=accept, read_timeout=self.stale_after
+                    self.resource.path, query, accept=accept, read_timeout=2 * self.stale_after
                 )
             except (ApiError, ApiUnreachable) as e:
                 raise _Relist(f"watch refused: {e}") from e
