@@ -144,10 +144,16 @@ def test_events_update_the_view(kube: KubeApi) -> None:
     ns, n1, n2 = kube.name("ev"), kube.name("n1"), kube.name("n2")
     kube.admin.namespace(ns)
     kube.admin.node(n1)
-    source = kube.source()
-    wait_view(source, lambda v: n1 in v.nodes, "the first list")
+    opened = time.time()
+    source = kube.source("margin=0")
+    first = wait_view(source, lambda v: n1 in v.nodes, "the first list")
+    assert opened <= first.as_of <= time.time()  # when the list was sent
+    added = time.time()
     uid = kube.admin.pod(ns, "p", n1)
-    wait_view(source, lambda v: uid in v.pods, "the ADDED pod")
+    view = wait_view(source, lambda v: uid in v.pods, "the ADDED pod")
+    # The pods' as_of moved to the event's receipt; the view takes its oldest resource.
+    assert first.as_of <= view.as_of <= time.time()
+    assert added <= source.pods.snapshot()[1] <= time.time()
     kube.admin.pod_phase(ns, "p", "Failed", "2026-11-24T05:21:30Z")
     wait_view(source, lambda v: v.pods[uid].terminal, "the MODIFIED pod")
     kube.admin.delete_pod(ns, "p", grace=0)
@@ -182,9 +188,11 @@ def test_expired_watch_relists_and_finds_a_deletion_made_while_away(
     server.stall()  # the watch hears nothing from here
     api.delete_pod("ns", "gone", grace=0)
     server.expire_history()  # the deletion's event is out of the window
+    expired = time.time()
     server.unstall()  # the open watch gets ERROR 410
     view = wait_view(source, lambda v: source.pods.lists == 2, "the relist")
     assert gone not in view.pods and stays in view.pods
+    assert source.pods.snapshot()[1] >= expired  # as of the relist, not of the old list
 
 
 def test_expired_continue_token_starts_the_list_over(kube_server: KubeApi) -> None:
@@ -217,6 +225,32 @@ def test_cut_stream_relists(kube_server: KubeApi) -> None:
     server.unstall()
     view = wait_view(source, lambda v: source.pods.lists == 2, "the relist")
     assert uid in view.pods
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"{not json",
+        b'{"type":"MODIFIED","object":{"metadata":{"resourceVersion":"1","name":"x"}}}',
+        b'{"type":"SURPRISE","object":{"metadata":{"resourceVersion":"999999"}}}',
+        b'{"type":"ERROR","object":{"kind":"Status","code":500,"reason":"InternalError"}}',
+        b'{"type":"ADDED"}',
+    ],
+    ids=["garbage", "gap", "unknown-type", "error-500", "no-object"],
+)
+def test_bad_event_relists(kube_server: KubeApi, line: bytes) -> None:
+    """Anything the watch cannot follow: list again, replace the cache whole."""
+    api, server = kube_server.admin, kube_server.server
+    api.namespace("ns")
+    api.node("n1")
+    source = kube_server.source()
+    wait_view(source, lambda v: "n1" in v.nodes, "the first list")
+    server.stall()
+    server.store.delete("nodes", "", "n1")  # held back from the watches
+    server.inject(line)
+    server.unstall()
+    view = wait_view(source, lambda v: all(r.lists >= 2 for r in source.reflectors), "relists")
+    assert "n1" not in view.nodes
 
 
 def test_server_down_is_unavailable_and_frees_nothing_then_relists(kube_server: KubeApi) -> None:

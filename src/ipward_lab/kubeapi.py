@@ -17,9 +17,9 @@ graceful delete only sets `deletionTimestamp`, as without a kubelet); Status bod
 
 Faults, on demand: `expire_history` (every open watch and the next watch from before now
 get 410, continue tokens too), `cut_streams` (open watches end without their last
-chunk), `go_down`/`come_back` (connections refused, then served again on the same port),
-`stall`/`unstall` (watches send nothing, not even bookmarks), `slow` (every answer
-delayed).
+chunk), `inject` (a raw line on every open watch), `go_down`/`come_back` (connections
+refused, then served again on the same port), `stall`/`unstall` (watches send nothing,
+not even bookmarks), `slow` (every answer delayed).
 
 Not served (ipward does not use it): label selectors, other field selectors,
 resourceVersionMatch=Exact, protobuf, server-side apply.
@@ -575,6 +575,9 @@ class _Handler(BaseHTTPRequestHandler):
                 break
             for event in events:
                 position = event.rv
+                if event.type == "RAW":  # injected by the lab, to every stream as it is
+                    self._chunk(event.obj["raw"] + b"\n")
+                    continue
                 if event.resource != resource or not _matches(event.obj, namespace, node):
                     continue
                 self._event(event.type, as_metadata(event.obj) if metadata else event.obj)
@@ -734,6 +737,13 @@ class KubeApiServer:
             self.store.history_rvs.clear()
             self.store.snapshots.clear()
             self.store.cond.notify_all()
+
+    def inject(self, line: bytes) -> None:
+        """Send `line` as it is on every open watch (and on watches from before now):
+        garbage, an event out of order, an unknown event type."""
+        with self.store.cond:
+            self.store.rv += 1
+            self.store._record("*", "RAW", {"raw": line})
 
     def stall(self) -> None:
         with self.store.cond:
