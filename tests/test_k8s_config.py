@@ -195,6 +195,7 @@ def test_k8s_url_outside_a_pod_says_what_to_give(monkeypatch: pytest.MonkeyPatch
         ({"exec": {"command": "aws", "apiVersion": "client.authentication.k8s.io/v1"}}, "exec"),
         ({"auth-provider": {"name": "oidc"}}, "auth-provider"),
         ({"client-certificate-data": "%%%"}, "not base64"),
+        ({"username": "admin", "password": "secret"}, "basic auth"),
     ],
 )
 def test_kubeconfig_user_errors(tmp_path: Path, user: dict, message: str) -> None:

@@ -151,10 +151,6 @@ class ApiClient:
         token = self.conn.token_file.token() if self.conn.token_file else self.conn.token
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        elif self.conn.username:
-            headers.update(
-                urllib3.make_headers(basic_auth=f"{self.conn.username}:{self.conn.password}")
-            )
         return headers
 
     def _url(self, path: str, query: dict[str, str] | None) -> str:

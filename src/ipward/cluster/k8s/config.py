@@ -3,9 +3,10 @@ account) or a kubeconfig file (a context's cluster and user).
 
 Credentials supported: a bearer token (inline or a file, the file read again whenever it
 changes, as projected service-account tokens rotate), a client certificate (files or
-inline data), a username and password. Credential plugins (`exec`, `auth-provider`) are
-refused with a clear error: running them is the official client's job, and ipward's own
-client does not pull that in.
+inline data). Credential plugins (`exec`, `auth-provider`) are refused with a clear
+error: running them is the official client's job, and ipward's own client does not pull
+that in. Basic auth (`username`/`password`) is refused too: API servers dropped it in
+Kubernetes 1.19.
 """
 
 from __future__ import annotations
@@ -69,8 +70,6 @@ class Connection:
     key_data: bytes = b""
     token: str = ""
     token_file: TokenFile | None = None
-    username: str = ""
-    password: str = ""
 
 
 def in_cluster(
@@ -123,6 +122,11 @@ def from_kubeconfig(path: str, context: str = "") -> Connection:
                 f" ({plugin}); ipward's client does not run plugins (the official kubernetes"
                 " client does): give the user a token, tokenFile or client certificate"
             )
+    if user.get("username") or user.get("password"):
+        raise InvalidConfig(
+            f"{where}: user {user_name} uses basic auth (username/password), which API"
+            " servers no longer accept: give a token, tokenFile or client certificate"
+        )
     server = str(cluster.get("server", ""))
     if not server.startswith(("https://", "http://")):
         raise InvalidConfig(f"{where}: cluster server {server!r} is not an http(s) URL")
@@ -139,8 +143,6 @@ def from_kubeconfig(path: str, context: str = "") -> Connection:
         key_data=_data(user, "client-key-data", where),
         token=str(user.get("token", "") or ""),
         token_file=TokenFile(token_path) if token_path else None,
-        username=str(user.get("username", "") or ""),
-        password=str(user.get("password", "") or ""),
     )
 
 
