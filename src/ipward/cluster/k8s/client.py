@@ -196,9 +196,11 @@ class ApiClient:
         *,
         accept: str = JSON,
         body: dict | None = None,
+        read_timeout: float | None = None,
     ) -> dict:
-        """One request; the answer's JSON object. Raises ApiError, ApiUnreachable."""
-        response = self._open(method, path, query, accept, body, self.timeout)
+        """One request; the answer's JSON object. Raises ApiError, ApiUnreachable. A read
+        waits at most `read_timeout` (default: the client's timeout) for the next bytes."""
+        response = self._open(method, path, query, accept, body, read_timeout or self.timeout)
         return _decode(_read_all(response, f"{method} {path}"))
 
     def watch(

@@ -173,7 +173,15 @@ class Reflector(Generic[V]):
             query = {**self._query(), "limit": str(self.page_size)}
             while True:
                 try:
-                    page = self.client.request("GET", self.resource.path, query, accept=accept)
+                    # A page of a big list can take the server a while: as long as a
+                    # quiet watch may, rather than the short timeout of direct reads.
+                    page = self.client.request(
+                        "GET",
+                        self.resource.path,
+                        query,
+                        accept=accept,
+                        read_timeout=max(self.client.timeout, self.stale_after),
+                    )
                 except ApiError as e:
                     if e.expired and "continue" in query:
                         break  # the list's snapshot left the server's window: start over
@@ -218,6 +226,9 @@ class Reflector(Generic[V]):
             except (ApiError, ApiUnreachable) as e:
                 raise _Relist(f"watch refused: {e}") from e
             self._stream = stream
+            if self._stop.is_set():  # stop() came before the stream was there to close
+                stream.close()
+                return
             try:
                 for event in stream:
                     self._apply(event)

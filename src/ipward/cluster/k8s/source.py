@@ -111,6 +111,8 @@ class Confirmation:
 
 
 class K8sSource(LivenessSource, PodDirectory):
+    """The caches of one scope (see the module's docstring) and the direct reads."""
+
     def __init__(self, client: ApiClient, settings: Settings) -> None:
         self.client = client
         self.settings = settings
