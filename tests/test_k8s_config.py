@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import KubeApi, wait_for
-from ipward.cluster.k8s.client import ApiClient, ApiError
+from ipward.cluster.k8s.client import ApiClient, ApiError, ApiUnreachable
 from ipward.cluster.k8s.config import from_kubeconfig, in_cluster
 from ipward.cluster.k8s.source import Settings
 from ipward.errors import InvalidConfig
@@ -68,11 +68,35 @@ def test_kubeconfig_forms(kube: KubeApi, tmp_path: Path) -> None:
             {"client-certificate-data": b64(pki.cert), "client-key-data": b64(pki.key)},
         ),
     }
+    forms["no CA, insecure-skip-tls-verify"] = (
+        {"server": kube.url, "insecure-skip-tls-verify": True},
+        {"token": "admin-token"},
+    )
+    forms["tls-server-name"] = (
+        {**ca_file, "tls-server-name": "kubernetes.default.svc"},
+        {"token": "admin-token"},
+    )
     for form, (cluster, user) in forms.items():
         path = write_config(tmp_path / "kubeconfig", cluster, user)
         client = ApiClient(from_kubeconfig(str(path)))
         try:
             assert can_read(client), form
+        finally:
+            client.close()
+
+
+def test_tls_is_verified(kube: KubeApi, tmp_path: Path) -> None:
+    """Without the CA, or checking another name, the server is not trusted."""
+    ca = str(kube.ca_file)
+    for cluster in (
+        {"server": kube.url},
+        {"server": kube.url, "certificate-authority": ca, "tls-server-name": "wrong.invalid"},
+    ):
+        path = write_config(tmp_path / "kubeconfig", cluster, {"token": "admin-token"})
+        client = ApiClient(from_kubeconfig(str(path)))
+        try:
+            with pytest.raises(ApiUnreachable, match=r"CERTIFICATE_VERIFY_FAILED|certificate"):
+                client.request("GET", "/api/v1/nodes")
         finally:
             client.close()
 

@@ -67,10 +67,9 @@ class Sandbox:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Pod:
-    """A pod as the orchestrator knows it. Slotted: a controller's cache holds one per
-    pod of the cluster."""
+    """A pod as the orchestrator knows it."""
 
     uid: str
     namespace: str

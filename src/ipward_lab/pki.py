@@ -17,10 +17,12 @@ def openssl(*args: str) -> None:
 
 
 def serving_cert(cert: Path, key: Path) -> None:
-    """A self-signed certificate for 127.0.0.1 (and localhost)."""
+    """A self-signed certificate for 127.0.0.1, localhost and kubernetes.default.svc
+    (the names a real API server's own certificate carries)."""
     openssl(
         "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        "-subj", "/CN=127.0.0.1",
+        "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc",
         "-keyout", str(key), "-out", str(cert),
     )  # fmt: skip
 

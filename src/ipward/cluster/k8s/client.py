@@ -40,7 +40,8 @@ class ApiError(Exception):
 
     @property
     def not_found(self) -> bool:
-        """A clean NotFound: the object does not exist (not a missing route or proxy)."""
+        """A clean NotFound: the API's Status with reason NotFound (a proxy's bare 404,
+        or any other error, is not one)."""
         return self.status == 404 and self.reason == "NotFound"
 
     @property
