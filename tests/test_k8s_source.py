@@ -440,3 +440,27 @@ def _kubeconfig(kube: KubeApi, path: Any, token: str) -> Any:
     }
     path.write_text(json.dumps(config))
     return path
+
+
+def test_gc_judges_on_the_kubernetes_view(kube: KubeApi) -> None:
+    """The GC rules read this source's view as they read the simulated cluster's."""
+    ns, n1, gone_node = kube.name("gc"), kube.name("n1"), kube.name("gone")
+    kube.admin.namespace(ns)
+    kube.admin.node(n1)
+    running = kube.admin.pod(ns, "running", n1)
+    kube.admin.pod_phase(ns, "running", "Running", "2026-11-24T05:18:50Z")
+    done = kube.admin.pod(ns, "done", n1)
+    kube.admin.pod_phase(ns, "done", "Succeeded", "2026-11-24T05:20:00Z")  # long past grace
+    deleted = kube.admin.pod(ns, "deleted", n1)
+    kube.admin.delete_pod(ns, "deleted", grace=0)
+    source = kube.source()
+    view = wait_view(source, lambda v: deleted not in v.pods and done in v.pods, "the view")
+
+    def record(uid: str, node: str = n1) -> gc.Held:
+        return gc.Held("p", "10.0.0.1", 1, {"node": node, "created_at": 0.0, "pod": {"uid": uid}})
+
+    evidence = gc.Evidence(grace=1.0, cluster=view, registered=frozenset({n1}))
+    assert gc.judge(record(running), evidence).reason is None
+    assert gc.judge(record(done), evidence).reason == gc.POD_TERMINAL
+    assert gc.judge(record(deleted), evidence).reason == gc.POD_GONE
+    assert gc.judge(record(running, gone_node), evidence).reason == gc.NODE_GONE
