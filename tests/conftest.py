@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,90 @@ def world(tmp_path: Path, plugin: Path, sqlite_url: str) -> Iterator[Any]:
 
     with World(tmp_path, plugin, sqlite_url) as w:
         yield w
+
+
+class KubeApi:
+    """An API server for a test: the loopback test server (`server` set: faults can be
+    injected) or the real kube-apiserver (shared by the session: names are made unique
+    per test with `name`)."""
+
+    def __init__(
+        self, url: str, kubeconfig: Path, ca_file: Path, client_pki: Any, tag: str, server: Any
+    ) -> None:
+        from ipward.cluster.k8s.client import ApiClient
+        from ipward.cluster.k8s.config import from_kubeconfig
+        from ipward_lab.kubeadmin import KubeAdmin
+
+        self.url = url
+        self.kubeconfig = kubeconfig  # admin token
+        self.ca_file = ca_file  # the server's certificate
+        self.client_pki = client_pki  # a client certificate it accepts (ipward_lab.pki)
+        self.tag = tag
+        self.server = server  # KubeApiServer, or None for the real one
+        self.client = ApiClient(from_kubeconfig(str(kubeconfig)))
+        self.admin = KubeAdmin(self.client)
+        self.sources: list[Any] = []
+
+    def name(self, base: str) -> str:
+        return f"{base}-{self.tag}"
+
+    def source(self, *options: str, node: str = "", kubeconfig: Path | None = None) -> Any:
+        """A `k8s://` source on this server (closed at the end of the test)."""
+        from ipward.liveness import open_source
+
+        query = "&".join([f"kubeconfig={kubeconfig or self.kubeconfig}", *options])
+        source = open_source(f"k8s://?{query}", node=node)
+        self.sources.append(source)
+        return source
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+        self.client.close()
+
+
+@pytest.fixture(scope="session")
+def real_kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from ipward_lab import kubelab
+
+    executable = kubelab.binary()
+    if executable is None:
+        pytest.skip("KUBE_APISERVER does not name a kube-apiserver binary")
+    with kubelab.kube_apiserver(executable, tmp_path_factory.mktemp("kubelab")) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="session")
+def kube_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Certificates for the test API servers, made once per session (RSA keys are slow)."""
+    return tmp_path_factory.mktemp("kube-certs")
+
+
+@pytest.fixture
+def kube_server(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
+    """The loopback test API server (faults can be injected through `.server`)."""
+    from ipward_lab.kubeapi import kube_api_server
+
+    with kube_api_server(tmp_path, certs=kube_certs) as server:
+        kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
+        api = KubeApi(server.url, kubeconfig, server.ca_file, server.client_pki, "t", server)
+        try:
+            yield api
+        finally:
+            api.close()
+
+
+@pytest.fixture(params=["test-server", "kube-apiserver"])
+def kube(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KubeApi]:
+    """A Kubernetes API: the loopback test server, and the real kube-apiserver when
+    KUBE_APISERVER names it (else that parametrization is skipped)."""
+    if request.param == "test-server":
+        yield request.getfixturevalue("kube_server")
+        return
+    lab = request.getfixturevalue("real_kube_apiserver")
+    tag = uuid.uuid4().hex[:8]
+    api = KubeApi(lab.url, lab.kubeconfig, lab.ca_file, lab.client_pki, tag, None)
+    try:
+        yield api
+    finally:
+        api.close()

@@ -621,7 +621,7 @@ class ClusterDirectory(PodDirectory):
             pod.owner_name,
         )
 
-    def listed(self, uid: str) -> bool:
+    def listed(self, namespace: str, name: str, uid: str) -> bool:
         return uid in self._view().pods
 
 

@@ -16,7 +16,9 @@ creation plus the ADD grace, so a lagging source (an old `as_of`) frees nothing.
 Sources by URL (`open_source`):
   * `cri:///run/containerd/containerd.sock`: containerd's CRI over its socket (ipward.cri);
   * `sim:///path/state.json`: the simulated cluster's published state (ipward.simcluster
-    writes it; the format is `SimFileSource`'s docstring).
+    writes it; the format is `SimFileSource`'s docstring);
+  * `k8s://` (in a pod) or `k8s://?kubeconfig=PATH&context=NAME`: the Kubernetes API
+    (ipward.cluster.k8s; with a node, that node's pods only).
 """
 
 from __future__ import annotations
@@ -243,12 +245,16 @@ def _encode(obj: object) -> object:
 def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSource:
     """A source from its URL; `node` is the node a runtime socket belongs to."""
     scheme, sep, rest = url.partition("://")
+    if sep and scheme == "k8s":
+        from ipward.cluster.k8s.source import open_k8s  # urllib3 and yaml only when used
+
+        return open_k8s(url, node=node, timeout=timeout)
     if not sep or not rest:
-        raise InvalidConfig(f"liveness source {url!r}: expected cri:///PATH or sim:///PATH")
+        raise InvalidConfig(f"liveness source {url!r}: expected cri:///PATH, sim:///PATH or k8s://")
     if scheme == "sim":
         return SimFileSource(rest, timeout)
     if scheme == "cri":
         from ipward.cri import CriSource  # grpc stays out of everything else's imports
 
         return CriSource(rest, node=node, timeout=timeout)
-    raise InvalidConfig(f"liveness source {url!r}: unknown scheme {scheme!r} (cri, sim)")
+    raise InvalidConfig(f"liveness source {url!r}: unknown scheme {scheme!r} (cri, sim, k8s)")

@@ -61,8 +61,9 @@ class PodDirectory:
     def meta(self, namespace: str, name: str, uid: str) -> PodMeta:
         raise NotImplementedError
 
-    def listed(self, uid: str) -> bool:
-        """Whether a pod with this UID still exists."""
+    def listed(self, namespace: str, name: str, uid: str) -> bool:
+        """Whether the pod with this UID (named namespace/name when it was bound) still
+        exists. The name lets a source that does not cache every pod ask for it."""
         raise NotImplementedError
 
 
@@ -136,5 +137,7 @@ def _sticky(
         owner_kind=meta.owner_kind if meta is not None else "",
         owner_name=meta.owner_name if meta is not None else "",
         ttl=None if stateful else config.sticky_ttl,
-        may_take=None if directory is None else (lambda uid: not directory.listed(uid)),
+        may_take=None
+        if directory is None
+        else (lambda uid: not directory.listed(pod.namespace, pod.name, uid)),
     )

@@ -1,0 +1,268 @@
+"""List + watch of one resource into a cache (a reflector), in a thread of its own.
+
+The loop: a paged list (`limit`, `continue`; a 410 on a continue token starts the list
+over) replaces the cache whole; then a watch from the list's resourceVersion with
+bookmarks. A watch the server ends cleanly (at `timeoutSeconds`) is opened again from
+the last resourceVersion seen. Anything else ends in a new list: an ERROR event (410
+Expired or any other), a broken or stalled stream, an event older than the last one (a
+gap), an event that cannot be decoded, a stream quiet for twice `stale_after`. A relist
+replaces the cache, so deletions that happened while away are found.
+
+The cache answers (`snapshot`, `get`) only while it is trusted: after a list completed,
+not during a relist, and while something (an event or a bookmark) arrived less than
+`stale_after` seconds ago. Otherwise `LivenessUnavailable`: "could not list" is never
+"empty".
+
+`as_of` (wall clock) is the time the list's first request was sent (a consistent read:
+no resourceVersion, so the list holds everything that existed then), later the receipt of
+the last event or bookmark minus `margin` (what the server's watch may still be behind).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from ipward import log
+from ipward.cluster.k8s.client import (
+    JSON,
+    METADATA,
+    METADATA_LIST,
+    ApiClient,
+    ApiError,
+    ApiUnreachable,
+    WatchStream,
+)
+from ipward.liveness import LivenessUnavailable
+
+V = TypeVar("V")
+
+BACKOFF_MIN = 0.2
+BACKOFF_MAX = 5.0
+LIST_RESTARTS = 5  # lists restarted on an expired continue token before backing off
+
+
+@dataclass(frozen=True)
+class Resource(Generic[V]):
+    name: str  # for logs and errors: "pods", "nodes", ...
+    path: str  # /api/v1/pods
+    parse: Callable[[dict], tuple[str, V]]
+    metadata_only: bool = False
+    field_selector: str = ""
+
+
+class _Relist(Exception):
+    """The watch cannot go on: list again (the message says why)."""
+
+
+class Reflector(Generic[V]):
+    def __init__(
+        self,
+        client: ApiClient,
+        resource: Resource[V],
+        *,
+        page_size: int = 500,
+        watch_timeout: int = 60,
+        stale_after: float = 150.0,
+        margin: float = 5.0,
+    ) -> None:
+        self.client = client
+        self.resource = resource
+        self.page_size = page_size
+        self.watch_timeout = watch_timeout
+        self.stale_after = stale_after
+        self.margin = margin
+        self._lock = threading.Lock()
+        self._items: dict[str, V] = {}
+        self._synced = False
+        self._why = "not listed yet"
+        self._as_of = 0.0
+        self._heard = 0.0  # time.monotonic() of the last list, event or bookmark
+        self._rv = ""
+        self.lists = 0  # lists completed (tests wait for a relist by this)
+        self._progressed = False  # an event applied since the last failure
+        self._stop = threading.Event()
+        self._stream: WatchStream | None = None
+        self._thread = threading.Thread(target=self._run, name=f"k8s-{resource.name}", daemon=True)
+
+    # -- answers -------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """Raise unless the cache is trusted now (call with the lock held)."""
+        if not self._synced:
+            raise LivenessUnavailable(f"Kubernetes {self.resource.name}: {self._why}")
+        quiet = time.monotonic() - self._heard
+        if quiet > self.stale_after:
+            raise LivenessUnavailable(
+                f"Kubernetes {self.resource.name}: nothing heard for {quiet:.0f}s"
+                f" (stale after {self.stale_after:g}s)"
+            )
+
+    def snapshot(self) -> tuple[dict[str, V], float]:
+        """(a copy of the cache, as_of); raises LivenessUnavailable."""
+        with self._lock:
+            self._check()
+            return dict(self._items), self._as_of
+
+    def get(self, key: str) -> V | None:
+        """The cached value of `key` (None: not in the cache); raises LivenessUnavailable."""
+        with self._lock:
+            self._check()
+            return self._items.get(key)
+
+    @property
+    def available(self) -> bool:
+        with self._lock:
+            try:
+                self._check()
+            except LivenessUnavailable:
+                return False
+            return True
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.close()
+        self._thread.join(timeout=10)
+
+    def _unavailable(self, why: str) -> None:
+        with self._lock:
+            self._synced = False
+            self._why = why
+
+    def _run(self) -> None:
+        backoff = BACKOFF_MIN
+        while not self._stop.is_set():
+            try:
+                self._list()
+                self._watch()
+            except _Relist as e:
+                self._unavailable(f"relisting: {e}")
+                log.info("k8s relist", resource=self.resource.name, reason=str(e))
+            except (ApiError, ApiUnreachable) as e:
+                self._unavailable(f"could not list: {e}")
+                log.warning("k8s list failed", resource=self.resource.name, error=str(e))
+            except Exception as e:  # never let the thread die: unavailable, then retry
+                self._unavailable(f"failed: {type(e).__name__}: {e}")
+                log.error("k8s reflector failed", resource=self.resource.name, error=repr(e))
+            # A watch that delivered something starts the backoff over; a server failing
+            # at once again and again is asked less and less often.
+            backoff = BACKOFF_MIN if self._progressed else min(backoff * 2, BACKOFF_MAX)
+            self._progressed = False
+            self._stop.wait(backoff)
+
+    def _query(self) -> dict[str, str]:
+        selector = self.resource.field_selector
+        return {"fieldSelector": selector} if selector else {}
+
+    def _list(self) -> None:
+        """List every page into a new cache; swap it in whole."""
+        accept = METADATA_LIST if self.resource.metadata_only else JSON
+        for _ in range(LIST_RESTARTS):
+            items: dict[str, V] = {}
+            sent = time.time()
+            query = {**self._query(), "limit": str(self.page_size)}
+            while True:
+                try:
+                    # A page of a big list can take the server a while: as long as a
+                    # quiet watch may, rather than the short timeout of direct reads.
+                    page = self.client.request(
+                        "GET",
+                        self.resource.path,
+                        query,
+                        accept=accept,
+                        read_timeout=max(self.client.timeout, self.stale_after),
+                    )
+                except ApiError as e:
+                    if e.expired and "continue" in query:
+                        break  # the list's snapshot left the server's window: start over
+                    raise
+                try:
+                    for obj in page.get("items") or []:
+                        key, value = self.resource.parse(obj)
+                        items[key] = value
+                    meta = page["metadata"]
+                    rv, more = str(meta["resourceVersion"]), meta.get("continue")
+                except (KeyError, TypeError, ValueError, AttributeError) as e:
+                    raise ApiUnreachable(f"list of {self.resource.name}: undecodable: {e!r}") from e
+                if not more:
+                    with self._lock:
+                        self._items = items
+                        self._rv = rv
+                        self._as_of = sent
+                        self._heard = time.monotonic()
+                        self._synced = True
+                        self.lists += 1
+                    return
+                query["continue"] = str(more)
+            log.info("k8s list expired mid-way; starting over", resource=self.resource.name)
+        raise ApiUnreachable(f"list of {self.resource.name}: expired {LIST_RESTARTS} times")
+
+    def _watch(self) -> None:
+        """Follow events until the watch cannot go on (raises _Relist) or we stop."""
+        accept = METADATA if self.resource.metadata_only else JSON
+        while not self._stop.is_set():
+            query = {
+                **self._query(),
+                "resourceVersion": self._rv,
+                "allowWatchBookmarks": "true",
+                "timeoutSeconds": str(self.watch_timeout),
+            }
+            try:
+                # Quiet for stale_after: the cache is not trusted (`_check`); quiet twice
+                # as long: the stream is given up and the resource listed again.
+                stream = self.client.watch(
+                    self.resource.path, query, accept=accept, read_timeout=2 * self.stale_after
+                )
+            except (ApiError, ApiUnreachable) as e:
+                raise _Relist(f"watch refused: {e}") from e
+            self._stream = stream
+            if self._stop.is_set():  # stop() came before the stream was there to close
+                stream.close()
+                return
+            try:
+                for event in stream:
+                    self._apply(event)
+            except ApiUnreachable as e:
+                raise _Relist(str(e)) from e
+            finally:
+                self._stream = None
+                stream.close()
+            # A clean end (timeoutSeconds): watch again from the last resourceVersion.
+
+    def _apply(self, event: dict) -> None:
+        kind = event.get("type")
+        obj = event.get("object")
+        if not isinstance(obj, dict):
+            raise _Relist(f"event without an object: {str(event)[:120]}")
+        if kind == "ERROR":
+            raise _Relist(
+                f"ERROR event: {obj.get('code')} {obj.get('reason')}: {obj.get('message')}"
+            )
+        try:
+            rv = str(obj["metadata"]["resourceVersion"])
+            parsed = None if kind == "BOOKMARK" else self.resource.parse(obj)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise _Relist(f"undecodable {kind} event: {e!r}") from e
+        if rv.isdigit() and self._rv.isdigit() and int(rv) < int(self._rv):
+            raise _Relist(f"gap: event at resourceVersion {rv} after {self._rv}")
+        with self._lock:
+            if kind in ("ADDED", "MODIFIED") and parsed is not None:
+                self._items[parsed[0]] = parsed[1]
+            elif kind == "DELETED" and parsed is not None:
+                self._items.pop(parsed[0], None)
+            elif kind != "BOOKMARK":
+                raise _Relist(f"unknown event type {kind!r}")
+            self._rv = rv
+            self._heard = time.monotonic()
+            self._as_of = max(self._as_of, time.time() - self.margin)
+        self._progressed = True

@@ -1,0 +1,151 @@
+"""A real kube-apiserver on loopback for tests: a throwaway etcd (`ipward.etcdlab`), then
+`$KUBE_APISERVER` with a self-signed serving certificate, a static token file, a client
+CA (`ipward_lab.pki`) and service-account keys made with `openssl`; ready when `/readyz`
+answers; a kubeconfig written for it. Everything is stopped and removed when the
+context manager exits, also on failure.
+
+No controller-manager and no kubelet run: nothing creates a StatefulSet's pods or
+removes a gracefully deleted pod (tests do what a kubelet would: status updates, delete
+with grace 0). The ServiceAccount admission plugin is disabled, since nothing creates a
+namespace's `default` ServiceAccount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from ipward.etcdlab import etcd_server, free_port
+from ipward_lab.pki import ClientPki, client_pki, openssl
+
+READY_TIMEOUT = 90.0
+# token -> (user, groups). system:masters may do anything (RBAC); nobody may do nothing.
+TOKENS = {
+    "admin-token": ("admin", "system:masters"),
+    "spare-token": ("spare", "system:masters"),
+    "nobody-token": ("nobody", ""),
+}
+ADMIN_TOKEN = "admin-token"
+
+
+def binary() -> str | None:
+    """The kube-apiserver named by `KUBE_APISERVER`, when it is an executable file."""
+    path = os.environ.get("KUBE_APISERVER", "")
+    return path if path and os.access(path, os.X_OK) else None
+
+
+class KubeLab:
+    """A running kube-apiserver: its URL, CA, tokens and a kubeconfig (admin token)."""
+
+    def __init__(self, root: Path, port: int) -> None:
+        self.root = root
+        self.port = port
+        self.url = f"https://127.0.0.1:{port}"
+        self.ca_file = root / "certs" / "apiserver.crt"
+        self.kubeconfig = root / "kubeconfig"
+        self.log_path = root / "kube-apiserver.log"
+        self.tokens = dict(TOKENS)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client_pki: ClientPki | None = None  # client certificates it accepts
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def ready(self) -> bool:
+        request = urllib.request.Request(
+            f"{self.url}/readyz", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
+        try:
+            context = ssl.create_default_context(cafile=str(self.ca_file))
+            with urllib.request.urlopen(request, timeout=2, context=context) as answer:
+                return bool(answer.status == 200)
+        except (OSError, ValueError, urllib.error.URLError):
+            return False  # not listening yet, or the certificate not written yet
+
+    def write_kubeconfig(self) -> None:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "lab",
+                    "cluster": {"server": self.url, "certificate-authority": str(self.ca_file)},
+                }
+            ],
+            "users": [{"name": "admin", "user": {"token": ADMIN_TOKEN}}],
+            "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "admin"}}],
+            "current-context": "lab",
+        }
+        self.kubeconfig.write_text(json.dumps(config))  # JSON is YAML
+
+
+@contextlib.contextmanager
+def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[KubeLab]:
+    """Start etcd and the kube-apiserver `executable`; yield when it is ready."""
+    root = Path(tempfile.mkdtemp(prefix="kubelab-", dir=tmp_dir))
+    lab = KubeLab(root, free_port())
+    try:
+        with etcd_server(root / "etcd") as etcd:
+            (root / "certs").mkdir()
+            openssl("genrsa", "-out", str(root / "sa.key"), "2048")
+            openssl("rsa", "-in", str(root / "sa.key"), "-pubout", "-out", str(root / "sa.pub"))
+            lab.client_pki = client_pki(root)
+            (root / "tokens.csv").write_text(
+                "".join(f'{t},{user},{user},"{groups}"\n' for t, (user, groups) in TOKENS.items())
+            )
+            args = [
+                executable,
+                f"--etcd-servers=http://{etcd.endpoint}",
+                f"--secure-port={lab.port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--cert-dir={root / 'certs'}",
+                f"--token-auth-file={root / 'tokens.csv'}",
+                f"--client-ca-file={lab.client_pki.ca}",
+                "--authorization-mode=RBAC",
+                f"--service-account-key-file={root / 'sa.pub'}",
+                f"--service-account-signing-key-file={root / 'sa.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--disable-admission-plugins=ServiceAccount",
+            ]
+            with open(lab.log_path, "ab") as log:
+                lab.proc = subprocess.Popen(
+                    args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
+            try:
+                deadline = time.monotonic() + READY_TIMEOUT
+                while not lab.ready():
+                    if lab.proc.poll() is not None:
+                        raise RuntimeError(
+                            f"kube-apiserver exited ({lab.proc.returncode}):\n{lab.log_tail()}"
+                        )
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"kube-apiserver not ready in {READY_TIMEOUT:.0f}s:\n{lab.log_tail()}"
+                        )
+                    time.sleep(0.2)
+                lab.write_kubeconfig()
+                yield lab
+            finally:
+                lab.proc.terminate()
+                try:
+                    lab.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    lab.proc.kill()
+                    lab.proc.wait()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
