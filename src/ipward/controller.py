@@ -77,7 +77,7 @@ from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.pool import PoolSpec
 from ipward.serving import add_grace_option, parse_address, redact, start_http
-from ipward.store import Store, StoreError, StoreUnavailable, open_store
+from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
 
 if TYPE_CHECKING:
@@ -874,10 +874,18 @@ def run_controller(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        pass_store = open_store(store_url)
-        election_store = open_store(store_url)
-    except StoreError as e:
+        # The schema is checked before the first pass; an unreachable store is waited for.
+        pass_store = open_store_waiting(store_url, stop)
+        # The same store, checked just now.
+        election_store = open_backend(store_url) if pass_store is not None else None
+    except StoreError as e:  # not usable (106), a bad URL: permanent
+        log.error("store not usable; not starting", store=redact(store_url), error=str(e))
         raise ControllerError(f"store {redact(store_url)}: {e}") from e
+    if pass_store is None or election_store is None:
+        log.info("controller stopped while waiting for its store", id=ident)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        return 0
     election = Election(election_store, ident, lease_ttl)
     metrics = Metrics(ident, lambda: election.leading)
     controller = Controller(
