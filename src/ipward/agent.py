@@ -56,6 +56,7 @@ from prometheus_client import (
 
 from ipward import blocks, cni, gc, jsonc, log
 from ipward import records as rec
+from ipward.config import check_node_name
 from ipward.errors import InvalidConfig, IpwardError, TryAgainLater
 from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import (
@@ -928,8 +929,7 @@ def agent_command(
     url = store_url or getattr(ctx.obj, "store_url", None)
     if not url:
         raise InvalidConfig("no store: give --store or IPWARD_STORE")
-    if not node:
-        raise InvalidConfig("--node must not be empty")
+    check_node_name(node, "--node")
     status = run_agent(
         node,
         url,

@@ -72,6 +72,7 @@ from prometheus_client.registry import Collector
 
 from ipward import blocks, gc, log
 from ipward import records as rec
+from ipward.config import node_name_problem
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import ClusterView, LivenessSource, NodeView, open_source
@@ -550,9 +551,13 @@ class Controller:
             )
             return []
         if isinstance(evidence.cluster, ClusterView):
+            named = {*nodes, *self._block_nodes()}
+            unnamed = sorted(n for n in named if node_name_problem(n))
+            if unnamed:  # written before names were checked: never judged gone
+                log.error("records name invalid nodes; not judged gone", nodes=unnamed)
             self.gone_nodes = frozenset(
                 n
-                for n in {*nodes, *self._block_nodes()}
+                for n in named.difference(unnamed)
                 if n not in evidence.registered and n not in evidence.cluster.nodes
             )
         verdicts, retirements = seen.verdicts, seen.retirements
