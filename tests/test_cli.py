@@ -183,6 +183,7 @@ READ_ONLY = [
     ["pool", "list"],
     ["pool", "show", "web"],
     ["gc", "--dry-run", "--liveness", "sim:///nonexistent/state.json"],
+    ["export"],
     ["migrate"],
 ]
 

@@ -121,6 +121,7 @@ def refused_everywhere(url: str, tmp_path: Path, plugin: Path, needles: list[str
         run_cli("status", store=url),
         run_cli("alloc", "list", store=url),
         run_cli("check", store=url),
+        run_cli("export", store=url),
         run_cli("pool", "create", "other", "--range", "10.8.0.0/24", store=url),
     ):
         assert proc.returncode == 2, proc

@@ -626,6 +626,45 @@ def test_etcd_tls(tmp_path: Path, ns: str) -> None:
             store.get(ns + "k")
 
 
+def test_snapshot_reads_every_prefix_at_one_revision(
+    store: Store, store_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several prefixes, read in pages of 2 on etcd, while another client keeps writing
+    to all of them: every key is as it was at the one revision returned."""
+    from ipward.store import etcd
+
+    monkeypatch.setattr(etcd, "SNAPSHOT_PAGE", 2)
+    prefixes = [ns + "a/", ns + "b/", ns + "c/"]
+    history: dict[str, list[tuple[int, bytes]]] = {}  # key -> [(revision, value)]
+    for p in prefixes:
+        for i in range(5):
+            history[p + str(i)] = [(put(store, p + str(i), b"0"), b"0")]
+    stop = threading.Event()
+    writes = [0]
+
+    def writer() -> None:
+        with open_backend(store_url) as other:
+            while not stop.is_set():
+                n = writes[0] = writes[0] + 1
+                key = prefixes[n % 3] + str(n % 5)
+                history[key].append((put(other, key, str(n).encode()), str(n).encode()))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    snapshots = []
+    try:
+        while writes[0] < 300:  # snapshots all through 300 writes
+            snapshots.append(store.snapshot(prefixes))
+    finally:
+        stop.set()
+        thread.join(10)
+    for kvs, revision in snapshots:
+        assert [kv.key for kv in kvs] == sorted(history)  # prefix by prefix, key order
+        for kv in kvs:
+            as_of = [value for rev, value in history[kv.key] if rev <= revision][-1]
+            assert kv.value == as_of, (kv.key, revision)
+
+
 # SQLite: only its own files.
 
 # What ipward wrote before files were marked (main at d83b346): the same tables, no mark.

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ipward import gc as gc_rules
 from ipward import records as rec
-from ipward import schema
+from ipward import schema, transfer
 from ipward.addr import format_ip, parse_cidr, parse_ip
 from ipward.config import DEFAULT_STORE
 from ipward.errors import InvalidConfig, IpwardError
@@ -761,7 +761,7 @@ def status_command(c: Context) -> None:
     c.emit(data, "\n".join(lines))
 
 
-# -- schema ----------------------------------------------------------------------------
+# -- schema, export, import -------------------------------------------------------------
 
 
 @cli.command("migrate")
@@ -777,6 +777,60 @@ def migrate_command(c: Context) -> None:
     else:
         human = f"{c.where} is at schema version {schema.VERSION}: nothing to do"
     c.emit(data, human)
+
+
+@cli.command("export")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write here (replaced atomically when complete) instead of to stdout.",
+)
+@pass_ctx
+def export_command(c: Context, output: str | None) -> None:
+    """The whole ledger as JSON lines, read at one revision: a header, then one line per
+    key. Leased keys (node registrations, the leader key) are not exported."""
+    if output is None:
+        header = transfer.export(c.store, c.where, sys.stdout)
+    else:
+        partial = f"{output}.partial-{os.getpid()}"
+        try:
+            with open(partial, "w") as f:
+                header = transfer.export(c.store, c.where, f)
+            os.replace(partial, output)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    summary = f"exported {header['keys']:,} keys at revision {header['revision']} to {output}"
+    if output is not None:
+        click.echo(json.dumps(header) if c.as_json else summary, err=not c.as_json)
+
+
+@cli.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--batch-keys",
+    type=click.IntRange(1, 100),
+    default=transfer.BATCH_KEYS,
+    show_default=True,
+    help="Keys per transaction.",
+)
+@pass_ctx_may_create
+def import_command(c: Context, file: str, batch_keys: int) -> None:
+    """Load an `ipward export` FILE into an empty store (made if there is none), in
+    bounded transactions; other processes refuse the store until it is done. An import
+    cut short is finished by running the same command again."""
+    export_file = transfer.ExportFile(file)  # checked whole before the store is touched
+    summary = transfer.import_file(c.backend(), c.where, export_file, batch_keys)
+    human = (
+        f"imported {summary['keys']:,} keys into {c.where}"
+        f" (exported at revision {summary['source_revision']})"
+    )
+    if summary["resumed_at"]:
+        human += f", resumed after key {summary['resumed_at']:,}"
+    if summary["schema"] < schema.VERSION:
+        human += f"; schema version {summary['schema']}: run `ipward migrate`"
+    c.emit(summary, human)
 
 
 # -- install ----------------------------------------------------------------------------

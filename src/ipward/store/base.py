@@ -201,6 +201,12 @@ class Store(abc.ABC):
         store revision they were read at."""
 
     @abc.abstractmethod
+    def snapshot(self, prefixes: Sequence[str]) -> tuple[list[KeyValue], int]:
+        """Every key under each of `prefixes` (prefix by prefix, each in key order), all
+        read at one revision, and that revision: a consistent picture of several
+        prefixes, for export."""
+
+    @abc.abstractmethod
     def txn(
         self,
         compares: Sequence[Compare],

@@ -42,6 +42,7 @@ Metadata = tuple[tuple[str, str], ...]
 
 DEFAULT_PORT = 2379
 OPTIONS = ("ca", "cert", "key", "user", "password", "timeout")
+SNAPSHOT_PAGE = 1000  # keys per range request of a snapshot
 
 # Makes a member cut off from its leader refuse at once ("no leader") instead of hanging
 # until the deadline, and end watches it can no longer feed.
@@ -193,6 +194,27 @@ class EtcdStore(Store):
         req = rpc.RangeRequest(key=key or b"\0", range_end=_prefix_end(key), limit=limit)
         resp = self._call(lambda ep, md, t: ep.kv.Range(req, timeout=t, metadata=md))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    def snapshot(self, prefixes: Sequence[str]) -> tuple[list[KeyValue], int]:
+        # Pages of SNAPSHOT_PAGE keys; the first answer's revision pins every later
+        # request, so all pages of all prefixes are one revision (etcd's MVCC serves it
+        # unless compacted meanwhile, which fails the call).
+        kvs: list[KeyValue] = []
+        revision = 0
+        for prefix in prefixes:
+            key = prefix.encode()
+            start, end = key or b"\0", _prefix_end(key)
+            while True:
+                req = rpc.RangeRequest(
+                    key=start, range_end=end, limit=SNAPSHOT_PAGE, revision=revision
+                )
+                resp = self._call(lambda ep, md, t: ep.kv.Range(req, timeout=t, metadata=md))  # noqa: B023
+                revision = revision or resp.header.revision
+                kvs.extend(_kv(kv) for kv in resp.kvs)
+                if not resp.more:
+                    break
+                start = resp.kvs[-1].key + b"\0"
+        return kvs, revision
 
     def txn(
         self,

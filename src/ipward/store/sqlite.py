@@ -272,6 +272,24 @@ class SqliteStore(Store):
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
         return [_row(r) for r in rows[:-1]], int(rows[-1][3])
 
+    def snapshot(self, prefixes: Sequence[str]) -> tuple[list[KeyValue], int]:
+        # One read transaction: in WAL mode it sees one committed state throughout.
+        sql = f"SELECT {_COLUMNS} FROM kv WHERE key >= ? AND key < ? AND {_LIVE} ORDER BY key"
+        now = time.time()
+        kvs: list[KeyValue] = []
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN")
+                for prefix in prefixes:
+                    rows = self._conn.execute(sql, (prefix, _prefix_end(prefix), now))
+                    kvs.extend(_row(r) for r in rows)
+                revision = self._current_revision()
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+        return kvs, revision
+
     def txn(
         self,
         compares: Sequence[Compare],
