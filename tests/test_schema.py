@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IPWARD, exec_plugin, run_cli
+from conftest import IPWARD, exec_plugin, run_cli, wait_for
+from ipward import fleet, schema
 from ipward import records as rec
-from ipward import schema
 from ipward.etcdlab import etcd_server
 from ipward.ledger import Ledger
 from ipward.records import Attachment, PodInfo
@@ -269,3 +269,28 @@ def test_many_first_uses_at_once_make_one_store(tmp_path: Path, plugin: Path) ->
     kvs, _ = dump(url)
     assert json.loads(kvs[rec.SCHEMA_KEY]) == {"version": schema.VERSION}
     assert run_cli("check", store=url).returncode == 0
+
+
+def test_an_agent_waits_for_a_store_it_cannot_reach_and_checks_it_before_serving(
+    tmp_path: Path, plugin: Path
+) -> None:
+    """The store is down when the agent starts: it waits (logged) and serves nothing, so
+    the plugin answers 11 meanwhile; once the store answers and its schema is checked,
+    the agent serves."""
+    with etcd_server(tmp_path / "etcd") as server:
+        run_cli("pool", "create", "web", "--range", "10.9.0.0/24", store=server.url, check=True)
+        server.stop()
+        agent = fleet.Agent("n1", server.url, tmp_path / "agent.sock", tmp_path, metrics=False)
+        try:
+            wait_for(lambda: agent.logged("store unreachable at start; waiting for it"), "wait")
+            cfg = config("", agentSocket=str(agent.socket))
+            out = exec_plugin(plugin, "ADD", cfg)
+            assert out.returncode == 1 and out.json["code"] == 11, out
+            assert not agent.socket.exists()
+            server.start()
+            server.wait_ready()
+            agent.wait_ready()
+            assert exec_plugin(plugin, "ADD", cfg).returncode == 0
+            assert agent.stop() == 0
+        finally:
+            agent.kill()
