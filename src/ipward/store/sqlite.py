@@ -226,6 +226,8 @@ class SqliteStore(Store):
                 f"{path} is an SQLite database that is not ipward's (tables:"
                 f" {', '.join(sorted(tables))}); not touching it"
             )
+        if conn.in_transaction:
+            return "ours"  # judged again inside _claim's transaction: marked next time
         try:
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
@@ -234,7 +236,7 @@ class SqliteStore(Store):
         except sqlite3.OperationalError as e:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            if "readonly" not in str(e):
+            if "readonly" not in str(e):  # a reader without write access uses it as is
                 raise
         return "ours"
 
