@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+from pathlib import Path
+
+import pytest
 
 from conftest import exec_plugin, run_cli
 from ipward import records as rec
-from ipward.store import open_store
+from ipward.etcdlab import etcd_server
+from ipward.store import open_backend, open_store
 from ipward.store.base import Put
+
+ADD_CONFIG = {"cniVersion": "1.0.0", "name": "net", "ipam": {"type": "ipward", "pool": "web"}}
 
 
 def dump(url: str) -> dict:
@@ -167,3 +174,90 @@ def test_install_cni_writes_an_isolated_launcher(cni_bin):
     launcher = (cni_bin / "ipward").read_text()
     assert launcher.startswith("#!/usr/bin/python3 -IS\n")
     assert (cni_bin / "ipward").stat().st_mode & 0o111
+
+
+READ_ONLY = [
+    ["status"],
+    ["alloc", "list"],
+    ["check"],
+    ["pool", "list"],
+    ["pool", "show", "web"],
+    ["gc", "--dry-run", "--liveness", "sim:///nonexistent/state.json"],
+    ["export"],
+    ["migrate"],
+]
+
+
+def test_read_only_commands_never_create_a_store(tmp_path: Path) -> None:
+    typo = tmp_path / "typo" / "x.db"
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    for path in (typo, empty):
+        for args in READ_ONLY:
+            proc = run_cli(*args, store=f"sqlite://{path}")
+            assert proc.returncode == 2, (args, proc)
+            assert f"no store at sqlite://{path}" in proc.stderr, (args, proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db"]  # no file, no dir
+    assert empty.stat().st_size == 0
+
+
+def test_read_only_commands_on_an_etcd_without_ipward_data_write_nothing(
+    tmp_path: Path,
+) -> None:
+    with etcd_server(tmp_path) as server:
+        with open_backend(server.url) as store:
+            store.txn([], [Put("other/app/key", b"theirs")])  # another program's key
+            revision = store.revision()
+        for args in READ_ONLY:
+            proc = run_cli(*args, store=server.url)
+            assert proc.returncode == 2 and "no store at" in proc.stderr, (args, proc)
+        with open_backend(server.url) as store:
+            assert store.revision() == revision
+        # What may create, creates: the schema key first, then the pool.
+        make_pool(server.url)
+        assert run_cli("status", store=server.url).returncode == 0
+
+
+def test_global_options_work_after_the_command_too(sqlite_url: str, tmp_path: Path) -> None:
+    make_pool(sqlite_url)
+    wrong = f"sqlite://{tmp_path}/elsewhere.db"
+    # IPWARD_STORE points elsewhere: the option after the command wins.
+    listed = run_cli("pool", "list", "--json", "--store", sqlite_url, store=wrong, check=True)
+    assert [p["name"] for p in json.loads(listed.stdout)] == ["web"]
+    assert run_cli("check", "--store", sqlite_url, store=wrong).returncode == 0
+    rows = run_cli("alloc", "list", "--json", store=sqlite_url, check=True)
+    assert json.loads(rows.stdout) == []
+    after = run_cli("--store", wrong, "status", "--store", sqlite_url, "--json", check=True)
+    assert json.loads(after.stdout)["pools"][0]["name"] == "web"
+    # `sim --store` keeps its own meaning (the kind of store it starts).
+    assert "sqlite|etcd|etcd-cluster" in run_cli("sim", "--help").stdout
+    assert not Path(f"{tmp_path}/elsewhere.db").exists()
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    proc = run_cli("--version", check=True)
+    assert proc.stdout.strip() == f"ipward {importlib.metadata.version('ipward')}"
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("etcd://127.0.0.1:99999", "port '99999'"),
+        ("etcd://:2379", "host"),
+        ("etcd://127.0.0.1:2379?timeout=nan", "timeout 'nan'"),
+        ("sqlite:///tmp/ipward-test-x.db?mode=ro", "query (?mode=ro)"),
+    ],
+)
+def test_bad_store_urls_name_the_part_and_create_nothing(
+    url: str, needle: str, plugin: Path
+) -> None:
+    for args in (["status"], ["pool", "create", "web", "--range", "10.0.0.0/24"]):
+        proc = run_cli(*args, store=url)
+        assert proc.returncode == 2 and needle in proc.stderr, (args, proc)
+    if url.startswith("sqlite://"):  # the only kind the plugin opens itself
+        out = exec_plugin(
+            plugin, "ADD", {**ADD_CONFIG, "ipam": {**ADD_CONFIG["ipam"], "store": url}}
+        )
+        assert out.returncode == 1 and out.json["code"] == 7 and needle in out.json["msg"], out
+    assert not Path("/tmp/ipward-test-x.db?mode=ro").exists()
+    assert not Path("/tmp/ipward-test-x.db").exists()

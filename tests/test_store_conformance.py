@@ -9,7 +9,10 @@ attaches keys to a lease also ends that lease before it returns.
 from __future__ import annotations
 
 import queue
+import re
+import sqlite3
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -20,7 +23,7 @@ from typing import TypeVar
 import pytest
 
 from ipward.etcdlab import EtcdServer, etcd_cluster, etcd_server
-from ipward.store import open_store
+from ipward.store import open_backend, sqlite
 from ipward.store.base import (
     DELETE,
     PUT,
@@ -30,6 +33,8 @@ from ipward.store.base import (
     Put,
     Store,
     StoreError,
+    StoreIncompatible,
+    StoreMissing,
     StoreUnavailable,
     Watch,
     absent,
@@ -56,7 +61,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def store(store_url: str) -> Iterator[Store]:
-    with open_store(store_url) as s:
+    with open_backend(store_url) as s:
         yield s
 
 
@@ -373,7 +378,7 @@ def test_concurrent_cas_loses_no_update(store: Store, store_url: str, ns: str) -
 
     def worker() -> None:
         try:
-            with open_store(store_url) as own:
+            with open_backend(store_url) as own:
                 for _ in range(rounds):
                     while True:
                         kv = own.get(key)
@@ -413,12 +418,12 @@ def test_concurrent_cas_loses_no_update(store: Store, store_url: str, ns: str) -
 )
 def test_etcd_bad_urls(url: str) -> None:
     with pytest.raises(StoreError) as e:
-        open_store(url)
+        open_backend(url)
     assert not isinstance(e.value, StoreUnavailable)
 
 
 def test_etcd_compacted_watch(etcd: EtcdServer, ns: str) -> None:
-    with open_store(etcd.url) as store:
+    with open_backend(etcd.url) as store:
         first = put(store, ns + "a", b"1")
         last = put(store, ns + "a", b"2")
         etcd.etcdctl("compact", str(last))
@@ -432,7 +437,7 @@ def test_etcd_compacted_watch(etcd: EtcdServer, ns: str) -> None:
 
 
 def test_etcd_durable_across_sigkill(tmp_path: Path, ns: str) -> None:
-    with etcd_server(tmp_path) as server, open_store(server.url) as store:
+    with etcd_server(tmp_path) as server, open_backend(server.url) as store:
         rev = put(store, ns + "k", b"committed")
         server.kill()
         server.start()
@@ -444,7 +449,7 @@ def test_etcd_durable_across_sigkill(tmp_path: Path, ns: str) -> None:
 
 
 def test_etcd_unavailable(tmp_path: Path, ns: str) -> None:
-    with etcd_server(tmp_path) as server, open_store(server.url + "?timeout=1") as store:
+    with etcd_server(tmp_path) as server, open_backend(server.url + "?timeout=1") as store:
         rev = put(store, ns + "k", b"1")
         lease = store.lease_grant(60)
         watching = Collector(store.watch(ns, rev))
@@ -511,7 +516,7 @@ def test_etcd_cluster_failover(tmp_path: Path, ns: str) -> None:
         # The store starts on the first endpoint, then moves along the list.
         order = [followers[0], leader, followers[1]]
         url = "etcd://" + ",".join(m.endpoint for m in order) + "?timeout=2"
-        with open_store(url) as store:
+        with open_backend(url) as store:
             put(store, key, b"0")
 
             # The member in use, a follower, dies: the next call moves on to the leader. If
@@ -552,16 +557,16 @@ def root_etcdctl(server: EtcdServer, *args: str, stdin: str = "") -> str:
 
 
 def test_etcd_auth(auth_etcd: EtcdServer, ns: str) -> None:
-    with open_store(auth_etcd.url) as anonymous, pytest.raises(StoreError) as e:
+    with open_backend(auth_etcd.url) as anonymous, pytest.raises(StoreError) as e:
         anonymous.get(ns + "k")
     assert not isinstance(e.value, StoreUnavailable)
 
-    with open_store(auth_etcd.url + "?user=root&password=wrong") as wrong:
+    with open_backend(auth_etcd.url + "?user=root&password=wrong") as wrong:
         with pytest.raises(StoreError, match="authentication failed") as e:
             wrong.get(ns + "k")
         assert not isinstance(e.value, StoreUnavailable)
 
-    with open_store(auth_etcd.url + "?user=root&password=rootpw") as store:
+    with open_backend(auth_etcd.url + "?user=root&password=rootpw") as store:
         rev = put(store, ns + "k", b"1")
         assert root_etcdctl(auth_etcd, "get", "--print-value-only", ns + "k").strip() == "1"
         # Setting a user's password (even to the same one) makes etcd refuse the tokens it
@@ -608,14 +613,241 @@ def test_etcd_tls(tmp_path: Path, ns: str) -> None:
     with etcd_server(tmp_path, args, client_scheme="https") as server:
         tls = f"?ca={tmp_path / 'ca.pem'}&timeout=2"
         client = f"&cert={tmp_path / 'client.pem'}&key={tmp_path / 'client.key'}"
-        with open_store(server.url + tls + client) as store:
+        with open_backend(server.url + tls + client) as store:
             rev = put(store, ns + "k", b"1")
             kv = store.get(ns + "k")
             assert kv is not None and kv.mod_revision == rev
         # Without a client certificate the handshake fails; grpc reports that only as
         # "unavailable", with the reason in the message.
-        with open_store(server.url + tls) as store, pytest.raises(StoreUnavailable):
+        with open_backend(server.url + tls) as store, pytest.raises(StoreUnavailable):
             store.get(ns + "k")
         plain = server.url.replace("etcds", "etcd")
-        with open_store(plain) as store, pytest.raises(StoreUnavailable):
+        with open_backend(plain) as store, pytest.raises(StoreUnavailable):
             store.get(ns + "k")
+
+
+def test_snapshot_reads_every_prefix_at_one_revision(
+    store: Store, store_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several prefixes, read in pages of 2 on etcd, while another client keeps writing
+    to all of them: every key is as it was at the one revision returned."""
+    from ipward.store import etcd
+
+    monkeypatch.setattr(etcd, "SNAPSHOT_PAGE", 2)
+    prefixes = [ns + "a/", ns + "b/", ns + "c/"]
+    history: dict[str, list[tuple[int, bytes]]] = {}  # key -> [(revision, value)]
+    for p in prefixes:
+        for i in range(5):
+            history[p + str(i)] = [(put(store, p + str(i), b"0"), b"0")]
+    stop = threading.Event()
+    writes = [0]
+
+    def writer() -> None:
+        with open_backend(store_url) as other:
+            while not stop.is_set():
+                n = writes[0] = writes[0] + 1
+                key = prefixes[n % 3] + str(n % 5)
+                history[key].append((put(other, key, str(n).encode()), str(n).encode()))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    snapshots = []
+    try:
+        while writes[0] < 300:  # snapshots all through 300 writes
+            snapshots.append(store.snapshot(prefixes))
+    finally:
+        stop.set()
+        thread.join(10)
+    for kvs, revision in snapshots:
+        assert [kv.key for kv in kvs] == sorted(history)  # prefix by prefix, key order
+        for kv in kvs:
+            as_of = [value for rev, value in history[kv.key] if rev <= revision][-1]
+            assert kv.value == as_of, (kv.key, revision)
+
+
+# SQLite: only its own files.
+
+# What ipward wrote before files were marked (main at d83b346): the same tables, no mark.
+UNMARKED_LAYOUT = """
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value BLOB NOT NULL,
+    create_revision INTEGER NOT NULL, mod_revision INTEGER NOT NULL,
+    version INTEGER NOT NULL, lease INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('revision', 1), ('compacted', 0);
+CREATE TABLE IF NOT EXISTS events (revision INTEGER NOT NULL, seq INTEGER NOT NULL,
+    kind TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL,
+    create_revision INTEGER NOT NULL, version INTEGER NOT NULL, lease INTEGER NOT NULL,
+    PRIMARY KEY (revision, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS leases (id INTEGER PRIMARY KEY AUTOINCREMENT, ttl INTEGER NOT NULL,
+    expires_at REAL NOT NULL);
+"""
+
+
+def other_programs_database(path: Path) -> None:
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+        db.execute("INSERT INTO users (name) VALUES ('alice')")
+    sqlite3.connect(path).close()
+
+
+def marked_by_another_program(path: Path) -> None:
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA application_id = 1234")
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda p: p.write_text("not a database, just text\n" * 40), "not an SQLite database"),
+        (lambda p: p.write_bytes(b"x"), "not an SQLite database"),  # SQLite reads it as empty
+        (lambda p: p.write_bytes(b"SQLite format 3\0" + b"\xff" * 200), "not an SQLite database"),
+        (other_programs_database, "not ipward's (tables: users)"),
+        (marked_by_another_program, "another program's SQLite database"),
+        (lambda p: p.mkdir(), "is a directory"),
+    ],
+    ids=["text", "one-byte", "bad-header", "other-program", "other-application-id", "directory"],
+)
+@pytest.mark.parametrize("create", [True, False])
+def test_sqlite_refuses_what_is_not_an_ipward_store_and_changes_nothing(
+    tmp_path: Path, make: Callable[[Path], None], needle: str, create: bool
+) -> None:
+    path = tmp_path / "store.db"
+    make(path)
+    before = sorted((p.name, p.read_bytes() if p.is_file() else b"") for p in tmp_path.iterdir())
+    with pytest.raises(StoreIncompatible, match=re.escape(needle)):
+        open_backend(f"sqlite://{path}", create=create)
+    after = sorted((p.name, p.read_bytes() if p.is_file() else b"") for p in tmp_path.iterdir())
+    assert after == before  # not a byte written, no -wal or -shm file made
+
+
+def test_sqlite_refuses_a_device() -> None:
+    with pytest.raises(StoreIncompatible, match="not a regular file"):
+        open_backend("sqlite:///dev/null")
+
+
+def test_sqlite_makes_a_store_only_of_an_absent_or_empty_file_and_only_if_asked(
+    tmp_path: Path,
+) -> None:
+    absent_path = tmp_path / "new" / "dir" / "store.db"
+    empty_path = tmp_path / "empty.db"
+    empty_path.touch()
+    for path in (absent_path, empty_path):
+        with pytest.raises(StoreMissing, match="no store at"):
+            open_backend(f"sqlite://{path}", create=False)
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db"]
+    assert empty_path.stat().st_size == 0
+    for path in (absent_path, empty_path):
+        with open_backend(f"sqlite://{path}") as store:
+            put(store, "k", b"v")
+        with sqlite3.connect(path) as db:
+            marks = db.execute("SELECT * FROM pragma_application_id(), pragma_user_version()")
+            assert marks.fetchone() == (sqlite.APPLICATION_ID, sqlite.LAYOUT)
+        with open_backend(f"sqlite://{path}", create=False) as store:
+            kv = store.get("k")
+            assert kv is not None and kv.value == b"v"
+
+
+def test_sqlite_store_from_before_the_mark_is_recognised_and_marked(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(UNMARKED_LAYOUT)
+        db.execute("INSERT INTO kv VALUES ('pools/p', x'7b7d', 2, 2, 1, 0)")
+        db.execute("UPDATE meta SET value = 2 WHERE name = 'revision'")
+    with open_backend(f"sqlite://{path}", create=False) as store:
+        assert store.range("pools/")[0][0].value == b"{}"
+        assert store.revision() == 2
+    with sqlite3.connect(path) as db:
+        marks = db.execute("SELECT * FROM pragma_application_id(), pragma_user_version()")
+        assert marks.fetchone() == (sqlite.APPLICATION_ID, sqlite.LAYOUT)
+
+
+def test_sqlite_refuses_a_newer_file_layout(tmp_path: Path) -> None:
+    path = tmp_path / "store.db"
+    open_backend(f"sqlite://{path}").close()
+    with sqlite3.connect(path) as db:
+        db.execute(f"PRAGMA user_version = {sqlite.LAYOUT + 1}")
+    with pytest.raises(
+        StoreIncompatible, match=f"layout {sqlite.LAYOUT + 1}.*layout {sqlite.LAYOUT}"
+    ):
+        open_backend(f"sqlite://{path}")
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("etcd://127.0.0.1:99999", "port '99999'"),
+        ("etcd://127.0.0.1:0", "port '0'"),
+        ("etcd://127.0.0.1:x", "port 'x'"),
+        ("etcd://127.0.0.1:", "port ''"),
+        ("etcd://:2379", "host"),
+        ("etcd://h:1,", "host"),
+        ("etcd://h:1,:2", "host"),
+        ("etcd://a b:1", "host"),
+        ("etcd://[::1:1", "IPv6"),
+        ("etcd://[::1]:70000", "port '70000'"),
+        ("etcd://h:1?timeout=nan", "timeout 'nan'"),
+        ("etcd://h:1?timeout=inf", "timeout 'inf'"),
+        ("etcd://h:1?timeout=-1", "timeout '-1'"),
+        ("etcd://h:1?timeout=1&timeout=2", "twice: timeout"),
+        ("etcd://h:1#x", "etcd://HOST:PORT"),
+        ("sqlite:///tmp/x.db?mode=ro", "query (?mode=ro)"),
+        ("sqlite:///tmp/x.db#frag", "fragment (#frag)"),
+        ("sqlite:///tmp/", "must name a file"),
+        ("sqlite://tmp/x.db", "absolute path"),
+    ],
+)
+def test_store_urls_are_checked_part_by_part(url: str, needle: str) -> None:
+    with pytest.raises(StoreError) as e:
+        open_backend(url)
+    assert not isinstance(e.value, StoreUnavailable)
+    assert needle in str(e.value)
+
+
+def test_etcd_url_accepts_what_it_documents() -> None:
+    from ipward.store.etcd import EtcdStore
+
+    for url, targets in [
+        ("etcd://h", ["h:2379"]),
+        ("etcd://h:1,10.0.0.2:2379", ["h:1", "10.0.0.2:2379"]),
+        ("etcd://[::1]:2379,[fd00::2]", ["[::1]:2379", "[fd00::2]:2379"]),
+    ]:
+        assert EtcdStore.from_url(url + "?timeout=0.5")._targets == targets
+
+
+WRITER = """
+import sys
+from ipward.store import open_backend
+from ipward.store.base import Put
+store = open_backend(sys.argv[1])
+for line in sys.stdin:
+    store.txn([], [Put("k", line.strip().encode())])
+    print("written", flush=True)
+"""
+
+
+def test_sqlite_commits_of_the_process_that_made_the_file_stay_visible(tmp_path: Path) -> None:
+    """A long-lived process makes the store, other processes come and go: each sees its
+    every commit. (Found: making a file looked at its header through a descriptor of
+    its own; closing it dropped the process's POSIX locks on the file, so the next
+    process to close thought itself the last, deleted the WAL, and every later commit
+    of the first went to a deleted file.)"""
+    url = f"sqlite://{tmp_path}/new.db"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdin is not None and writer.stdout is not None
+    try:
+        for value in ("1", "2", "3"):
+            writer.stdin.write(value + "\n")
+            writer.stdin.flush()
+            assert writer.stdout.readline() == "written\n"
+            with open_backend(url) as reader:  # opens and closes a connection
+                kv = reader.get("k")
+                assert kv is not None and kv.value == value.encode()
+    finally:
+        writer.stdin.close()
+        writer.wait(30)

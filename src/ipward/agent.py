@@ -56,6 +56,7 @@ from prometheus_client import (
 
 from ipward import blocks, cni, gc, jsonc, log
 from ipward import records as rec
+from ipward.config import check_node_name
 from ipward.errors import InvalidConfig, IpwardError, TryAgainLater
 from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import (
@@ -68,7 +69,7 @@ from ipward.liveness import (
 from ipward.pool import PoolSpec
 from ipward.selection import PodDirectory, PodMeta
 from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http
-from ipward.store import Store, StoreError, open_store
+from ipward.store import Store, StoreError, open_store_waiting
 from ipward.store.base import Put
 from ipward.wire import MAX_FRAME, WireError, decode_env, frame, recv_frame
 
@@ -736,9 +737,17 @@ def run_agent(
     source = open_source(liveness, node=node) if liveness else None
     directory = ClusterDirectory(open_source(cluster)) if cluster else None
     try:
-        store = open_store(store_url)
-    except StoreError as e:
+        # The schema is checked before serving: while the store cannot be reached, the
+        # plugin finds no agent and answers 11, as it would for an unreachable store.
+        store = open_store_waiting(store_url, stop)
+    except StoreError as e:  # not usable (106), a bad URL: permanent
+        log.error("store not usable; not starting", store=redact(store_url), error=str(e))
         raise AgentError(f"store {redact(store_url)}: {e}") from e
+    if store is None:
+        log.info("agent stopped while waiting for its store", node=node)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        return 0
     try:
         store_revision: int | str = store.revision()
     except StoreError as e:  # serve anyway: calls answer 11 until the store is back
@@ -920,8 +929,7 @@ def agent_command(
     url = store_url or getattr(ctx.obj, "store_url", None)
     if not url:
         raise InvalidConfig("no store: give --store or IPWARD_STORE")
-    if not node:
-        raise InvalidConfig("--node must not be empty")
+    check_node_name(node, "--node")
     status = run_agent(
         node,
         url,

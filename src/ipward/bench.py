@@ -50,12 +50,14 @@ import click
 
 import ipward
 from ipward import records as rec
+from ipward import schema
 from ipward.addr import Block
 from ipward.etcdlab import ETCD, etcd_server
 from ipward.ledger import Ledger
 from ipward.liveness import write_sim_state
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
+from ipward.store import open_store
 from ipward.store.base import Put, Store, StoreError, absent, at_revision
 from ipward.store.sqlite import SqliteStore
 
@@ -639,6 +641,7 @@ class RecordStore:
         now = time.time()
         store = SqliteStore(self.path)
         try:
+            schema.ensure(store, self.path, create=True)  # an agent opens it: as ipward makes it
             store._conn.execute("PRAGMA synchronous=OFF")
             bulk_fill(
                 store,
@@ -1650,7 +1653,7 @@ def run_cluster(
         (tmp / "etcd").mkdir()
         url = stack.enter_context(_etcd(tmp / "etcd"))
         client_url = "http://" + url.removeprefix("etcd://")
-        admin = EtcdStore.from_url(url)
+        admin = open_store(url)
         stack.callback(admin.close)
         spec = _cluster_pool()
         _create_pool(admin, spec)

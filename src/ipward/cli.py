@@ -4,10 +4,12 @@ exit status 2 (1 is kept for `check` finding problems)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,14 @@ from rich.table import Table
 
 from ipward import gc as gc_rules
 from ipward import records as rec
+from ipward import schema, transfer
 from ipward.addr import format_ip, parse_cidr, parse_ip
 from ipward.config import DEFAULT_STORE
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import Ledger
 from ipward.pool import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM, PoolSpec
-from ipward.serving import add_grace_option
-from ipward.store import Store, StoreError, open_store
+from ipward.serving import add_grace_option, redact
+from ipward.store import Store, StoreError, open_backend, open_store, store_location
 
 # Scripts and CI pipe the output: give tables room instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -35,13 +38,27 @@ class Context:
     def __init__(self, store_url: str, as_json: bool) -> None:
         self.store_url = store_url
         self.as_json = as_json
+        self.create = False  # set by the commands that may make a store (pass_ctx_may_create)
         self._store: Store | None = None
 
     @property
     def store(self) -> Store:
+        """The store, checked (ipward's, at this code's schema); made only by a command
+        that may create it: any other finds "no store at ..." and creates nothing."""
         if self._store is None:
-            self._store = open_store(self.store_url)
+            self._store = open_store(self.store_url, create=self.create)
         return self._store
+
+    def backend(self) -> Store:
+        """The store without the schema check, for the commands that handle the schema
+        themselves (`migrate`, `import`)."""
+        if self._store is None:
+            self._store = open_backend(self.store_url, create=self.create)
+        return self._store
+
+    @property
+    def where(self) -> str:
+        return store_location(self.store_url)
 
     def ledger(self) -> Ledger:
         return Ledger(self.store, node=os.uname().nodename)
@@ -53,7 +70,48 @@ class Context:
             console.print(human)
 
 
-pass_ctx = click.make_pass_decorator(Context)
+def _set_global(ctx: click.Context, param: click.Parameter, value: object) -> None:
+    """A global option given after the command's name: it wins over one given before."""
+    if value is not None and value is not False:
+        setattr(ctx.find_object(Context), str(param.name), value)
+
+
+def _uses_store(create: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Pass the Context to a command and give it the global options, so `ipward check
+    --store URL` works as `ipward --store URL check` does (as etcdctl and kubectl take
+    flags anywhere). Options on the command, rather than a group that moves words around
+    before parsing: click parses them, `--help` lists them, and a command's own option
+    of the same name (`sim --store KIND`) is never taken for the global one."""
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(f)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            c = click.get_current_context().find_object(Context)
+            assert c is not None
+            c.create = create
+            return f(c, *args, **kwargs)
+
+        run = click.option(
+            "--store",
+            "store_url",
+            expose_value=False,
+            callback=_set_global,
+            help="Store URL (also before the command, or IPWARD_STORE).",
+        )(run)
+        return click.option(
+            "--json",
+            "as_json",
+            is_flag=True,
+            expose_value=False,
+            callback=_set_global,
+            help="Machine-readable output (also before the command).",
+        )(run)
+
+    return decorate
+
+
+pass_ctx = _uses_store(create=False)
+pass_ctx_may_create = _uses_store(create=True)
 
 
 class IpwardGroup(click.Group):
@@ -79,6 +137,7 @@ class IpwardGroup(click.Group):
     help="Store URL: sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.version_option(package_name="ipward", prog_name="ipward", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx: click.Context, store: str, as_json: bool) -> None:
     """ipward: cluster-wide IP address management for container networks."""
@@ -161,7 +220,7 @@ def parse_range_option(text: str) -> dict:
     multiple=True,
     help="Only this node may use the pool; repeatable (default: any).",
 )
-@pass_ctx
+@pass_ctx_may_create
 def pool_create(
     c: Context,
     name: str,
@@ -683,14 +742,95 @@ def status_command(c: Context) -> None:
         {"name": spec.name, "used": used, "capacity": spec.attachments_capacity()}
         for spec, used in _pools_in_use(c)
     ]
-    data = {"store": c.store_url, "revision": c.store.revision(), "pools": pools}
-    lines = [f"store     {c.store_url}", f"revision  {data['revision']}"]
+    data = {
+        "store": redact(c.store_url),
+        "revision": c.store.revision(),
+        "schema": schema.VERSION,  # open_store refuses any other
+        "pools": pools,
+    }
+    lines = [
+        f"store     {data['store']}",
+        f"revision  {data['revision']}",
+        f"schema    {data['schema']}",
+    ]
     for p in pools:
         lines.append(
             f"pool      {p['name']:<16} {_bar(p['used'], p['capacity'])}"
             f"  {p['used']:,}/{p['capacity']:,}"
         )
     c.emit(data, "\n".join(lines))
+
+
+# -- schema, export, import -------------------------------------------------------------
+
+
+@cli.command("migrate")
+@pass_ctx
+def migrate_command(c: Context) -> None:
+    """Bring the store to this ipward's schema version, one step (one transaction) per
+    version; safe to run again. Refuses a store newer than this ipward."""
+    found, reached = schema.migrate(c.backend(), c.where)
+    data = {"store": c.where, "found": found, "version": schema.VERSION, "steps": reached}
+    if reached:
+        steps = ", ".join(f"{v - 1} -> {v}" for v in reached)
+        human = f"migrated {c.where} from schema version {found} to {schema.VERSION} ({steps})"
+    else:
+        human = f"{c.where} is at schema version {schema.VERSION}: nothing to do"
+    c.emit(data, human)
+
+
+@cli.command("export")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write here (replaced atomically when complete) instead of to stdout.",
+)
+@pass_ctx
+def export_command(c: Context, output: str | None) -> None:
+    """The whole ledger as JSON lines, read at one revision: a header, then one line per
+    key. Leased keys (node registrations, the leader key) are not exported."""
+    if output is None:
+        header = transfer.export(c.store, c.where, sys.stdout)
+    else:
+        partial = f"{output}.partial-{os.getpid()}"
+        try:
+            with open(partial, "w") as f:
+                header = transfer.export(c.store, c.where, f)
+            os.replace(partial, output)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    summary = f"exported {header['keys']:,} keys at revision {header['revision']} to {output}"
+    if output is not None:
+        click.echo(json.dumps(header) if c.as_json else summary, err=not c.as_json)
+
+
+@cli.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--batch-keys",
+    type=click.IntRange(1, 100),
+    default=transfer.BATCH_KEYS,
+    show_default=True,
+    help="Keys per transaction.",
+)
+@pass_ctx_may_create
+def import_command(c: Context, file: str, batch_keys: int) -> None:
+    """Load an `ipward export` FILE into an empty store (made if there is none), in
+    bounded transactions; other processes refuse the store until it is done. An import
+    cut short is finished by running the same command again."""
+    export_file = transfer.ExportFile(file)  # checked whole before the store is touched
+    summary = transfer.import_file(c.backend(), c.where, export_file, batch_keys)
+    human = (
+        f"imported {summary['keys']:,} keys into {c.where}"
+        f" (exported at revision {summary['source_revision']})"
+    )
+    if summary["resumed_at"]:
+        human += f", resumed after key {summary['resumed_at']:,}"
+    if summary["schema"] < schema.VERSION:
+        human += f"; schema version {summary['schema']}: run `ipward migrate`"
+    c.emit(summary, human)
 
 
 # -- install ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from ipward import jsonc, log
 from ipward.config import SUPPORTED_VERSIONS, Call, IpamConfig
 from ipward.errors import (
     DecodeFailure,
+    IncompatibleStore,
     IncompatibleVersion,
     InvalidConfig,
     InvalidEnvironment,
@@ -121,7 +122,7 @@ def _ledger(config: IpamConfig) -> Ledger:
         # not read plainly (escapes) reaches this point.
         raise InvalidConfig("ipam.agentSocket must be a plain path without escapes")
     from ipward.ledger import Ledger
-    from ipward.store import StoreError, StoreUnavailable, open_store
+    from ipward.store import StoreError, StoreIncompatible, StoreUnavailable, open_store
 
     if not config.store_url.startswith("sqlite://"):
         raise InvalidConfig(
@@ -132,6 +133,8 @@ def _ledger(config: IpamConfig) -> Ledger:
         return Ledger(open_store(config.store_url), config.node)
     except StoreUnavailable as e:
         raise TryAgainLater(f"store unreachable: {e}") from e
+    except StoreIncompatible as e:
+        raise IncompatibleStore(f"store not usable: {e}") from e
     except StoreError as e:
         raise InvalidConfig(str(e)) from e
 

@@ -35,6 +35,33 @@ _KNOWN_ARGS = frozenset(
 )
 
 
+_NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._")
+MAX_NODE_NAME = 253
+
+
+def node_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a node's name, or None. Kubernetes node names are DNS
+    subdomains (lowercase letters, digits, '-', '.', at most 253); host names that are
+    not (upper case, '_') are taken too. Never '/' (store keys are split on it), spaces
+    or control characters."""
+    if not name:
+        return "is empty"
+    if len(name) > MAX_NODE_NAME:
+        return f"is longer than {MAX_NODE_NAME} characters"
+    if not set(name) <= _NODE_CHARS or not (name[0].isalnum() and name[-1].isalnum()):
+        return (
+            "is not a node name (letters, digits, '-', '.', '_'; a letter or digit first and last)"
+        )
+    return None
+
+
+def check_node_name(name: str, field: str) -> str:
+    problem = node_name_problem(name)
+    if problem:
+        raise InvalidConfig(f"{field} {name!r} {problem}")
+    return name
+
+
 class IpamConfig:
     """What one plugin call needs, parsed and checked."""
 
@@ -70,7 +97,7 @@ class IpamConfig:
             raise InvalidConfig("the 'ipam' section is missing or not an object")
         self.store_url = _str(ipam, "store", DEFAULT_STORE)
         self.agent_socket = _str(ipam, "agentSocket", "") or _str(ipam, "agent_socket", "")
-        self.node = _str(ipam, "node", "") or os.uname().nodename
+        self.node = check_node_name(_str(ipam, "node", "") or os.uname().nodename, "ipam.node")
         self.log_file = _str(ipam, "logFile", "") or _str(ipam, "log_file", "")
         self.log_level = _str(ipam, "logLevel", "info")
         self.routes = _routes(ipam.get("routes", []))

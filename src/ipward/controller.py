@@ -72,12 +72,13 @@ from prometheus_client.registry import Collector
 
 from ipward import blocks, gc, log
 from ipward import records as rec
+from ipward.config import node_name_problem
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.pool import PoolSpec
 from ipward.serving import add_grace_option, parse_address, redact, start_http
-from ipward.store import Store, StoreError, StoreUnavailable, open_store
+from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
 
 if TYPE_CHECKING:
@@ -550,9 +551,13 @@ class Controller:
             )
             return []
         if isinstance(evidence.cluster, ClusterView):
+            named = {*nodes, *self._block_nodes()}
+            unnamed = sorted(n for n in named if node_name_problem(n))
+            if unnamed:  # written before names were checked: never judged gone
+                log.error("records name invalid nodes; not judged gone", nodes=unnamed)
             self.gone_nodes = frozenset(
                 n
-                for n in {*nodes, *self._block_nodes()}
+                for n in named.difference(unnamed)
                 if n not in evidence.registered and n not in evidence.cluster.nodes
             )
         verdicts, retirements = seen.verdicts, seen.retirements
@@ -874,10 +879,18 @@ def run_controller(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        pass_store = open_store(store_url)
-        election_store = open_store(store_url)
-    except StoreError as e:
+        # The schema is checked before the first pass; an unreachable store is waited for.
+        pass_store = open_store_waiting(store_url, stop)
+        # The same store, checked just now.
+        election_store = open_backend(store_url) if pass_store is not None else None
+    except StoreError as e:  # not usable (106), a bad URL: permanent
+        log.error("store not usable; not starting", store=redact(store_url), error=str(e))
         raise ControllerError(f"store {redact(store_url)}: {e}") from e
+    if pass_store is None or election_store is None:
+        log.info("controller stopped while waiting for its store", id=ident)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        return 0
     election = Election(election_store, ident, lease_ttl)
     metrics = Metrics(ident, lambda: election.leading)
     controller = Controller(

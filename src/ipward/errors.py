@@ -97,6 +97,14 @@ class PoolNotAllowed(IpwardError):
     code = 105
 
 
+class IncompatibleStore(IpwardError):
+    """The store is not usable by this code: not an ipward store (another program's
+    file or database), a newer schema, an older one not migrated, an import in
+    progress. Permanent: trying again cannot help."""
+
+    code = 106
+
+
 CODES = {
     cls.code: cls
     for cls in (
@@ -115,5 +123,6 @@ CODES = {
         UnknownPool,
         OwnerChanged,
         PoolNotAllowed,
+        IncompatibleStore,
     )
 }

@@ -39,6 +39,7 @@ from typing import Protocol, TypeVar
 
 from ipward import log, testpoints
 from ipward import records as rec
+from ipward.config import node_name_problem
 from ipward.errors import OwnerChanged
 from ipward.liveness import ClusterView, LivenessSource, LivenessUnavailable, NodeView
 
@@ -239,7 +240,7 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
         return Verdict(held, None, f"cluster view only {age:.1f}s after the ADD (grace {grace:g}s)")
     if (
         not stopped
-        and held.node
+        and node_name_problem(held.node) is None  # a name no node can have proves nothing
         and held.node not in evidence.registered
         and held.node not in cluster.nodes
     ):

@@ -11,6 +11,7 @@
     sticky/<network>/<namespace>/<name>           a sticky reservation: the identity's addresses
     nodes/<node>                                  agent registration, held by its lease
     controller/leader                             {id, since}, held by the leader's lease
+    meta/schema                                   {version[, import]}: see ipward.schema
 
 One record per fact and one key per address: nothing grows per pool.
 """
@@ -28,6 +29,26 @@ ACTIVE = "active"
 MARKED = "marked"  # the controller asks for it back
 READY = "ready"  # the agent agrees: no records, nothing in flight
 REFUSED = "refused"  # the agent needs it
+
+
+SCHEMA_KEY = "meta/schema"
+# Every kind of key, by prefix: what makes a store hold ipward data (no common prefix:
+# on a shared etcd, ipward's keys are those under these).
+LEASED_PREFIXES = ("controller/", "nodes/")  # held by a running process's lease
+DATA_PREFIXES = (
+    "affinity/",
+    "attach/",
+    "blockcursor/",
+    "blockfree/",
+    "blocks/",
+    "fill/",
+    "free/",
+    "freeq/",
+    "ips/",
+    "pools/",
+    "sticky/",
+)
+PREFIXES = ("meta/", *DATA_PREFIXES, *LEASED_PREFIXES)
 
 
 def encode(obj: dict) -> bytes:

@@ -1,19 +1,85 @@
-"""Store backends behind one contract (see `base`). `open_store` picks one by URL:
-`sqlite:///path/to/file.db` or `etcd://host:port[,host:port...]?ca=&cert=&key=&user=&password=`.
+"""Store backends behind one contract (see `base`). `open_store` picks one by URL,
+`sqlite:///path/to/file.db` or `etcd://host:port[,host:port...]?ca=&cert=&key=&user=&password=`,
+and checks that it holds a ledger this code may use (`ipward.schema`).
 """
 
 from __future__ import annotations
 
-from ipward.store.base import Store, StoreError, StoreUnavailable
+from ipward.store.base import (
+    Store,
+    StoreError,
+    StoreIncompatible,
+    StoreMissing,
+    StoreUnavailable,
+)
 
-__all__ = ["Store", "StoreError", "StoreUnavailable", "open_store"]
+__all__ = [
+    "Store",
+    "StoreError",
+    "StoreIncompatible",
+    "StoreMissing",
+    "StoreUnavailable",
+    "open_backend",
+    "open_store",
+    "open_store_waiting",
+    "store_location",
+]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from threading import Event
 
 
-def open_store(url: str) -> Store:
+def store_location(url: str) -> str:
+    """The URL without its options (which may hold a password): for messages."""
+    return url.partition("?")[0]
+
+
+def open_store(url: str, *, create: bool = True) -> Store:
+    """The store at `url`, checked: ipward's, at the schema version this code knows, no
+    import in progress (else StoreIncompatible). `create`: a store that is not there is
+    made (file, tables, schema key); without it, StoreMissing and nothing is created."""
+    from ipward import schema
+
+    store = open_backend(url, create=create)
+    try:
+        schema.ensure(store, store_location(url), create=create)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def open_store_waiting(url: str, stop: Event) -> Store | None:
+    """`open_store` for the agent and the controller, which check the store before they
+    serve: retried while the store cannot be reached (after 1 s, doubling up to 30 s,
+    each wait logged), until `stop` is set (then None). A store that is not usable
+    (StoreIncompatible) raises at once."""
+    from ipward import log
+
+    delay = 1.0
+    while True:
+        try:
+            return open_store(url)
+        except StoreUnavailable as e:
+            log.warning(
+                "store unreachable at start; waiting for it",
+                store=store_location(url),
+                error=str(e),
+                retry_in=delay,
+            )
+            if stop.wait(delay):
+                return None
+            delay = min(2 * delay, 30.0)
+
+
+def open_backend(url: str, *, create: bool = True) -> Store:
+    """The backend at `url`, without the schema check: for the store's own tests and for
+    the commands that handle the schema themselves (`migrate`, `import`)."""
     if url.startswith("sqlite://"):
         from ipward.store.sqlite import SqliteStore
 
-        return SqliteStore.from_url(url)
+        return SqliteStore.from_url(url, create=create)
     if url.startswith(("etcd://", "etcds://")):
         from ipward.store.etcd import EtcdStore
 

@@ -27,6 +27,17 @@ class StoreUnavailable(StoreError):
     """The store cannot be reached or is too busy; the caller may try again later."""
 
 
+class StoreMissing(StoreError):
+    """There is no store at this URL, and the caller may not create one (a read-only
+    command): no file, an empty file, or an etcd without ipward's schema key."""
+
+
+class StoreIncompatible(StoreError):
+    """The store is there but this code must not use it: not ipward's (a garbage file,
+    another program's database, a directory), a newer layout or schema, an older schema
+    not yet migrated, an import in progress. Permanent: trying again cannot help."""
+
+
 class KeyValue:
     __slots__ = ("create_revision", "key", "lease", "mod_revision", "value", "version")
 
@@ -188,6 +199,12 @@ class Store(abc.ABC):
     def range(self, prefix: str, limit: int = 0) -> tuple[list[KeyValue], int]:
         """Keys starting with `prefix`, in key order, at most `limit` (0: all), and the
         store revision they were read at."""
+
+    @abc.abstractmethod
+    def snapshot(self, prefixes: Sequence[str]) -> tuple[list[KeyValue], int]:
+        """Every key under each of `prefixes` (prefix by prefix, each in key order), all
+        read at one revision, and that revision: a consistent picture of several
+        prefixes, for export."""
 
     @abc.abstractmethod
     def txn(

@@ -12,6 +12,7 @@ resent compare-and-swap that had in fact been applied would report failure.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import urllib.parse
@@ -41,6 +42,7 @@ Metadata = tuple[tuple[str, str], ...]
 
 DEFAULT_PORT = 2379
 OPTIONS = ("ca", "cert", "key", "user", "password", "timeout")
+SNAPSHOT_PAGE = 1000  # keys per range request of a snapshot
 
 # Makes a member cut off from its leader refuse at once ("no leader") instead of hanging
 # until the deadline, and end watches it can no longer feed.
@@ -128,26 +130,35 @@ class EtcdStore(Store):
     @classmethod
     def from_url(cls, url: str) -> EtcdStore:
         """`etcd://host:port[,host:port...]` (`etcds://` for TLS) with query options
-        ca, cert, key (PEM files), user, password and timeout (seconds, default 5)."""
-        parts = urllib.parse.urlsplit(url)
+        ca, cert, key (PEM files), user, password and timeout (seconds, default 5). Each
+        part is checked here, so a typo is an error naming it, not a connection to
+        somewhere else."""
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError as e:  # a bracketed host that is not IPv6
+            raise StoreError(f"etcd URL {url!r}: {e}") from None
         if parts.scheme not in ("etcd", "etcds"):
             raise StoreError(f"not an etcd URL: {url!r}")
         if "@" in parts.netloc:
             raise StoreError("etcd URL: give credentials as ?user=NAME&password=SECRET")
-        hosts = parts.netloc.split(",")
-        if not all(hosts) or parts.path not in ("", "/"):
+        if parts.path not in ("", "/") or parts.fragment:
             raise StoreError(f"etcd URL must be etcd://HOST:PORT[,HOST:PORT...]: {url!r}")
-        endpoints = [h if ":" in h else f"{h}:{DEFAULT_PORT}" for h in hosts]
-        opts = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+        endpoints = [_endpoint(h) for h in parts.netloc.split(",")]
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        opts = dict(query)
         unknown = sorted(set(opts) - set(OPTIONS))
         if unknown:
             raise StoreError(f"etcd URL: unknown option(s) {', '.join(unknown)}")
+        names = [name for name, _ in query]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise StoreError(f"etcd URL: option(s) given twice: {', '.join(twice)}")
         try:
             timeout = float(opts.get("timeout", 5))
         except ValueError:
             raise StoreError(f"etcd URL: bad timeout {opts['timeout']!r}") from None
-        if timeout <= 0:
-            raise StoreError("etcd URL: timeout must be positive")
+        if not 0 < timeout < math.inf:  # also refuses nan
+            raise StoreError(f"etcd URL: timeout {opts['timeout']!r} must be a positive number")
         if ("user" in opts) != ("password" in opts):
             raise StoreError("etcd URL: give both user and password, or neither")
         credentials = None
@@ -183,6 +194,27 @@ class EtcdStore(Store):
         req = rpc.RangeRequest(key=key or b"\0", range_end=_prefix_end(key), limit=limit)
         resp = self._call(lambda ep, md, t: ep.kv.Range(req, timeout=t, metadata=md))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    def snapshot(self, prefixes: Sequence[str]) -> tuple[list[KeyValue], int]:
+        # Pages of SNAPSHOT_PAGE keys; the first answer's revision pins every later
+        # request, so all pages of all prefixes are one revision (etcd's MVCC serves it
+        # unless compacted meanwhile, which fails the call).
+        kvs: list[KeyValue] = []
+        revision = 0
+        for prefix in prefixes:
+            key = prefix.encode()
+            start, end = key or b"\0", _prefix_end(key)
+            while True:
+                req = rpc.RangeRequest(
+                    key=start, range_end=end, limit=SNAPSHOT_PAGE, revision=revision
+                )
+                resp = self._call(lambda ep, md, t: ep.kv.Range(req, timeout=t, metadata=md))  # noqa: B023
+                revision = revision or resp.header.revision
+                kvs.extend(_kv(kv) for kv in resp.kvs)
+                if not resp.more:
+                    break
+                start = resp.kvs[-1].key + b"\0"
+        return kvs, revision
 
     def txn(
         self,
@@ -375,6 +407,30 @@ class EtcdWatch(Watch):
         self._cancelled.set()
         self._call.cancel()
         self._endpoint.channel.close()
+
+
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
+_V6_CHARS = frozenset("0123456789abcdefABCDEF:.")
+
+
+def _endpoint(text: str) -> str:
+    """One `host[:port]` or `[v6][:port]` of an etcd URL, checked, as grpc's target."""
+    if text.startswith("["):
+        address, bracket, rest = text[1:].partition("]")
+        if not bracket or not address or not set(address) <= _V6_CHARS:
+            raise StoreError(f"etcd URL: bad IPv6 host in {text!r} (write [ADDRESS]:PORT)")
+        host, colon, port = f"[{address}]", rest[:1], rest[1:]
+        if rest and colon != ":":
+            raise StoreError(f"etcd URL: {rest!r} after the IPv6 host in {text!r}")
+    else:
+        host, colon, port = text.partition(":")
+        if not host or not set(host) <= _HOST_CHARS:
+            raise StoreError(f"etcd URL: empty or bad host in {text!r}")
+    if not colon:
+        port = str(DEFAULT_PORT)
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise StoreError(f"etcd URL: port {port!r} of {text!r} is not a number from 1 to 65535")
+    return f"{host}:{int(port)}"
 
 
 def _read(path: str | None) -> bytes | None:

@@ -28,6 +28,8 @@ from ipward.store.base import (
     Put,
     Store,
     StoreError,
+    StoreIncompatible,
+    StoreMissing,
     StoreUnavailable,
     TxnResult,
     Watch,
@@ -37,33 +39,47 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS kv (
-    key TEXT PRIMARY KEY,
-    value BLOB NOT NULL,
-    create_revision INTEGER NOT NULL,
-    mod_revision INTEGER NOT NULL,
-    version INTEGER NOT NULL,
-    lease INTEGER NOT NULL DEFAULT 0
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO meta VALUES ('revision', 1), ('compacted', 0);
-CREATE TABLE IF NOT EXISTS events (
-    revision INTEGER NOT NULL,
-    seq INTEGER NOT NULL,
-    kind TEXT NOT NULL,
-    key TEXT NOT NULL,
-    value BLOB NOT NULL,
-    create_revision INTEGER NOT NULL,
-    version INTEGER NOT NULL,
-    lease INTEGER NOT NULL,
-    PRIMARY KEY (revision, seq)
-) WITHOUT ROWID;
--- AUTOINCREMENT: a lease id is never reused, or a holder whose lease expired could
--- keep alive or revoke the next holder's lease.
-CREATE TABLE IF NOT EXISTS leases (id INTEGER PRIMARY KEY AUTOINCREMENT, ttl INTEGER NOT NULL,
-                                   expires_at REAL NOT NULL);
-"""
+# The tables, made in one transaction with the marks below when a file is new.
+_TABLES = (
+    """CREATE TABLE kv (
+        key TEXT PRIMARY KEY,
+        value BLOB NOT NULL,
+        create_revision INTEGER NOT NULL,
+        mod_revision INTEGER NOT NULL,
+        version INTEGER NOT NULL,
+        lease INTEGER NOT NULL DEFAULT 0
+    ) WITHOUT ROWID""",
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+    "INSERT INTO meta VALUES ('revision', 1), ('compacted', 0)",
+    """CREATE TABLE events (
+        revision INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value BLOB NOT NULL,
+        create_revision INTEGER NOT NULL,
+        version INTEGER NOT NULL,
+        lease INTEGER NOT NULL,
+        PRIMARY KEY (revision, seq)
+    ) WITHOUT ROWID""",
+    # AUTOINCREMENT: a lease id is never reused, or a holder whose lease expired could
+    # keep alive or revoke the next holder's lease.
+    """CREATE TABLE leases (id INTEGER PRIMARY KEY AUTOINCREMENT, ttl INTEGER NOT NULL,
+                            expires_at REAL NOT NULL)""",
+)
+
+# An ipward file is marked in its header: `application_id` says whose file it is (SQLite
+# keeps the field for exactly this), `user_version` which table layout it has. A file
+# without the mark that has tables is another program's and is never touched; a file
+# with the mark is known by reading two header fields, which replaces the table lookup
+# an open did before.
+APPLICATION_ID = 0x49505744  # "IPWD"
+LAYOUT = 1
+# Files made before the mark existed (layout 0): exactly these tables, this kv table.
+_UNMARKED_TABLES = frozenset(("kv", "meta", "events", "leases"))
+_KV_COLUMNS = ["key", "value", "create_revision", "mod_revision", "version", "lease"]
+# SQLite's answers for a file that is not a database, or not a sound one.
+_NOT_A_DATABASE = (26, 11)  # SQLITE_NOTADB, SQLITE_CORRUPT
 
 # Watch history kept in the file: a watcher further behind than this gets StoreError,
 # as with a compacted etcd revision.
@@ -75,6 +91,15 @@ _HEADER = (
     "SELECT value, EXISTS (SELECT 1 FROM leases WHERE expires_at <= ?)"
     " FROM meta WHERE name = 'revision'"
 )
+
+
+def _marks(conn: sqlite3.Connection) -> tuple[int, int]:
+    """(application_id, user_version) from the file's header. Two PRAGMAs: the one-query
+    form (`pragma_application_id()` table functions) costs some 50 us more per open."""
+    return (
+        conn.execute("PRAGMA application_id").fetchone()[0],
+        conn.execute("PRAGMA user_version").fetchone()[0],
+    )
 
 
 def _row(row: tuple) -> KeyValue:
@@ -90,37 +115,47 @@ def _prefix_end(prefix: str) -> str:
 
 
 class SqliteStore(Store):
-    def __init__(self, path: str, busy_timeout: float = 5.0) -> None:
+    """`create`: a missing or empty file (and its directory) may be made into a store;
+    without it such a file is StoreMissing and nothing is created."""
+
+    def __init__(self, path: str, busy_timeout: float = 5.0, *, create: bool = True) -> None:
         self.path = path
         self._lock = _thread.RLock()
         try:
+            if not create and not os.path.exists(path):
+                raise StoreMissing(f"no store at sqlite://{path}")
             directory = os.path.dirname(path)
-            if directory:
+            if directory and create:
                 os.makedirs(directory, exist_ok=True)
-            self._conn = self._open(path, busy_timeout)
+            self._conn = self._open(path, busy_timeout, create)
         except (sqlite3.Error, OSError) as e:
+            if isinstance(e, sqlite3.Error) and e.sqlite_errorcode in _NOT_A_DATABASE:
+                raise StoreIncompatible(f"{path} is not an SQLite database: {e}") from e
+            if os.path.isdir(path):
+                raise StoreIncompatible(f"{path} is a directory, not a store file") from e
             raise StoreUnavailable(f"sqlite store {path}: {e}") from e
 
-    @staticmethod
-    def _open(path: str, busy_timeout: float) -> sqlite3.Connection:
-        """Connect and set the file up. Switching a new file to WAL does not wait on the
-        busy timeout (SQLite answers "locked" at once while another process does the
-        same), so the first use of a file by several processes at once retries here."""
+    @classmethod
+    def _open(cls, path: str, busy_timeout: float, create: bool) -> sqlite3.Connection:
+        """Connect, make sure the file is ipward's (or make it so), and set it up.
+        Switching a new file to WAL does not wait on the busy timeout (SQLite answers
+        "locked" at once while another process does the same), so the first use of a file
+        by several processes at once retries here."""
+        # A URI, so that a read-only open never creates the file.
+        quoted = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+        uri = f"file://{quoted if quoted.startswith('/') else os.path.abspath(quoted)}"
+        uri += "?mode=rwc" if create else "?mode=rw"
         deadline = time.monotonic() + busy_timeout
         while True:
             conn = sqlite3.connect(
-                path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+                uri, timeout=busy_timeout, isolation_level=None, check_same_thread=False, uri=True
             )
             try:
+                # Before anything else touches the file: WAL mode is written into it.
+                if _marks(conn) != (APPLICATION_ID, LAYOUT):
+                    cls._claim(conn, path, create)
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")
-                # Creating the schema is idempotent but takes the write lock; skip it when
-                # the file is already set up, which is every plugin exec after the first.
-                if (
-                    conn.execute("SELECT 1 FROM sqlite_master WHERE name='leases'").fetchone()
-                    is None
-                ):
-                    conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
                 return conn
             except sqlite3.OperationalError as e:
                 conn.close()
@@ -129,13 +164,98 @@ class SqliteStore(Store):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.002)
+            except BaseException:
+                conn.close()
+                raise
 
     @classmethod
-    def from_url(cls, url: str) -> SqliteStore:
+    def _claim(cls, conn: sqlite3.Connection, path: str, create: bool) -> None:
+        """A file not (yet) marked as an ipward store of this layout: refuse it, or, if it
+        is new or empty (and `create`), make the tables and mark it in one transaction;
+        a file of ipward's made before the mark existed is marked on the way."""
+        if cls._judge(conn, path) == "ours":
+            return
+        if not create:
+            raise StoreMissing(f"no store at sqlite://{path} (the file is empty)")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # Again under the write lock: another process may have been quicker.
+            if cls._judge(conn, path) == "empty":
+                for statement in _TABLES:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                conn.execute(f"PRAGMA user_version={LAYOUT}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    @staticmethod
+    def _judge(conn: sqlite3.Connection, path: str) -> str:
+        """What the file is: `ours` (marked, or an ipward file from before the mark,
+        which is marked now if the file may be written), `empty` (no tables: a new,
+        0-byte or empty database file), or StoreIncompatible naming why it is not ours."""
+        application_id, layout = _marks(conn)
+        if application_id == APPLICATION_ID:
+            if layout == LAYOUT:
+                return "ours"
+            raise StoreIncompatible(
+                f"{path} is an ipward store of file layout {layout}; this ipward knows"
+                f" layout {LAYOUT}" + (" (made by a newer ipward)" if layout > LAYOUT else "")
+            )
+        if application_id != 0:
+            raise StoreIncompatible(
+                f"{path} is another program's SQLite database (application_id"
+                f" {application_id:#x}); not touching it"
+            )
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            if not os.path.isfile(path):  # /dev/null, a fifo: SQLite would take them
+                raise StoreIncompatible(f"{path} is not a regular file; not touching it")
+            # SQLite reads a few bytes of anything as an empty database. (Never open the
+            # file itself to look: closing any descriptor of it drops this process's
+            # POSIX locks, and another process would then delete the WAL under us.)
+            if os.path.getsize(path) and not conn.execute("PRAGMA page_count").fetchone()[0]:
+                raise StoreIncompatible(f"{path} is not an SQLite database")
+            return "empty"
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(kv)")]
+        if tables - {"sqlite_sequence"} != _UNMARKED_TABLES or columns != _KV_COLUMNS:
+            raise StoreIncompatible(
+                f"{path} is an SQLite database that is not ipward's (tables:"
+                f" {', '.join(sorted(tables))}); not touching it"
+            )
+        if conn.in_transaction:
+            return "ours"  # judged again inside _claim's transaction: marked next time
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+            conn.execute(f"PRAGMA user_version={LAYOUT}")
+            conn.execute("COMMIT")
+        except sqlite3.OperationalError as e:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            if "readonly" not in str(e):  # a reader without write access uses it as is
+                raise
+        return "ours"
+
+    @classmethod
+    def from_url(cls, url: str, *, create: bool = True) -> SqliteStore:
+        """`sqlite:///ABSOLUTE/PATH`; no options (a query or fragment is refused rather
+        than taken as part of the file name)."""
         path = url[len("sqlite://") :]
         if not path.startswith("/"):
             raise StoreError(f"sqlite URL needs an absolute path (sqlite:///PATH): {url!r}")
-        return cls(path)
+        for char, part in (("?", "query"), ("#", "fragment")):
+            if char in path:
+                raise StoreError(
+                    f"sqlite URL {url!r}: a {part} ({char}{path.partition(char)[2]}) is not"
+                    " supported; sqlite URLs take no options"
+                )
+        if path.endswith("/") or "\0" in path:
+            raise StoreError(f"sqlite URL {url!r}: the path must name a file")
+        return cls(path, create=create)
 
     def get(self, key: str) -> KeyValue | None:
         with self._lock:
@@ -161,6 +281,24 @@ class SqliteStore(Store):
             except sqlite3.Error as e:
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
         return [_row(r) for r in rows[:-1]], int(rows[-1][3])
+
+    def snapshot(self, prefixes: Sequence[str]) -> tuple[list[KeyValue], int]:
+        # One read transaction: in WAL mode it sees one committed state throughout.
+        sql = f"SELECT {_COLUMNS} FROM kv WHERE key >= ? AND key < ? AND {_LIVE} ORDER BY key"
+        now = time.time()
+        kvs: list[KeyValue] = []
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN")
+                for prefix in prefixes:
+                    rows = self._conn.execute(sql, (prefix, _prefix_end(prefix), now))
+                    kvs.extend(_row(r) for r in rows)
+                revision = self._current_revision()
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+        return kvs, revision
 
     def txn(
         self,
