@@ -97,6 +97,13 @@ class PoolNotAllowed(IpwardError):
     code = 105
 
 
+class InputTooLarge(IpwardError):
+    """Input over a documented size limit: the network config, a request to the agent, or
+    an allocation too large for one store transaction. Retrying cannot help."""
+
+    code = 107
+
+
 CODES = {
     cls.code: cls
     for cls in (
@@ -115,5 +122,6 @@ CODES = {
         UnknownPool,
         OwnerChanged,
         PoolNotAllowed,
+        InputTooLarge,
     )
 }
