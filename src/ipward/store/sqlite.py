@@ -100,6 +100,8 @@ class SqliteStore(Store):
             self._conn = self._open(path, busy_timeout)
         except (sqlite3.Error, OSError) as e:
             raise StoreUnavailable(f"sqlite store {path}: {e}") from e
+        # A txn reads its keys with one SQL variable each (see _read_keys).
+        self.max_txn_keys = self._conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
 
     @staticmethod
     def _open(path: str, busy_timeout: float) -> sqlite3.Connection:
