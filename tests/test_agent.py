@@ -6,6 +6,7 @@ metrics and health, protocol garbage."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -27,10 +28,11 @@ import pytest
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
 from ipward import blocks, fleet
 from ipward import records as rec
+from ipward.agent import MAX_READING_PER_PROCESS
 from ipward.etcdlab import etcd_server
 from ipward.pool import PoolSpec
 from ipward.store import open_store
-from ipward.wire import encode_request, read_answer
+from ipward.wire import REQUEST_MAGIC, encode_request, read_answer
 
 NODE = "agent-node"
 SETPRIV = "/usr/bin/setpriv"
@@ -687,3 +689,176 @@ def test_healthz_reports_a_request_stuck_in_flight(plugin, sqlite_url, start_age
     assert address(done[0])
     wait_for(lambda: http_get(f"{base}/healthz") == (200, "ok\n"), "healthz ok again")
     assert agent.stop() == 0
+
+
+# -- slow, idle and hostile clients ------------------------------------------------------------
+
+IDLE_CLIENT = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+s.sendall(bytes.fromhex(sys.argv[2]))
+print("connected", flush=True)
+trickle = float(sys.argv[3])
+s.setblocking(False)
+answer = b""
+while True:
+    try:
+        chunk = s.recv(65536)
+    except BlockingIOError:
+        if trickle:
+            s.send(b"x")  # a byte at a time, never a whole request
+        time.sleep(trickle or 0.05)
+        continue
+    if not chunk:
+        break
+    answer += chunk
+print(answer.hex(), flush=True)
+"""
+
+
+class Client:
+    """A process of its own (a peer of its own) that connects, sends `first`, then sits
+    idle or trickles a byte every `trickle` seconds; it ends once the agent answers."""
+
+    def __init__(self, path: Path, first: bytes, trickle: float = 0.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", IDLE_CLIENT, str(path), first.hex(), str(trickle)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "connected"
+
+    @property
+    def waiting(self) -> bool:
+        """Still connected, not answered yet."""
+        return self.proc.poll() is None
+
+    def answer(self) -> dict:
+        """The error object the agent answered with (waits for it)."""
+        out, _ = self.proc.communicate(timeout=60)
+        status, stdout = read_answer(io.BytesIO(bytes.fromhex(out.strip())).read)
+        assert status == 1
+        return dict(json.loads(stdout))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., Client]]:
+    made: list[Client] = []
+
+    def make(path: Path, first: bytes, trickle: float = 0.0) -> Client:
+        made.append(Client(path, first, trickle))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.kill()
+
+
+def test_idle_clients_cost_nothing_to_others(plugin, sqlite_url, start_agent, clients):
+    """Finding: 16 idle connections delayed every ADD by 10 s (the acceptor took a
+    worker for each and the worker waited on it). Now 24 idle peers, each its own
+    process, more than there are workers: an ADD is answered while they are connected."""
+    agent = start_agent(sqlite_url)
+    idle = [clients(agent.socket, b"") for _ in range(24)]
+    added = exec_plugin(plugin, "ADD", config(agent.socket), container="busy-day")
+    assert address(added)
+    assert all(client.waiting for client in idle)  # they were connected all along
+    for client in idle:  # and each is told, at its deadline, that nothing was done
+        assert client.answer()["code"] == 11
+    assert agent.running
+
+
+def test_a_byte_trickler_is_cut_off_by_the_deadline_of_its_request(
+    plugin, sqlite_url, start_agent, clients
+):
+    """Finding: 16 clients sending a byte every 5 s blocked ADDs indefinitely (the
+    timeout was per read). The deadline is for the whole request: each trickler is
+    answered 11 though it never stops sending, and ADDs go through meanwhile."""
+    agent = start_agent(sqlite_url)
+    header = REQUEST_MAGIC + (4096).to_bytes(4, "big")  # then its body, a byte at a time
+    tricklers = [clients(agent.socket, header, trickle=0.5) for _ in range(16)]
+    assert address(exec_plugin(plugin, "ADD", config(agent.socket), container="during"))
+    assert all(client.waiting for client in tricklers)
+    for client in tricklers:
+        error = client.answer()
+        assert error["code"] == 11 and "incomplete" in error["msg"], error
+    assert address(exec_plugin(plugin, "ADD", config(agent.socket), container="after"))
+
+
+def test_a_flood_of_connections_is_turned_away_at_once(plugin, sqlite_url, start_agent):
+    """Finding: 200 connections filled the listen backlog (11, then 60 s timeouts for
+    everyone). Now all 200 are accepted; those past one process's cap are answered 11
+    at once without being read, and an ADD from another process goes through."""
+    agent = start_agent(sqlite_url, metrics=True)
+    flood = []
+    for _ in range(200):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(60)
+        s.connect(str(agent.socket))  # never refused nor left in a full backlog
+        flood.append(s)
+    try:
+        added = exec_plugin(plugin, "ADD", config(agent.socket), container="in-the-flood")
+        assert address(added)
+        codes = []
+        for s in flood[MAX_READING_PER_PROCESS:]:
+            status, out = read_answer(s.recv)
+            codes.append((status, json.loads(out)["code"]))
+        assert codes == [(1, 11)] * (200 - MAX_READING_PER_PROCESS)
+        assert agent.metric("ipward_agent_turned_away_total", reason="process") == len(codes)
+    finally:
+        for s in flood:
+            s.close()
+    assert agent.running
+
+
+def test_past_max_connections_calls_are_answered_11(plugin, sqlite_url, start_agent, clients):
+    agent = start_agent(sqlite_url, extra=("--max-connections", "4"))
+    idle = [clients(agent.socket, b"") for _ in range(4)]
+    busy = exec_plugin(plugin, "ADD", config(agent.socket), container="c1")
+    assert busy.returncode == 1 and busy.json["code"] == 11, busy
+    assert "4 connections open" in busy.json["msg"]
+    for client in idle:
+        client.kill()
+    wait_for(
+        lambda: exec_plugin(plugin, "ADD", config(agent.socket), container="c1").returncode == 0,
+        "room again",
+    )
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not Path(SETPRIV).exists(), reason="needs root, setpriv")
+def test_refusals_and_garbage_need_no_worker(plugin, sqlite_url, start_agent, open_dir):
+    """With the only worker held by a slow ADD, a refused peer and a malformed request
+    are still answered (by the I/O thread) before that ADD ends."""
+    slow = {"IPWARD_TEST_PAUSES": "allocate=8"}
+    agent = start_agent(
+        sqlite_url,
+        open_dir / "agent.sock",
+        metrics=True,
+        env=slow,
+        extra=("--max-workers", "1"),
+    )
+    agent.socket.chmod(0o666)
+    cfg = config(agent.socket)
+    held: list[PluginResult] = []
+    holder = threading.Thread(target=lambda: held.append(exec_plugin(plugin, "ADD", cfg, "h")))
+    holder.start()
+    wait_for(lambda: agent.metric("ipward_agent_in_flight") == 1, "the ADD in the worker")
+    nobody = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    refused = exec_as(nobody, public_plugin(open_dir), "ADD", cfg, "theirs")
+    assert refused.json["code"] == 5, refused
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(agent.socket))
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        status, out = read_answer(s.recv)
+    assert status == 1 and json.loads(out)["code"] == 6
+    assert holder.is_alive()  # the ADD still holds the only worker
+    holder.join(60)
+    assert address(held[0])

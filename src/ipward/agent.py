@@ -417,7 +417,9 @@ class Agent:
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
         self._wake_writer.setblocking(False)
-        self.socket = AgentSocket(socket_path, allow_gid, backlog=max(128, 4 * max_workers))
+        # The kernel caps the backlog at net.core.somaxconn; a burst waits there while
+        # the I/O thread accepts (the plugin waits for room rather than failing).
+        self.socket = AgentSocket(socket_path, allow_gid, backlog=max(128, max_connections))
         self.socket.sock.setblocking(False)
         self._selector.register(self.socket.sock, selectors.EVENT_READ)
         self._selector.register(self._wake_reader, selectors.EVENT_READ)

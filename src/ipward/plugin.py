@@ -26,6 +26,7 @@ from ipward.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, agent_socket
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import _socket
     from collections.abc import Mapping
 
 _S_IFMT, _S_IFSOCK = 0o170000, 0o140000
@@ -68,7 +69,7 @@ def forward(
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
-        sock.connect(path)
+        _connect(sock, path, timeout)
         raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
         peer_pid = int.from_bytes(raw[0:4], sys.byteorder)
         peer_uid = int.from_bytes(raw[4:8], sys.byteorder)
@@ -79,11 +80,30 @@ def forward(
             )
         try:
             sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it answered without reading all of it (busy, or refused): read that
+        try:
             return read_answer(sock.recv)
-        except (BrokenPipeError, ConnectionResetError) as e:  # it closed on our request
+        except ConnectionResetError as e:
             raise WireError(f"{NO_ANSWER}: {e.strerror}") from None
     finally:
         sock.close()
+
+
+def _connect(sock: _socket.socket, path: str, timeout: float) -> None:
+    """Connect, waiting while the listen backlog is full: a Unix socket with a timeout
+    says EAGAIN at once then, where a blocking one would wait for room."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.002)
 
 
 def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exception) -> bytes:
