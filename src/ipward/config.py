@@ -123,7 +123,7 @@ class IpamConfig:
                 " 'ranges' / 'subnet' / 'range' / 'ipRanges'"
             )
         names = pool.split(",") if isinstance(pool, str) else pool
-        if pool is not None and not (isinstance(names, list) and names):
+        if "pool" in ipam and not (isinstance(names, list) and names):
             raise InvalidConfig("ipam.pool must be a pool name or a list of names")
         self.pool_names = [
             check_name(n.strip() if isinstance(n, str) else n) for n in (names or [])
@@ -185,7 +185,10 @@ def _dns(value: object) -> dict:
     if not isinstance(value.get("domain", ""), str):
         raise InvalidConfig("ipam.dns.domain must be a string")
     for server in value.get("nameservers", []):
-        parse_ip(server)
+        try:
+            parse_ip(server)
+        except InvalidConfig as e:
+            raise InvalidConfig(f"ipam.dns.nameservers: {e.msg}") from None
     return value
 
 
