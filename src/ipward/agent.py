@@ -567,6 +567,7 @@ class Agent:
             self._reading_by_uid[uid] = self._reading_by_uid.get(uid, 0) + 1
         self._watched.add(conn)
         self._selector.register(sock, selectors.EVENT_READ, conn)
+        self._read(conn)  # a plugin sends at once: its request is often there already
 
     def _over_a_cap(self, conn: _Connection) -> tuple[str, str] | None:
         """(cap, why) when this connection is not to be read, else None. Root's
