@@ -862,3 +862,45 @@ def test_refusals_and_garbage_need_no_worker(plugin, sqlite_url, start_agent, op
     assert holder.is_alive()  # the ADD still holds the only worker
     holder.join(60)
     assert address(held[0])
+
+
+def test_txn_bytes_bounds_what_etcd_counts(tmp_path):
+    """`txn_bytes` is an upper bound of a transaction's size as etcd counts it against
+    --max-request-bytes: transactions of several shapes, grown while estimated under an
+    etcd's limit (and within its 128 operations), are all taken; the estimate is never
+    below the protobuf encoding."""
+    from ipward.store import etcd as etcd_store
+    from ipward.store.base import VALUE, Compare, Put, absent, at_revision, txn_bytes
+
+    limit = 32 << 10
+    container = "c" * 200
+    shapes = {
+        "puts": lambda i: ([], [Put(f"ips/p/10.0.0.{i}", b"r" * 300)]),
+        "large values": lambda i: ([], [Put(f"big/{i}", b"v" * 9_000)]),
+        "compares and puts": lambda i: (
+            [absent(f"attach/net/{container}{i}/eth0"), at_revision(f"blocks/p/{i}", 2**40)],
+            [Put(f"attach/net/{container}{i}/eth0", b'{"ips":["p/10.0.0.1"]}')],
+        ),
+        "value compares": lambda i: ([Compare(f"k{i}", VALUE, "==", b"x" * 3000)], []),
+    }
+    with etcd_server(tmp_path / "etcd", extra_args=[f"--max-request-bytes={limit}"]) as etcd:
+        store = open_store(etcd.url)
+        try:
+            for name, member in shapes.items():
+                compares: list = []
+                ops: list = []
+                for i in range(128):
+                    more_compares, more_ops = member(i)
+                    grown = (compares + more_compares, ops + more_ops)
+                    if txn_bytes(*grown, ()) > limit or max(map(len, grown)) > 128:
+                        break
+                    compares, ops = grown
+                assert txn_bytes(compares, ops, ()) > limit * 0.8, name  # near the limit
+                request = etcd_store.rpc.TxnRequest(
+                    compare=[etcd_store._compare(c) for c in compares],
+                    success=[etcd_store._op(o) for o in ops],
+                )
+                assert request.ByteSize() < txn_bytes(compares, ops, ()), name
+                assert store.txn(compares, ops)  # TxnTooLarge if etcd counts more
+        finally:
+            store.close()
