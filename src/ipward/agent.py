@@ -99,6 +99,7 @@ DIR_MODE = 0o750
 SOCKET_MODE = 0o660
 REQUEST_DEADLINE = 10.0  # a plugin sends its whole request at once: all of it by then
 REFUSED_DEADLINE = 1.0  # a refused peer gets this long to send (for its cniVersion)
+REFUSED_READ_LIMIT = 64 << 10  # and so much of it is read; a larger request is not
 WRITE_DEADLINE = 10.0  # for the rest of an answer the socket did not take at once
 MAX_READING_PER_PROCESS = 8  # requests of one peer process being read at once
 MAX_READING_PER_USER = 32  # ... of one peer user other than root
@@ -619,6 +620,10 @@ class Agent:
                 conn.buffer += chunk
                 if conn.body_length is None:
                     conn.body_length = wire.body_length(bytes(conn.buffer))
+                    if not conn.allowed and (conn.body_length or 0) > REFUSED_READ_LIMIT:
+                        self._end_reading(conn)
+                        self._refuse(conn, {}, b"")  # not worth reading for its version
+                        return
         except BlockingIOError:
             return  # the rest comes later (or never: the deadline)
         except wire.WireError as e:
