@@ -224,7 +224,8 @@ def _gc(config: IpamConfig, raw: dict, ledger: Ledger | None) -> None:
         problem = container_id_problem(container) or ifname_problem(ifname)
         if problem:
             raise InvalidConfig(f"{where}: {problem}")
-        keep.add((container, ifname))  # type: ignore[arg-type]
+        assert isinstance(container, str) and isinstance(ifname, str)
+        keep.add((container, ifname))
     (ledger or _ledger(config)).collect_network(config.network, keep, config.gc_grace)
 
 
