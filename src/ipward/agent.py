@@ -155,8 +155,8 @@ class Metrics:
         )
         self.protocol_errors = Counter(
             "ipward_agent_protocol_errors",
-            "Connections closed without an answer: not our protocol, too large, too slow,"
-            " or the peer went away.",
+            "Requests not served: not our protocol or version, too large, incomplete at"
+            " their deadline (each answered with an error), or cut short by the peer.",
             registry=self.registry,
         )
         self.refused = Counter(
