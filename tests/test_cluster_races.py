@@ -98,7 +98,8 @@ def plugin_env(plugin: Path, command: str, container: str) -> dict[str, str]:
         "CNI_IFNAME": "eth0",
         "CNI_NETNS": "/var/run/netns/race",
         "CNI_PATH": str(plugin.parent),
-        "CNI_ARGS": "IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=" + container,
+        # A pod name as Kubernetes forms them: lowercase (the plugin refuses others).
+        "CNI_ARGS": "IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=" + container.lower(),
     }
 
 

@@ -649,6 +649,42 @@ ERROR_CASES = [
     pytest.param("ADD", _cfg(), {"ifname": "x" * 16}, 4, id="ifname-too-long"),
     pytest.param("ADD", _cfg(), {"ifname": "a/b"}, 4, id="ifname-slash"),
     pytest.param("ADD", _cfg(), {"ifname": ".."}, 4, id="ifname-dotdot"),
+    pytest.param("ADD", _cfg(), {"container": "."}, 4, id="container-id-dot"),
+    pytest.param("DEL", _cfg(), {"container": ".."}, 4, id="DEL-container-id-dotdot"),
+    pytest.param("ADD", _cfg(), {"container": "-c1"}, 4, id="container-id-leading-dash"),
+    pytest.param("ADD", _cfg(), {"container": "c" * 257}, 4, id="container-id-257"),
+    pytest.param("DEL", _cfg(), {"container": "c" * 100_000}, 4, id="DEL-container-id-100k"),
+    pytest.param("ADD", _cfg(), {"container": "c1\nx"}, 4, id="container-id-newline"),
+    pytest.param("ADD", _cfg(), {"ifname": "\u00e9" * 8}, 4, id="ifname-16-bytes-8-chars"),
+    pytest.param("ADD", _cfg(), {"ifname": "eth\x01"}, 4, id="ifname-control"),
+    pytest.param("ADD", _cfg(), {"ifname": "eth\x0b0"}, 4, id="ifname-vertical-tab"),
+    pytest.param("ADD", _cfg(), {"ifname": "eth 0"}, 4, id="ifname-space"),
+    pytest.param("ADD", _cfg(), {"ifname": "eth:0"}, 4, id="ifname-colon"),
+    pytest.param("ADD", _cfg(), {"ifname": "eth\udcff"}, 4, id="ifname-not-utf8"),
+    pytest.param("ADD", _cfg(), {"netns": "/x\x7f"}, 4, id="netns-control"),
+    pytest.param("ADD", _cfg(), {"netns": "/" + "n" * 4096}, 4, id="netns-too-long"),
+    pytest.param("ADD", _cfg(), {"args": "IP=banana"}, 4, id="cni-args-ip-banana"),
+    pytest.param("ADD", _cfg(), {"args": "IP=10.0.0.5/99"}, 4, id="cni-args-ip-bad-prefix"),
+    pytest.param(
+        "ADD", _cfg(), {"args": "IP=10.0.0.5,10.0.0.6"}, 4, id="cni-args-two-ips-one-family"
+    ),
+    pytest.param("ADD", _cfg(), {"args": "K8S_POD_NAME=a\x01b"}, 4, id="cni-args-control"),
+    pytest.param(
+        "ADD", _cfg(), {"args": "IgnoreUnknown=1;X=" + "y" * 8192}, 4, id="cni-args-too-long"
+    ),
+    pytest.param("ADD", _cfg(), {"args": "K8S_POD_NAME=Web-0"}, 4, id="pod-name-uppercase"),
+    pytest.param("ADD", _cfg(), {"args": "K8S_POD_NAME=a/b"}, 4, id="pod-name-slash"),
+    pytest.param("ADD", _cfg(), {"args": "K8S_POD_NAME=" + "a" * 254}, 4, id="pod-name-254"),
+    pytest.param("ADD", _cfg(), {"args": "K8S_POD_NAMESPACE=a.b"}, 4, id="namespace-dot"),
+    pytest.param("ADD", _cfg(), {"args": "K8S_POD_NAMESPACE=" + "a" * 64}, 4, id="namespace-64"),
+    pytest.param("ADD", _cfg(), {"args": "K8S_POD_UID=a/b"}, 4, id="pod-uid-slash"),
+    pytest.param(
+        "ADD", _cfg(), {"args": "K8S_POD_INFRA_CONTAINER_ID=.."}, 4, id="infra-container-dotdot"
+    ),
+    pytest.param(
+        "ADD", _cfg(), {"args": "K8S_POD_NAME=a;K8S_POD_NAME=b"}, 4, id="cni-args-key-twice"
+    ),
+    pytest.param("ADD", _cfg(), {"args": "IgnoreUnknown=1;BAD KEY=1"}, 4, id="cni-args-bad-key"),
     pytest.param("ADD", _cfg(), {"env": {"CNI_NETNS": None}}, 4, id="ADD-no-CNI_NETNS"),
     pytest.param("CHECK", _cfg(), {"env": {"CNI_NETNS": None}}, 4, id="CHECK-no-CNI_NETNS"),
     # decoding
@@ -738,6 +774,54 @@ ERROR_CASES = [
     pytest.param("ADD", _cfg(runtimeConfig={"ips": "10.0.0.9"}), {}, 7, id="ips-not-list"),
     pytest.param("ADD", _cfg(runtimeConfig={"ips": ["nope"]}), {}, 7, id="ips-not-address"),
     pytest.param("ADD", _cfg({"pool": "nope"}), {}, 103, id="unknown-pool"),
+    # every field, checked before use
+    pytest.param("ADD", _cfg(name="n" * 254), {}, 7, id="network-name-254"),
+    pytest.param("ADD", _cfg(name="-net"), {}, 7, id="network-name-leading-dash"),
+    pytest.param("ADD", _cfg(name=None), {}, 7, id="network-name-null"),
+    pytest.param("ADD", _cfg(cniVersion=None), {}, 7, id="cniVersion-null"),
+    pytest.param("ADD", _cfg(runtimeConfig="x"), {}, 7, id="runtimeConfig-not-object"),
+    pytest.param("ADD", _cfg(args=[]), {}, 7, id="args-not-object"),
+    pytest.param("ADD", _cfg(args={"cni": 5}), {}, 7, id="args-cni-not-object"),
+    pytest.param("ADD", _cfg(args={"cni": {"ips": ["x"]}}), {}, 7, id="args-cni-ips-bad"),
+    pytest.param("ADD", _cfg({**V4, "node": "a/b"}), {}, 7, id="node-slash"),
+    pytest.param("ADD", _cfg({**V4, "node": None}), {}, 7, id="node-null"),
+    pytest.param("ADD", _cfg({**V4, "logLevel": "loud"}), {}, 7, id="logLevel-unknown"),
+    pytest.param("ADD", _cfg({**V4, "logFile": "/tmp/a\u0000b"}), {}, 7, id="logFile-nul"),
+    pytest.param("ADD", _cfg({**V4, "store": "sqlite:///x\u0001"}), {}, 7, id="store-control"),
+    pytest.param("ADD", _cfg({**V4, "gcGrace": 1e400}), {}, 7, id="gcGrace-infinite"),
+    pytest.param("ADD", _cfg({**V4, "stickyTTL": None}), {}, 7, id="stickyTTL-null"),
+    pytest.param("ADD", _cfg({**V4, "sticky": "yes"}), {}, 7, id="sticky-not-bool"),
+    pytest.param("ADD", _cfg({**V4, "dns": {"nameservers": "1.1.1.1"}}), {}, 7, id="dns-ns-str"),
+    pytest.param("ADD", _cfg({**V4, "dns": {"nameservers": ["x"]}}), {}, 7, id="dns-ns-bad"),
+    pytest.param("ADD", _cfg({**V4, "dns": {"domain": 5}}), {}, 7, id="dns-domain-not-str"),
+    pytest.param("ADD", _cfg({**V4, "dns": {"search": [None]}}), {}, 7, id="dns-search-null"),
+    pytest.param("ADD", _cfg({**V4, "pool": None}), {}, 7, id="pool-null-with-ranges"),
+    pytest.param("ADD", _cfg({"pool": ["p" * 254]}), {}, 7, id="pool-name-254"),
+    pytest.param("ADD", _cfg({**V4, "agentSocket": 5}), {}, 7, id="agentSocket-not-string"),
+    pytest.param("ADD", _cfg({**V4, "agentSocket": "rel.sock"}), {}, 7, id="agentSocket-relative"),
+    pytest.param("ADD", _cfg({**V4, "agentSocket": "/a\u0000b"}), {}, 7, id="agentSocket-nul"),
+    pytest.param(
+        "ADD", _cfg({**V4, "agentSocket": "/" + "s" * 107}), {}, 7, id="agentSocket-too-long"
+    ),
+    pytest.param(
+        "DEL", _cfg({**V4, "agent_socket": "rel.sock"}), {}, 7, id="agent_socket-relative"
+    ),
+    # CHECK's prevResult (it crashed with 999 on these)
+    pytest.param("CHECK", _cfg(prevResult={"ips": [{"address": 5}]}), {}, 7, id="prev-address-5"),
+    pytest.param(
+        "CHECK", _cfg(prevResult={"ips": [{"address": None}]}), {}, 7, id="prev-address-null"
+    ),
+    pytest.param("CHECK", _cfg(prevResult={"ips": [None]}), {}, 7, id="prev-ip-null"),
+    pytest.param("CHECK", _cfg(prevResult={"ips": None}), {}, 7, id="prev-ips-null"),
+    pytest.param("CHECK", _cfg(prevResult={"ips": "x"}), {}, 7, id="prev-ips-string"),
+    pytest.param("CHECK", _cfg(prevResult=None), {}, 7, id="prev-null"),
+    pytest.param("CHECK", _cfg(prevResult=[]), {}, 7, id="prev-list"),
+    pytest.param(
+        "CHECK", _cfg(prevResult={"ips": [{"address": "banana"}]}), {}, 7, id="prev-banana"
+    ),
+    pytest.param(
+        "CHECK", _cfg(prevResult={"ips": [{"address": "10.0.0.5/99"}]}), {}, 7, id="prev-prefix"
+    ),
     # store
     pytest.param("ADD", _cfg({**V4, "store": "etcd://127.0.0.1:1"}), {}, 7, id="store-etcd"),
     pytest.param("ADD", _cfg({**V4, "store": "mysql://x/y"}), {}, 7, id="store-unknown-scheme"),
@@ -1057,3 +1141,20 @@ def test_version_without_config(plugin: Path) -> None:
         assert res.returncode == 0, res
         assert set(res.json["supportedVersions"]) == set(SUPPORTED)
         assert res.json["cniVersion"] in SUPPORTED
+
+
+def test_add_over_the_address_limit_is_107_and_changes_nothing(
+    plugin: Path, sqlite_url: str
+) -> None:
+    """One ADD gets one address per range set of each pool; more than 16 would not fit
+    one transaction of etcd: refused before anything is written."""
+    for i in range(9):
+        create_pool(sqlite_url, f"p{i}", "--range", f"10.{i}.0.0/24", "--range", f"fd0{i}::/120")
+    prepare(plugin, sqlite_url)
+    before = dump(sqlite_url)
+    config = net_config(sqlite_url, {"pool": [f"p{i}" for i in range(9)]})
+    err = assert_cni_error(exec_plugin(plugin, "ADD", config), 107, "1.0.0")
+    assert "16" in err["msg"]
+    assert dump(sqlite_url) == before
+    eight = net_config(sqlite_url, {"pool": [f"p{i}" for i in range(8)]})
+    assert len(add(plugin, eight, container="sixteen").json["ips"]) == 16

@@ -17,18 +17,29 @@ its call through). Not 11: retrying cannot succeed, so "try again later" would o
 hide a deployment mistake behind endless retries. Nothing is read into the ledger for
 a refused peer.
 
-Serving: one thread accepts, a bounded pool of workers serves, one call per
-connection, with a read timeout. Protocol garbage (bad frames, oversize lengths,
-non-UTF-8) closes that connection and is logged; it never stops the agent.
+Serving: a slow, idle or hostile client costs nothing to others. One I/O thread accepts
+every connection at once (the listen backlog never fills while the workers are busy)
+and reads requests from non-blocking sockets, each into a buffer of its own, under a
+deadline for the whole request (REQUEST_DEADLINE from the accept, not per read: a client
+trickling a byte at a time is cut off just the same). Only a complete request goes to
+the pool of workers. Refused peers, malformed requests, requests of another protocol
+version and requests over the size limits are answered by the I/O thread itself (codes
+5, 6, 11, 107), never by a worker. Caps, each answered 11 at once without reading: at
+most MAX_READING_PER_PROCESS requests of one process being read at once (every plugin
+call is a process of its own), MAX_READING_PER_USER of one user other than root, and
+`--max-connections` open in all (the open-files limit is raised to fit them). `/healthz`
+says 503 when a request has waited for a worker or its answer longer than
+`--stuck-seconds`, or the I/O thread is gone.
 
 Stop (SIGTERM, SIGINT): the listening socket is shut down at once (new connections are
-refused, and the plugin answers 11) and its file unlinked; calls in flight finish, up
-to `--drain-seconds`; then the store is closed and the agent exits 0. A second signal
-ends the drain early.
+refused, and the plugin answers 11) and its file unlinked; calls already accepted finish
+(those still arriving are read until their deadline), up to `--drain-seconds`; then the
+store is closed and the agent exits 0. A second signal ends the drain early.
 
 Metrics (Prometheus text format, on a registry of the agent's own) and `/healthz` (200
-"ok" when the store answers `revision()` within HEALTH_TIMEOUT, else 503 with the
-reason) are served over HTTP on `--metrics-address`, loopback by default.
+"ok" when nothing is stuck and the store answers `revision()` within HEALTH_TIMEOUT,
+else 503 with the reason) are served over HTTP on `--metrics-address`, loopback by
+default.
 """
 
 from __future__ import annotations
@@ -36,13 +47,15 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import resource
+import selectors
 import signal
 import socket
 import stat
 import struct
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from http.server import ThreadingHTTPServer
 
 import click
@@ -54,10 +67,17 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from ipward import blocks, cni, gc, jsonc, log
+from ipward import blocks, cni, gc, jsonc, log, wire
 from ipward import records as rec
 from ipward.config import check_node_name
-from ipward.errors import InvalidConfig, IpwardError, TryAgainLater
+from ipward.errors import (
+    DecodeFailure,
+    InputTooLarge,
+    InvalidConfig,
+    IoFailure,
+    IpwardError,
+    TryAgainLater,
+)
 from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import (
     ClusterView,
@@ -71,15 +91,23 @@ from ipward.selection import PodDirectory, PodMeta
 from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store_waiting
 from ipward.store.base import Put
-from ipward.wire import MAX_FRAME, WireError, decode_env, frame, recv_frame
+from ipward.wire import CALL_TIMEOUT
 
 DEFAULT_SOCKET = "/run/ipward/agent.sock"
 DEFAULT_METRICS = "127.0.0.1:9310"
 DIR_MODE = 0o750
 SOCKET_MODE = 0o660
-READ_TIMEOUT = 10.0  # a plugin sends its whole request at once; a stalled peer is cut off
-REFUSED_READ_TIMEOUT = 1.0  # a refused peer gets this long to send (for its cniVersion)
-WRITE_TIMEOUT = 10.0
+REQUEST_DEADLINE = 10.0  # a plugin sends its whole request at once: all of it by then
+REFUSED_DEADLINE = 1.0  # a refused peer gets this long to send (for its cniVersion)
+REFUSED_READ_LIMIT = 64 << 10  # and so much of it is read; a larger request is not
+WRITE_DEADLINE = 10.0  # for the rest of an answer the socket did not take at once
+MAX_READING_PER_PROCESS = 8  # requests of one peer process being read at once
+MAX_READING_PER_USER = 32  # ... of one peer user other than root
+DEFAULT_MAX_CONNECTIONS = 1024  # open at once, in any state
+FD_MARGIN = 256  # descriptors kept for the store, the log, metrics and the workers
+IO_TICK = 0.2  # seconds between deadline checks of the I/O thread
+ACCEPT_BATCH = 64  # connections accepted in a row before others' events get a turn
+ACCEPT_PAUSE = 0.1  # seconds without accepting after running out of descriptors
 HEALTH_TIMEOUT = 2.0
 PROBE_TIMEOUT = 1.0  # connecting to an existing socket to see whether an agent answers
 PEER_REFUSED = 5  # CNI "I/O failure": see the module docstring for why not 11
@@ -121,18 +149,26 @@ class Metrics:
         )
         self.in_flight = Gauge(
             "ipward_agent_in_flight",
-            "Connections being served (reading, answering or writing the answer).",
+            "Connections open: the request being read, waiting for a worker or served, or"
+            " the answer being written.",
             registry=self.registry,
         )
         self.protocol_errors = Counter(
             "ipward_agent_protocol_errors",
-            "Connections closed without an answer: not our protocol, too large, too slow,"
-            " or the peer went away.",
+            "Requests not served: not our protocol or version, too large, incomplete at"
+            " their deadline (each answered with an error), or cut short by the peer.",
             registry=self.registry,
         )
         self.refused = Counter(
             "ipward_agent_refused_peers",
             "Connections refused by the peer credential check.",
+            registry=self.registry,
+        )
+        self.turned_away = Counter(
+            "ipward_agent_turned_away",
+            "Connections answered 11 without being read: too many open, or too many of"
+            " one peer being read at once.",
+            ["reason"],
             registry=self.registry,
         )
         self.reconcile_freed = Counter(
@@ -306,14 +342,44 @@ def _network_of(stdin: bytes) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _error_object(stdin: bytes, code: int, msg: str) -> bytes:
-    from ipward.plugin import _string_field
+class _Connection:
+    """One accepted connection: its peer, and what the I/O thread reads from it (the
+    request, until `deadline`) or still has to write to it (`pending`)."""
 
-    version = _string_field(stdin, b"cniVersion") or "1.0.0"
-    return (jsonc.dumps({"cniVersion": version, "code": code, "msg": msg}) + "\n").encode()
+    __slots__ = (
+        "allowed",
+        "body_length",
+        "buffer",
+        "deadline",
+        "gid",
+        "pending",
+        "pid",
+        "reading",
+        "sock",
+        "uid",
+    )
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int, gid: int, allowed: bool) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.uid = uid
+        self.gid = gid
+        self.allowed = allowed
+        self.buffer = bytearray()
+        self.body_length: int | None = None
+        self.reading = False
+        self.deadline = 0.0
+        self.pending = b""
 
 
 class Agent:
+    """Serves the plugin. One I/O thread accepts every connection at once and reads
+    requests (non-blocking sockets, a buffer and a deadline each), answers refused peers
+    and malformed requests itself, and hands complete requests to the workers, which
+    answer them with `cni.answer` on the agent's one `Ledger`. So a slow, idle or refused
+    client holds no worker and delays no one: it costs a file descriptor, a buffer and a
+    place under the caps (module docstring) until its deadline."""
+
     def __init__(
         self,
         store: Store,
@@ -322,6 +388,8 @@ class Agent:
         *,
         allow_gid: int | None = None,
         max_workers: int = 16,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        stuck_seconds: float = CALL_TIMEOUT,
         metrics_address: tuple[str, int] | None = None,
         directory: PodDirectory | None = None,
     ) -> None:
@@ -332,12 +400,30 @@ class Agent:
         self.allow_gid = allow_gid
         self.uid = os.getuid()
         self.metrics = Metrics(node)
+        self.max_connections = max_connections
+        self.stuck_seconds = stuck_seconds
         self.stopping = threading.Event()
-        self._slots = threading.BoundedSemaphore(max_workers)
+        self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="serve")
-        self._futures: set[Future[None]] = set()
-        self._futures_lock = threading.Lock()
-        self.socket = AgentSocket(socket_path, allow_gid, backlog=max(128, 4 * max_workers))
+        self._lock = threading.Lock()  # guards the three below, shared with the workers
+        self._open = 0  # connections accepted and not closed yet
+        self._in_service: dict[int, tuple[float, str]] = {}  # id(conn) -> (since, command)
+        self._outbox: list[_Connection] = []  # answers the workers could not send at once
+        # The I/O thread's own state:
+        self._watched: set[_Connection] = set()  # being read or written
+        self._reading_by_pid: dict[int, int] = {}
+        self._reading_by_uid: dict[int, int] = {}
+        self._accept_paused_until = 0.0
+        self._selector = selectors.DefaultSelector()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
+        # The kernel caps the backlog at net.core.somaxconn; a burst waits there while
+        # the I/O thread accepts (the plugin waits for room rather than failing).
+        self.socket = AgentSocket(socket_path, allow_gid, backlog=max(128, max_connections))
+        self.socket.sock.setblocking(False)
+        self._selector.register(self.socket.sock, selectors.EVENT_READ)
+        self._selector.register(self._wake_reader, selectors.EVENT_READ)
         self.http: ThreadingHTTPServer | None = None
         try:
             if metrics_address is not None:
@@ -346,6 +432,9 @@ class Agent:
                 def health() -> tuple[bool, str]:
                     if self.stopping.is_set():
                         return False, "stopping"
+                    stuck = self.stuck()
+                    if stuck is not None:
+                        return False, stuck
                     ok, reason = probe.check()
                     return ok, "ok" if ok else reason
 
@@ -356,7 +445,7 @@ class Agent:
             self.socket.shutdown()
             self.socket.close()
             raise
-        self._acceptor = threading.Thread(target=self._accept_loop, name="accept", daemon=True)
+        self._io = threading.Thread(target=self._io_loop, name="io", daemon=True)
 
     @property
     def metrics_url(self) -> str | None:
@@ -367,37 +456,134 @@ class Agent:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def start(self) -> None:
-        self._acceptor.start()
+        self._io.start()
 
-    # -- accepting ---------------------------------------------------------------------
+    def stuck(self) -> str | None:
+        """Why the agent is not serving as it should, or None: its I/O thread is gone,
+        or a request has waited for a worker or its answer longer than `stuck_seconds`
+        (the plugin gave up on it long before; all workers may be hanging)."""
+        if self._io.ident is not None and not self._io.is_alive():
+            return "the thread that accepts and reads requests has stopped"
+        with self._lock:
+            oldest = min(self._in_service.values(), default=None)
+        if oldest is not None:
+            age = time.monotonic() - oldest[0]
+            if age > self.stuck_seconds:
+                return (
+                    f"a {oldest[1] or 'request'} has been in flight for {age:.0f}s (more than"
+                    f" {self.stuck_seconds:g}s): workers stuck?"
+                )
+        return None
 
-    def _accept_loop(self) -> None:
-        listener = self.socket.sock
-        while not self.stopping.is_set():
-            # A worker slot first: when all are busy, callers wait in the listen backlog
-            # instead of in an unbounded queue inside the agent.
-            if not self._slots.acquire(timeout=0.5):
-                continue
+    # -- the I/O thread ----------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        while not self._closed.is_set():
             try:
-                conn, _ = listener.accept()
+                for key, mask in self._selector.select(IO_TICK):
+                    if key.fileobj is self.socket.sock:
+                        self._accept()
+                    elif key.fileobj is self._wake_reader:
+                        self._woken()
+                    else:
+                        self._ready(key.data, mask)
+                self._take_outbox()
+                self._expire(time.monotonic())
+                self._resume_accepting()
+            except Exception:  # a bug here must cost one connection at most, never all
+                import traceback
+
+                log.error("serving loop failed", traceback=traceback.format_exc())
+                time.sleep(IO_TICK)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_writer.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already woken (the buffer is full), or closing
+
+    def _woken(self) -> None:
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        if self.stopping.is_set():
+            self._stop_accepting()
+
+    def _stop_accepting(self) -> None:
+        try:
+            self._selector.unregister(self.socket.sock)
+        except (KeyError, ValueError):
+            pass  # already
+
+    def _resume_accepting(self) -> None:
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            if not self.stopping.is_set():
+                self._selector.register(self.socket.sock, selectors.EVENT_READ)
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):  # then others' events get their turn
+            try:
+                sock, _ = self.socket.sock.accept()
+            except BlockingIOError:
+                return
             except OSError as e:
-                self._slots.release()
+                self._stop_accepting()
                 if self.stopping.is_set():
-                    break
-                log.warning("accept failed", error=str(e))
-                time.sleep(0.05 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM) else 0)
-                continue
-            future = self._pool.submit(self._serve, conn)
-            with self._futures_lock:
-                self._futures.add(future)
-            future.add_done_callback(self._done)
+                    return
+                # Out of descriptors or memory: pause instead of spinning on it.
+                log.warning("accept failed; pausing accepting", error=str(e))
+                self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
+                return
+            self._admit(sock)
 
-    def _done(self, future: Future[None]) -> None:
-        with self._futures_lock:
-            self._futures.discard(future)
-        self._slots.release()
+    def _admit(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        with self._lock:
+            self._open += 1
+        self.metrics.in_flight.inc()
+        try:
+            pid, uid, gid = peer_credentials(sock)
+        except OSError as e:
+            log.warning("cannot read the peer's credentials; closing", error=str(e))
+            self.metrics.protocol_errors.inc()
+            self._close(_Connection(sock, 0, -1, -1, False))
+            return
+        conn = _Connection(sock, pid, uid, gid, self._allowed(sock, uid, gid))
+        busy = self._over_a_cap(conn)
+        if busy is not None:
+            cap, why = busy
+            self.metrics.turned_away.labels(reason=cap).inc()
+            log.warning("turned a connection away", reason=why, peer_pid=pid, peer_uid=uid)
+            msg = f"ipward agent busy: {why}; nothing was done"
+            self._reply(conn, self._error_answer(TryAgainLater(msg), b""))
+            return
+        conn.reading = True
+        deadline = REQUEST_DEADLINE if conn.allowed else REFUSED_DEADLINE
+        conn.deadline = time.monotonic() + deadline
+        self._reading_by_pid[pid] = self._reading_by_pid.get(pid, 0) + 1
+        if uid != 0:
+            self._reading_by_uid[uid] = self._reading_by_uid.get(uid, 0) + 1
+        self._watched.add(conn)
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+        self._read(conn)  # a plugin sends at once: its request is often there already
 
-    # -- serving -----------------------------------------------------------------------
+    def _over_a_cap(self, conn: _Connection) -> tuple[str, str] | None:
+        """(cap, why) when this connection is not to be read, else None. Root's
+        processes are capped one by one (every plugin call is a process of its own),
+        other users as a whole."""
+        with self._lock:
+            open_now = self._open
+        if open_now > self.max_connections:
+            return "connections", f"{self.max_connections} connections open"
+        if self._reading_by_pid.get(conn.pid, 0) >= MAX_READING_PER_PROCESS:
+            why = f"{MAX_READING_PER_PROCESS} requests of process {conn.pid} being read"
+            return "process", why
+        if conn.uid != 0 and self._reading_by_uid.get(conn.uid, 0) >= MAX_READING_PER_USER:
+            return "user", f"{MAX_READING_PER_USER} requests of uid {conn.uid} being read"
+        return None
 
     def _allowed(self, conn: socket.socket, uid: int, gid: int) -> bool:
         """Root, the agent's own user, or (with --allow-gid) a member of that group:
@@ -409,45 +595,169 @@ class Agent:
             return False
         return gid == self.allow_gid or self.allow_gid in peer_groups(conn)
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, self.metrics.in_flight.track_inprogress():
-            try:
-                self._serve_one(conn)
-            except Exception:  # a bug here must cost one connection, never the agent
-                import traceback
+    def _ready(self, conn: _Connection, mask: int) -> None:
+        if conn.reading and mask & selectors.EVENT_READ:
+            self._read(conn)
+        elif not conn.reading and mask & selectors.EVENT_WRITE:
+            self._write(conn)
 
-                log.error("serving a connection failed", traceback=traceback.format_exc())
-                self.metrics.protocol_errors.inc()
-
-    def _serve_one(self, conn: socket.socket) -> None:
+    def _read(self, conn: _Connection) -> None:
+        """Read what the request still lacks (never more), then act once it is whole."""
         try:
-            pid, uid, gid = peer_credentials(conn)
+            while True:
+                if conn.body_length is None:
+                    want = wire.REQUEST_HEADER - len(conn.buffer)
+                else:
+                    want = wire.REQUEST_HEADER + conn.body_length - len(conn.buffer)
+                if want <= 0:
+                    break
+                chunk = conn.sock.recv(min(want, 1 << 16))
+                if not chunk:
+                    self._end_reading(conn)
+                    self._protocol_error(conn, "the peer closed the connection mid-request")
+                    self._close(conn)
+                    return
+                conn.buffer += chunk
+                if conn.body_length is None:
+                    conn.body_length = wire.body_length(bytes(conn.buffer))
+                    if not conn.allowed and (conn.body_length or 0) > REFUSED_READ_LIMIT:
+                        self._end_reading(conn)
+                        self._refuse(conn, {}, b"")  # not worth reading for its version
+                        return
+        except BlockingIOError:
+            return  # the rest comes later (or never: the deadline)
+        except wire.WireError as e:
+            self._end_reading(conn)
+            self._wire_error(conn, e)
+            return
         except OSError as e:
-            log.warning("cannot read the peer's credentials; closing", error=str(e))
-            self.metrics.protocol_errors.inc()
+            self._end_reading(conn)
+            self._protocol_error(conn, f"{type(e).__name__}: {e}")
+            self._close(conn)
             return
-        if not self._allowed(conn, uid, gid):
-            self._refuse(conn, pid, uid, gid)
-            return
-        conn.settimeout(READ_TIMEOUT)
+        self._end_reading(conn)
         try:
-            env = decode_env(recv_frame(conn.recv))
-            stdin = recv_frame(conn.recv)
-        except (WireError, OSError, UnicodeDecodeError) as e:
-            self.metrics.protocol_errors.inc()
-            log.warning(
-                "protocol error; connection closed",
-                error=f"{type(e).__name__}: {e}",
-                peer_pid=pid,
-                peer_uid=uid,
-            )
+            env, stdin = wire.decode_body(bytes(conn.buffer[wire.REQUEST_HEADER :]))
+        except wire.WireError as e:
+            self._wire_error(conn, e)
             return
+        conn.buffer = bytearray()
+        if not conn.allowed:
+            self._refuse(conn, env, stdin)
+            return
+        command = env.get("CNI_COMMAND", "")
+        with self._lock:
+            self._in_service[id(conn)] = (time.monotonic(), command)
+        try:
+            self._pool.submit(self._serve, conn, env, stdin)
+        except RuntimeError:  # the pool is shut down: the agent is exiting
+            with self._lock:
+                self._in_service.pop(id(conn), None)
+            self._reply(conn, self._error_answer(TryAgainLater("ipward agent exiting"), stdin))
+
+    def _end_reading(self, conn: _Connection) -> None:
+        """The connection leaves the reading state (and its place under the caps)."""
+        if not conn.reading:
+            return
+        conn.reading = False
+        self._watched.discard(conn)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        for counts, key in ((self._reading_by_pid, conn.pid), (self._reading_by_uid, conn.uid)):
+            left = counts.get(key, 0) - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
+
+    def _wire_error(self, conn: _Connection, error: wire.WireError) -> None:
+        """Answer a request that is not one of ours (never served, never a worker)."""
+        self._protocol_error(conn, f"{type(error).__name__}: {error}")
+        if not conn.allowed:
+            self._refuse(conn, {}, b"")
+            return
+        answer: IpwardError
+        if isinstance(error, wire.VersionMismatch):
+            answer = TryAgainLater(
+                f"ipward agent speaks wire protocol {wire.VERSION} and got {error}: install"
+                " the plugin of the agent's version ('ipward install-cni'); nothing was done"
+            )
+        elif isinstance(error, wire.TooLarge):
+            answer = InputTooLarge(f"request refused: {error}; nothing was done")
+        else:
+            answer = DecodeFailure(f"not an ipward request: {error}; nothing was done")
+        if isinstance(error, wire.VersionMismatch) and error.legacy:
+            out = cni.error_output(answer, b"").encode()
+            self._reply(conn, wire.encode_legacy_answer(1, out))
+        else:
+            self._reply(conn, self._error_answer(answer, b""))
+
+    def _protocol_error(self, conn: _Connection, error: str) -> None:
+        self.metrics.protocol_errors.inc()
+        log.warning("protocol error", error=error, peer_pid=conn.pid, peer_uid=conn.uid)
+
+    def _refuse(self, conn: _Connection, env: dict[str, str], stdin: bytes) -> None:
+        """Answer a peer the credential check refused, in the I/O thread."""
+        self.metrics.refused.inc()
+        command = env.get("CNI_COMMAND", "")
+        allowed = f"root, uid {self.uid}" + (
+            f", gid {self.allow_gid}" if self.allow_gid is not None else ""
+        )
+        msg = (
+            f"permission denied: the ipward agent serves {allowed}; this call came from"
+            f" uid {conn.uid} gid {conn.gid} (nothing was done)"
+        )
+        log.warning(
+            "refused a peer",
+            peer_pid=conn.pid,
+            peer_uid=conn.uid,
+            peer_gid=conn.gid,
+            command=command or None,
+        )
+        label = command if command in _COMMAND_LABELS else "other"
+        self.metrics.requests.labels(command=label, code=str(PEER_REFUSED)).inc()
+        self._reply(conn, self._error_answer(IoFailure(msg), stdin))
+
+    @staticmethod
+    def _error_answer(error: IpwardError, stdin: bytes) -> bytes:
+        return wire.encode_answer(1, cni.error_output(error, stdin).encode())
+
+    def _expire(self, now: float) -> None:
+        for conn in [c for c in self._watched if c.deadline <= now]:
+            if conn.reading:
+                self._end_reading(conn)
+                if not conn.allowed:
+                    self._refuse(conn, {}, b"")
+                    continue
+                self._protocol_error(conn, f"request incomplete after {REQUEST_DEADLINE:g}s")
+                msg = f"request incomplete after {REQUEST_DEADLINE:g}s; nothing was done"
+                self._reply(conn, self._error_answer(TryAgainLater(msg), b""))
+            else:
+                self._watched.discard(conn)
+                self._selector.unregister(conn.sock)
+                log.warning("answer not delivered: the peer does not read it", peer_pid=conn.pid)
+                self._close(conn)
+
+    # -- answering ----------------------------------------------------------------------
+
+    def _serve(self, conn: _Connection, env: dict[str, str], stdin: bytes) -> None:
+        """A worker: answer one complete request."""
         command = env.get("CNI_COMMAND", "")
         label = command if command in _COMMAND_LABELS else "other"
         started = time.monotonic()
-        status, out = cni.answer(env, stdin, self.ledger, self.directory)  # never raises
+        try:
+            status, out = cni.answer(env, stdin, self.ledger, self.directory)  # never raises
+            answer = wire.encode_answer(status, out.encode())
+        except Exception as e:  # a bug (an answer too large): an error, not silence
+            status, out = 1, cni.error_output(IpwardError(f"internal error: {e}"), stdin)
+            answer = wire.encode_answer(status, out.encode())
+        finally:
+            with self._lock:
+                self._in_service.pop(id(conn), None)
         code = "0" if status == 0 else _code_of(out)
-        delivered = self._send(conn, status, out.encode())
+        self._reply(conn, answer)
         seconds = time.monotonic() - started
         self.metrics.requests.labels(command=label, code=code).inc()
         self.metrics.seconds.labels(command=label).observe(seconds)
@@ -458,67 +768,77 @@ class Agent:
             "ifname": env.get("CNI_IFNAME"),
             "code": int(code),
             "ms": round(seconds * 1000, 2),
-            "peer_pid": pid,
+            "peer_pid": conn.pid,
         }
         if status != 0:
             log.warning("request failed", msg_sent=out.strip(), **fields)
         else:
             log.debug("request", **fields)
-        if delivered is not None:
-            # Whatever was committed stays committed: a retried ADD gets the same address.
-            log.warning("answer not delivered", error=delivered, **fields)
 
-    def _send(self, conn: socket.socket, status: int, out: bytes) -> str | None:
-        """Send the answer frame; None when sent, else why not."""
-        if len(out) + 1 > MAX_FRAME:
-            out = _error_object(b"", cni.INTERNAL_ERROR, "answer too large for the protocol")
-            status = 1
+    def _reply(self, conn: _Connection, answer: bytes) -> None:
+        """Send an answer and close, from any thread: at once when the socket takes it
+        (answers are small), else the I/O thread writes the rest until WRITE_DEADLINE.
+        Whatever was committed stays committed: a retried ADD gets the same address."""
         try:
-            conn.settimeout(WRITE_TIMEOUT)
-            conn.sendall(frame(bytes((status,)) + out))
-        except (OSError, WireError) as e:
-            return f"{type(e).__name__}: {e}"
-        return None
+            sent = conn.sock.send(answer)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            log.warning("answer not delivered", error=str(e), peer_pid=conn.pid)
+            self._close(conn)
+            return
+        if sent == len(answer):
+            self._close(conn)
+            return
+        conn.pending = answer[sent:]
+        conn.deadline = time.monotonic() + WRITE_DEADLINE
+        with self._lock:
+            self._outbox.append(conn)
+        self._wake()
 
-    def _refuse(self, conn: socket.socket, pid: int, uid: int, gid: int) -> None:
-        self.metrics.refused.inc()
-        conn.settimeout(REFUSED_READ_TIMEOUT)
-        command, stdin = "", b""
-        try:  # read what it sent (bounded, briefly): the answer is in its cniVersion
-            env = decode_env(recv_frame(conn.recv))
-            command = env.get("CNI_COMMAND", "")
-            stdin = recv_frame(conn.recv)
-        except (WireError, OSError, UnicodeDecodeError):
-            pass
-        allowed = f"root, uid {self.uid}" + (
-            f", gid {self.allow_gid}" if self.allow_gid is not None else ""
-        )
-        msg = (
-            f"permission denied: the ipward agent serves {allowed}; this call came from"
-            f" uid {uid} gid {gid} (nothing was done)"
-        )
-        log.warning(
-            "refused a peer", peer_pid=pid, peer_uid=uid, peer_gid=gid, command=command or None
-        )
-        label = command if command in _COMMAND_LABELS else "other"
-        self.metrics.requests.labels(command=label, code=str(PEER_REFUSED)).inc()
-        self._send(conn, 1, _error_object(stdin, PEER_REFUSED, msg))
+    def _take_outbox(self) -> None:
+        with self._lock:
+            outbox, self._outbox = self._outbox, []
+        for conn in outbox:
+            self._watched.add(conn)
+            self._selector.register(conn.sock, selectors.EVENT_WRITE, conn)
+
+    def _write(self, conn: _Connection) -> None:
+        try:
+            sent = conn.sock.send(conn.pending)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            sent = len(conn.pending)
+            log.warning("answer not delivered", error=str(e), peer_pid=conn.pid)
+        conn.pending = conn.pending[sent:]
+        if not conn.pending:
+            self._watched.discard(conn)
+            self._selector.unregister(conn.sock)
+            self._close(conn)
+
+    def _close(self, conn: _Connection) -> None:
+        conn.sock.close()
+        with self._lock:
+            self._open -= 1
+        self.metrics.in_flight.dec()
 
     # -- stopping ----------------------------------------------------------------------
 
     def begin_stop(self) -> None:
-        """Refuse new connections from now on; calls in flight go on."""
+        """Refuse new connections from now on; requests already accepted go on (those
+        still arriving are read until their deadline)."""
         self.stopping.set()
         self.socket.shutdown()
+        self._wake()
 
     def drain(self, seconds: float, cut_short: threading.Event | None = None) -> int:
-        """Wait for the calls in flight, at most `seconds`; returns how many are left."""
-        self._acceptor.join()
-        self.socket.close()  # after the acceptor: what it accepted is in flight
+        """Wait until every accepted connection is answered, at most `seconds`; returns
+        how many are left."""
         deadline = time.monotonic() + seconds
         while True:
-            with self._futures_lock:
-                left = len(self._futures)
+            with self._lock:
+                left = self._open
             if not left or time.monotonic() >= deadline:
                 return left
             if cut_short is not None and cut_short.is_set():
@@ -526,6 +846,14 @@ class Agent:
             time.sleep(0.01)
 
     def close(self, wait: bool) -> None:
+        self._closed.set()
+        self._wake()
+        if self._io.ident is not None:
+            self._io.join()
+        self._selector.close()
+        self.socket.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
@@ -714,6 +1042,8 @@ def run_agent(
     allow_gid: int | None,
     max_workers: int,
     drain_seconds: float,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    stuck_seconds: float = CALL_TIMEOUT,
     duty_interval: float = 1.0,
     node_ttl: int = 10,
     liveness: str | None = None,
@@ -753,6 +1083,7 @@ def run_agent(
     except StoreError as e:  # serve anyway: calls answer 11 until the store is back
         store_revision = f"unreachable ({e})"
         log.warning("store unreachable at start; serving anyway", error=str(e))
+    max_connections = _descriptors_for(max_connections)
     try:
         agent = Agent(
             store,
@@ -760,6 +1091,8 @@ def run_agent(
             socket_path,
             allow_gid=allow_gid,
             max_workers=max_workers,
+            max_connections=max_connections,
+            stuck_seconds=stuck_seconds,
             metrics_address=metrics_address,
             directory=directory,
         )
@@ -787,6 +1120,8 @@ def run_agent(
         uid=agent.uid,
         allow_gid=allow_gid,
         max_workers=max_workers,
+        max_connections=max_connections,
+        stuck_seconds=stuck_seconds,
         liveness=liveness,
         cluster=cluster,
         add_grace=add_grace,
@@ -813,6 +1148,24 @@ def run_agent(
     if left:
         os._exit(0)  # workers still running must not hold the interpreter's exit
     return 0
+
+
+def _descriptors_for(max_connections: int) -> int:
+    """Raise the open-files limit (up to its hard limit) so that `max_connections` fit
+    beside what the agent needs otherwise; the number of connections that fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_MARGIN
+    if soft != resource.RLIM_INFINITY and soft < want:
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning(
+            "open-files limit too low for --max-connections; serving fewer",
+            max_connections=max(soft - FD_MARGIN, 1),
+            limit=soft,
+        )
+        return max(soft - FD_MARGIN, 1)
+    return max_connections
 
 
 def _parse_gid(text: str | None) -> int | None:
@@ -865,6 +1218,21 @@ def _parse_gid(text: str | None) -> int | None:
 )
 @click.option("--max-workers", type=click.IntRange(1, 1024), default=16, show_default=True)
 @click.option(
+    "--max-connections",
+    type=click.IntRange(1),
+    default=DEFAULT_MAX_CONNECTIONS,
+    show_default=True,
+    help="Connections open at once; more are answered 11 at once, without being read.",
+)
+@click.option(
+    "--stuck-seconds",
+    type=click.FloatRange(1),
+    default=CALL_TIMEOUT,
+    show_default=True,
+    help="/healthz reports the agent stuck when a request waits this long for a worker"
+    " or its answer (the plugin gives up after 60 s).",
+)
+@click.option(
     "--drain-seconds",
     type=click.FloatRange(0),
     default=30.0,
@@ -916,6 +1284,8 @@ def agent_command(
     log_file: str | None,
     log_level: str,
     max_workers: int,
+    max_connections: int,
+    stuck_seconds: float,
     drain_seconds: float,
     duty_interval: float,
     node_ttl: int,
@@ -937,6 +1307,8 @@ def agent_command(
         metrics_address=parse_address(metrics_address),
         allow_gid=_parse_gid(allow_gid),
         max_workers=max_workers,
+        max_connections=max_connections,
+        stuck_seconds=stuck_seconds,
         drain_seconds=drain_seconds,
         duty_interval=duty_interval,
         node_ttl=node_ttl,

@@ -17,11 +17,19 @@ import os
 import sys
 
 from ipward import jsonc, log
-from ipward.config import SUPPORTED_VERSIONS, Call, IpamConfig
+from ipward.addr import format_ip, parse_cidr, parse_ip
+from ipward.config import (
+    SUPPORTED_VERSIONS,
+    Call,
+    IpamConfig,
+    container_id_problem,
+    ifname_problem,
+)
 from ipward.errors import (
     DecodeFailure,
     IncompatibleStore,
     IncompatibleVersion,
+    InputTooLarge,
     InvalidConfig,
     InvalidEnvironment,
     IpwardError,
@@ -29,6 +37,7 @@ from ipward.errors import (
     TryAgainLater,
     UnknownContainer,
 )
+from ipward.wire import MAX_CONFIG, environment
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -38,6 +47,7 @@ if TYPE_CHECKING:
 
 COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")
 INTERNAL_ERROR = 999
+MAX_MESSAGE = 2000  # characters of an error's msg (and details): messages quote input
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -54,6 +64,10 @@ def run(
     passes its own `ledger` (its store, its node) and, with a cluster source, the
     `directory` of pods ADD reads annotations and owners from; the plugin opens a
     ledger on SQLite."""
+    if len(stdin) > MAX_CONFIG:
+        raise InputTooLarge(
+            f"network configuration on stdin is larger than the limit of {MAX_CONFIG} bytes"
+        )
     command = env.get("CNI_COMMAND", "")
     if command not in COMMANDS:
         raise InvalidEnvironment(f"CNI_COMMAND {command!r} is not one of {', '.join(COMMANDS)}")
@@ -112,15 +126,15 @@ def _configure_log(raw: object) -> None:
     if isinstance(ipam, dict):
         path = ipam.get("logFile") or ipam.get("log_file")
         level = ipam.get("logLevel")
-        if isinstance(path, str) and path:
+        if isinstance(path, str) and path and "\0" not in path:  # else IpamConfig refuses it
             log.configure(path, level if isinstance(level, str) else "info", "ipward-cni")
 
 
 def _ledger(config: IpamConfig) -> Ledger:
     if config.agent_socket:
-        # The executable forwards to the agent before it gets here; only a path it could
-        # not read plainly (escapes) reaches this point.
-        raise InvalidConfig("ipam.agentSocket must be a plain path without escapes")
+        # The executable forwards every call of such a config to the agent; this is only
+        # reached when `ipward.cni` is run some other way.
+        raise InvalidConfig("ipam.agentSocket: this call must go through the ipward-cni plugin")
     from ipward.ledger import Ledger
     from ipward.store import StoreError, StoreIncompatible, StoreUnavailable, open_store
 
@@ -162,18 +176,41 @@ def _result(config: IpamConfig, pools: list[PoolSpec], allocations: list[Allocat
 
 def _check(ledger: Ledger, call: Call, raw: dict) -> None:
     """CHECK: the attachment must hold addresses, and those the runtime was given."""
+    expected = _prev_result_addresses(raw)
     allocations = ledger.lookup(call.attachment)
     if not allocations:
         raise UnknownContainer(f"{call.attachment} has no address allocated")
-    prev = raw.get("prevResult")
-    if isinstance(prev, dict) and isinstance(prev.get("ips"), list):
-        held = {a.ip for a in allocations}
-        for entry in prev["ips"]:
-            address = entry.get("address", "").split("/")[0] if isinstance(entry, dict) else ""
-            if address and address not in held:
-                raise UnknownContainer(
-                    f"{call.attachment}: prevResult address {address} is not allocated to it"
-                )
+    held = {a.ip for a in allocations}
+    for address in expected:
+        if address not in held:
+            raise UnknownContainer(
+                f"{call.attachment}: prevResult address {address} is not allocated to it"
+            )
+
+
+def _prev_result_addresses(raw: dict) -> list[str]:
+    """The addresses of `prevResult.ips` (as the ledger writes them), checked before
+    anything is read: a result the runtime kept must be a well-formed one."""
+    if "prevResult" not in raw:
+        return []
+    prev = raw["prevResult"]
+    if not isinstance(prev, dict):
+        raise InvalidConfig("prevResult must be an object (the result of the ADD)")
+    ips = prev.get("ips", [])
+    if not isinstance(ips, list):
+        raise InvalidConfig("prevResult.ips must be a list")
+    addresses = []
+    for i, entry in enumerate(ips):
+        address = entry.get("address") if isinstance(entry, dict) else None
+        if not isinstance(address, str):
+            raise InvalidConfig(f"prevResult.ips[{i}].address must be a string (address/prefix)")
+        try:
+            family, value = parse_ip(address.split("/")[0])
+            parse_cidr(address)
+        except InvalidConfig as e:
+            raise InvalidConfig(f"prevResult.ips[{i}].address: {e.msg}") from None
+        addresses.append(format_ip(family, value))
+    return addresses
 
 
 def _gc(config: IpamConfig, raw: dict, ledger: Ledger | None) -> None:
@@ -182,14 +219,16 @@ def _gc(config: IpamConfig, raw: dict, ledger: Ledger | None) -> None:
     if not isinstance(valid, list):
         raise InvalidConfig("GC needs 'cni.dev/valid-attachments' (a list)")
     keep: set[tuple[str, str]] = set()
-    for entry in valid:
-        if not (
-            isinstance(entry, dict)
-            and isinstance(entry.get("containerID"), str)
-            and isinstance(entry.get("ifname"), str)
-        ):
-            raise InvalidConfig(f"a valid attachment needs 'containerID' and 'ifname': {entry!r}")
-        keep.add((entry["containerID"], entry["ifname"]))
+    for i, entry in enumerate(valid):
+        where = f"cni.dev/valid-attachments[{i}]"
+        if not isinstance(entry, dict):
+            raise InvalidConfig(f"{where} must be an object with 'containerID' and 'ifname'")
+        container, ifname = entry.get("containerID"), entry.get("ifname")
+        problem = container_id_problem(container) or ifname_problem(ifname)
+        if problem:
+            raise InvalidConfig(f"{where}: {problem}")
+        assert isinstance(container, str) and isinstance(ifname, str)
+        keep.add((container, ifname))
     (ledger or _ledger(config)).collect_network(config.network, keep, config.gc_grace)
 
 
@@ -209,11 +248,24 @@ def _dump(obj: dict) -> str:
 
 def _error_version(stdin: bytes) -> str:
     """The cniVersion to answer an error in (parsed again only on the error path)."""
-    try:
-        version = jsonc.loads(stdin).get("cniVersion")
-    except Exception:  # whatever the input: an error answer must still go out
-        version = None
+    version = None
+    if len(stdin) <= MAX_CONFIG:
+        try:
+            version = jsonc.loads(stdin).get("cniVersion")
+        except Exception:  # whatever the input: an error answer must still go out
+            version = None
     return version if version in SUPPORTED_VERSIONS else SUPPORTED_VERSIONS[-1]
+
+
+def error_output(error: IpwardError, stdin: bytes) -> str:
+    """What the plugin prints for `error`: the CNI error object, in the cniVersion the
+    config on `stdin` asks for if we support it (else the latest). Messages quote the
+    input, so msg and details are cut to MAX_MESSAGE characters."""
+    out = error.to_cni(_error_version(stdin))
+    for field in ("msg", "details"):
+        if len(out.get(field, "")) > MAX_MESSAGE:
+            out[field] = out[field][:MAX_MESSAGE] + " [...]"
+    return _dump(out)
 
 
 def answer(
@@ -234,25 +286,25 @@ def answer(
             container=env.get("CNI_CONTAINERID"),
             ifname=env.get("CNI_IFNAME"),
         )
-        return 1, _dump(e.to_cni(_error_version(stdin)))
+        return 1, error_output(e, stdin)
     except Exception as e:  # never a traceback on stdout
         import traceback
 
         log.error(
             "internal error", command=env.get("CNI_COMMAND"), traceback=traceback.format_exc()
         )
-        error = {"code": INTERNAL_ERROR, "msg": f"internal error: {type(e).__name__}: {e}"}
-        return 1, _dump({"cniVersion": _error_version(stdin), **error})
+        internal = IpwardError(f"internal error: {type(e).__name__}: {e}")  # code 999
+        return 1, error_output(internal, stdin)
 
 
 def main(stdin: bytes | None = None) -> None:
     """The in-process plugin (single-node mode); `ipward.plugin.main` calls it with the
-    stdin it already read."""
-    env = dict(os.environ)
-    try:
-        data = sys.stdin.buffer.read() if stdin is None else stdin
-    except OSError:
-        data = b""
+    stdin it already read. The environment is read as the agent reads a forwarded one
+    (`wire.environment`), so both paths judge the same call the same way."""
+    from ipward.plugin import read_stdin
+
+    env = environment(os.environb)
+    data = read_stdin() if stdin is None else stdin
     status, out = answer(env, data)
     sys.stdout.write(out)
     sys.stdout.flush()

@@ -14,15 +14,31 @@ from __future__ import annotations
 
 import os
 
-from ipward.addr import family_of, format_cidr, format_ip, parse_cidr
-from ipward.errors import InvalidConfig, InvalidEnvironment
+from ipward.addr import family_of, format_cidr, format_ip, parse_cidr, parse_ip
+from ipward.errors import InvalidConfig, InvalidEnvironment, IpwardError
 from ipward.ledger import ADD_GRACE, STICKY_TTL
+from ipward.log import LEVELS
 from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name
 from ipward.records import Attachment, PodInfo
+from ipward.wire import agent_socket, socket_path_problem
 
 DEFAULT_STORE = "sqlite:///var/lib/ipward/ipward.db"
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
-_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+# Bounds of every field (README: limits). Names and IDs in characters, the rest in bytes.
+MAX_CONTAINER_ID = 256
+MAX_NAME = 253  # network, pool and node names (a DNS subdomain's length)
+MAX_IFNAME = 15  # bytes: IFNAMSIZ less its NUL
+MAX_NETNS = 4096  # bytes: PATH_MAX
+MAX_CNI_ARGS = 8192  # bytes
+MAX_ARG_KEY = 64
+MAX_NAMESPACE = 63  # a DNS label
+MAX_POD_UID = 128
+MAX_PATH = 4096  # bytes of ipam.store and ipam.logFile
+MAX_SECONDS = 10 * 365 * 86400.0  # gcGrace, stickyTTL
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+_ID_CHARS = _ALNUM | frozenset("-_.")
+_DNS_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+_UID_CHARS = _ALNUM | frozenset("-")
 _KNOWN_ARGS = frozenset(
     (
         "IgnoreUnknown",
@@ -89,26 +105,38 @@ class IpamConfig:
         self.raw = raw
         version = raw.get("cniVersion")
         if not isinstance(version, str) or not version:
-            raise InvalidConfig("cniVersion is missing")
+            raise InvalidConfig("cniVersion is missing (or not a string)")
         self.cni_version = version
-        self.network = check_name(raw.get("name"), "network name")
+        problem = identifier_problem(raw.get("name"), "name (the network name)", MAX_NAME)
+        if problem:
+            raise InvalidConfig(problem)
+        self.network: str = raw["name"]
+        for field in ("runtimeConfig", "args"):
+            if field in raw and not isinstance(raw[field], dict):
+                raise InvalidConfig(f"{field} must be an object")
+        if not isinstance(raw.get("args", {}).get("cni", {}), dict):
+            raise InvalidConfig("args.cni must be an object")
         ipam = raw.get("ipam")
         if not isinstance(ipam, dict):
             raise InvalidConfig("the 'ipam' section is missing or not an object")
-        self.store_url = _str(ipam, "store", DEFAULT_STORE)
-        self.agent_socket = _str(ipam, "agentSocket", "") or _str(ipam, "agent_socket", "")
+        self.store_url = _path(ipam, "store", DEFAULT_STORE)
+        for field in ("agentSocket", "agent_socket"):
+            problem = socket_path_problem(ipam[field]) if ipam.get(field, "") != "" else None
+            if problem:
+                raise InvalidConfig(f"ipam.{field} {problem}")
+        self.agent_socket = agent_socket(raw) or ""
         self.node = check_node_name(_str(ipam, "node", "") or os.uname().nodename, "ipam.node")
-        self.log_file = _str(ipam, "logFile", "") or _str(ipam, "log_file", "")
+        self.log_file = _path(ipam, "logFile", "") or _path(ipam, "log_file", "")
         self.log_level = _str(ipam, "logLevel", "info")
+        if self.log_level not in LEVELS:
+            raise InvalidConfig(f"ipam.logLevel must be one of {', '.join(LEVELS)}")
         self.routes = _routes(ipam.get("routes", []))
         self.gc_grace = _seconds(ipam, "gcGrace", ADD_GRACE)
         self.sticky = ipam.get("sticky", False)
         if not isinstance(self.sticky, bool):
             raise InvalidConfig("ipam.sticky must be true or false")
         self.sticky_ttl = _seconds(ipam, "stickyTTL", STICKY_TTL)
-        self.dns = ipam.get("dns", {})
-        if not isinstance(self.dns, dict):
-            raise InvalidConfig("ipam.dns must be an object")
+        self.dns = _dns(ipam.get("dns", {}))
         pool = ipam.get("pool")
         self.inline_pool = _inline_pool(self.network, ipam, self.routes)
         if pool is not None and self.inline_pool is not None:
@@ -119,25 +147,27 @@ class IpamConfig:
                 " 'ranges' / 'subnet' / 'range' / 'ipRanges'"
             )
         names = pool.split(",") if isinstance(pool, str) else pool
-        if pool is not None and not (isinstance(names, list) and names):
+        if "pool" in ipam and not (isinstance(names, list) and names):
             raise InvalidConfig("ipam.pool must be a pool name or a list of names")
         self.pool_names = [
             check_name(n.strip() if isinstance(n, str) else n) for n in (names or [])
         ]
+        if any(len(n) > MAX_NAME for n in self.pool_names):
+            raise InvalidConfig(f"ipam.pool: a pool name is longer than {MAX_NAME} characters")
 
     def requested_ips(self, cni_args: dict[str, str]) -> list[str]:
         """Addresses asked for by the runtime: `runtimeConfig.ips`, `args.cni.ips`, or
-        CNI_ARGS `IP=` (comma-separated); prefixes are dropped."""
+        CNI_ARGS `IP=` (comma-separated); prefixes are dropped. A bad address is the
+        config's fault (7) in the config, the environment's (4) in CNI_ARGS."""
         found: list[str] = []
         runtime = self.raw.get("runtimeConfig", {})
-        if isinstance(runtime, dict) and runtime.get("ips") is not None:
-            found += _ip_list(runtime["ips"], "runtimeConfig.ips")
-        args = self.raw.get("args", {})
-        cni = args.get("cni", {}) if isinstance(args, dict) else {}
-        if isinstance(cni, dict) and cni.get("ips") is not None:
-            found += _ip_list(cni["ips"], "args.cni.ips")
+        if runtime.get("ips") is not None:
+            found += _ip_list(runtime["ips"], "runtimeConfig.ips", InvalidConfig)
+        cni = self.raw.get("args", {}).get("cni", {})
+        if cni.get("ips") is not None:
+            found += _ip_list(cni["ips"], "args.cni.ips", InvalidConfig)
         if cni_args.get("IP"):
-            found += _ip_list(cni_args["IP"].split(","), "CNI_ARGS IP")
+            found += _ip_list(cni_args["IP"].split(","), "CNI_ARGS IP", InvalidEnvironment)
         return list(dict.fromkeys(found))
 
 
@@ -148,17 +178,63 @@ def _str(section: dict, field: str, default: str) -> str:
     return value
 
 
+def _path(section: dict, field: str, default: str) -> str:
+    """A store URL or file path: a string of at most MAX_PATH bytes, no control bytes."""
+    value = _str(section, field, default)
+    problem = text_problem(value, f"ipam.{field}", MAX_PATH)
+    if problem:
+        raise InvalidConfig(problem)
+    return value
+
+
 def _seconds(section: dict, field: str, default: float) -> float:
     value = section.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise InvalidConfig(f"ipam.{field} must be a number of seconds, 0 or more")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_SECONDS  # also refuses NaN
+    ):
+        raise InvalidConfig(f"ipam.{field} must be a number of seconds from 0 to {MAX_SECONDS:.0f}")
     return float(value)
 
 
-def _ip_list(value: object, where: str) -> list[str]:
+def _dns(value: object) -> dict:
+    """`ipam.dns` as the CNI spec types it; returned in the result as it is."""
+    if not isinstance(value, dict):
+        raise InvalidConfig("ipam.dns must be an object")
+    for field in ("nameservers", "search", "options"):
+        items = value.get(field, [])
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise InvalidConfig(f"ipam.dns.{field} must be a list of strings")
+    if not isinstance(value.get("domain", ""), str):
+        raise InvalidConfig("ipam.dns.domain must be a string")
+    for server in value.get("nameservers", []):
+        try:
+            parse_ip(server)
+        except InvalidConfig as e:
+            raise InvalidConfig(f"ipam.dns.nameservers: {e.msg}") from None
+    return value
+
+
+def _ip_list(value: object, where: str, error: type[IpwardError]) -> list[str]:
+    """Bare addresses of a list of addresses (each may carry a prefix), at most one per
+    family; `error` says whose fault a bad one is."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise InvalidConfig(f"{where} must be a list of addresses")
-    return [v.strip().split("/")[0] for v in value if v.strip()]
+        raise error(f"{where} must be a list of addresses")
+    out: dict[int, str] = {}
+    for text in (v.strip() for v in value):
+        if not text:
+            continue
+        try:
+            family, number = parse_ip(text.split("/")[0])
+            if "/" in text:
+                parse_cidr(text)
+        except InvalidConfig as e:
+            raise error(f"{where}: {e.msg}") from None
+        ip = format_ip(family, number)
+        if out.setdefault(family, ip) != ip:
+            raise error(f"{where}: two IPv{family} addresses ({out[family]}, {ip}); one per family")
+    return list(out.values())
 
 
 def _routes(value: object) -> list[dict]:
@@ -247,14 +323,24 @@ def _whereabouts_range(entry: dict, gateway: object) -> tuple[dict, list[str]]:
 
 def parse_cni_args(text: str) -> dict[str, str]:
     """`K=V;K=V`. Unknown keys are an error unless `IgnoreUnknown` is true, as in
-    host-local."""
+    host-local; each key at most once; the pod's identity as Kubernetes forms it."""
+    problem = text_problem(text, "CNI_ARGS", MAX_CNI_ARGS)
+    if problem:
+        raise InvalidEnvironment(problem)
     args: dict[str, str] = {}
     for part in text.split(";"):
         if not part:
             continue
         key, sep, value = part.partition("=")
         if not sep:
-            raise InvalidEnvironment(f"CNI_ARGS: {part!r} is not KEY=VALUE")
+            raise InvalidEnvironment(f"CNI_ARGS: {_shown(part)} is not KEY=VALUE")
+        if not key or len(key) > MAX_ARG_KEY or not set(key) <= _ID_CHARS:
+            raise InvalidEnvironment(
+                f"CNI_ARGS: key {_shown(key)} must be 1 to {MAX_ARG_KEY} letters, digits,"
+                " '_', '.' or '-'"
+            )
+        if key in args:
+            raise InvalidEnvironment(f"CNI_ARGS: {key} given twice")
         args[key] = value
     ignore = args.get("IgnoreUnknown", "").lower() in ("1", "true")
     unknown = sorted(set(args) - _KNOWN_ARGS)
@@ -262,6 +348,10 @@ def parse_cni_args(text: str) -> dict[str, str]:
         raise InvalidEnvironment(
             f"CNI_ARGS: unknown keys {', '.join(unknown)} (and no IgnoreUnknown)"
         )
+    for key, check in _ARG_CHECKS:
+        problem = check(args[key], f"CNI_ARGS {key}") if args.get(key) else None
+        if problem:
+            raise InvalidEnvironment(problem)
     return args
 
 
@@ -279,19 +369,105 @@ class Call:
             self.args.get("K8S_POD_UID", ""),
             self.args.get("K8S_POD_INFRA_CONTAINER_ID", ""),
         )
-        container = env.get("CNI_CONTAINERID", "")
-        ifname = env.get("CNI_IFNAME", "")
-        if not container or not set(container) <= _ID_CHARS:
-            raise InvalidEnvironment(
-                f"CNI_CONTAINERID {container!r} is missing or not letters, digits, '-_.'"
-            )
-        if (
-            not ifname
-            or len(ifname) > 15
-            or ifname in (".", "..")
-            or any(c in ifname for c in "/: \t\n")
-        ):
-            raise InvalidEnvironment(f"CNI_IFNAME {ifname!r} is missing or not an interface name")
-        if self.command in ("ADD", "CHECK") and not env.get("CNI_NETNS"):
+        container = env.get("CNI_CONTAINERID")
+        ifname = env.get("CNI_IFNAME")
+        netns = env.get("CNI_NETNS", "")
+        problem = (
+            container_id_problem(container, "CNI_CONTAINERID")
+            or ifname_problem(ifname, "CNI_IFNAME")
+            or (text_problem(netns, "CNI_NETNS", MAX_NETNS) if netns else None)
+        )
+        if problem:
+            raise InvalidEnvironment(problem)
+        if self.command in ("ADD", "CHECK") and not netns:
             raise InvalidEnvironment(f"CNI_NETNS is required for {self.command}")
+        assert container is not None and ifname is not None
         self.attachment = Attachment(network, container, ifname)
+
+
+# -- field rules: each returns what is wrong with a value (naming it), or None -----------
+
+
+def _shown(value: object) -> str:
+    """A value quoted in a message, cut short: messages must stay small."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_control(c: str) -> bool:
+    return c < " " or "\x7f" <= c <= "\x9f"
+
+
+def text_problem(value: str, what: str, max_bytes: int) -> str | None:
+    """Text from outside: valid UTF-8, no control characters, at most `max_bytes`."""
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:  # bytes that were not UTF-8, kept as surrogates
+        return f"{what} is not valid UTF-8"
+    if size > max_bytes:
+        return f"{what} is longer than {max_bytes} bytes"
+    if any(_is_control(c) for c in value):
+        return f"{what} {_shown(value)} contains control characters"
+    return None
+
+
+def identifier_problem(value: object, what: str, limit: int) -> str | None:
+    """CNI's rule for container IDs and network names: a letter or a digit, then letters,
+    digits, '_', '.' or '-'; at most `limit` characters."""
+    if not isinstance(value, str) or not value:
+        return f"{what} is missing (or not a string)"
+    if len(value) > limit:
+        return f"{what} is longer than {limit} characters"
+    if value[0] not in _ALNUM or not set(value) <= _ID_CHARS:
+        return (
+            f"{what} {_shown(value)} must be a letter or a digit followed by letters,"
+            " digits, '_', '.' or '-'"
+        )
+    return None
+
+
+def container_id_problem(value: object, what: str = "containerID") -> str | None:
+    return identifier_problem(value, what, MAX_CONTAINER_ID)
+
+
+def ifname_problem(value: object, what: str = "ifname") -> str | None:
+    """Linux's rule for interface names: 1 to 15 bytes, not '.' or '..', no '/', ':',
+    whitespace or control characters."""
+    if not isinstance(value, str) or not value:
+        return f"{what} is missing (or not a string)"
+    problem = text_problem(value, what, MAX_IFNAME)
+    if problem:
+        return problem
+    if value in (".", "..") or any(c in "/:" or c.isspace() for c in value):
+        return f"{what} {_shown(value)} is not an interface name (no '/', ':' or whitespace)"
+    return None
+
+
+def _dns_label(value: str) -> bool:
+    return bool(value) and set(value) <= _DNS_CHARS and value[0] != "-" and value[-1] != "-"
+
+
+def _namespace_problem(value: str, what: str) -> str | None:
+    if len(value) > MAX_NAMESPACE or not _dns_label(value):
+        return f"{what} {_shown(value)} is not a Kubernetes namespace (a DNS-1123 label)"
+    return None
+
+
+def _pod_name_problem(value: str, what: str) -> str | None:
+    if len(value) > MAX_NAME or not all(_dns_label(p) for p in value.split(".")):
+        return f"{what} {_shown(value)} is not a Kubernetes pod name (a DNS-1123 subdomain)"
+    return None
+
+
+def _uid_problem(value: str, what: str) -> str | None:
+    if len(value) > MAX_POD_UID or not set(value) <= _UID_CHARS:
+        return f"{what} {_shown(value)} must be at most {MAX_POD_UID} letters, digits or '-'"
+    return None
+
+
+_ARG_CHECKS = (
+    ("K8S_POD_NAMESPACE", _namespace_problem),
+    ("K8S_POD_NAME", _pod_name_problem),
+    ("K8S_POD_UID", _uid_problem),
+    ("K8S_POD_INFRA_CONTAINER_ID", container_id_problem),
+)

@@ -105,6 +105,13 @@ class IncompatibleStore(IpwardError):
     code = 106
 
 
+class InputTooLarge(IpwardError):
+    """Input over a documented size limit: the network config, a request to the agent, or
+    an allocation too large for one store transaction. Retrying cannot help."""
+
+    code = 107
+
+
 CODES = {
     cls.code: cls
     for cls in (
@@ -124,5 +131,6 @@ CODES = {
         OwnerChanged,
         PoolNotAllowed,
         IncompatibleStore,
+        InputTooLarge,
     )
 }

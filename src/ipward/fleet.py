@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from ipward.plugin import forward
+from ipward.wire import WireError
 
 IPWARD = [sys.executable, "-m", "ipward.cli"]
 _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
@@ -180,7 +181,8 @@ class Agent(Process):
         super().__init__(f"agent-{node}", args, log_dir, env)
 
     def wait_ready(self, timeout: float = 30.0) -> Agent:
-        """Until a VERSION call through its socket is answered."""
+        """Until a VERSION call through its socket is answered and its start is logged
+        (the line that names its metrics address comes after the socket serves)."""
         deadline = time.monotonic() + timeout
         while True:
             if not self.running:
@@ -188,8 +190,9 @@ class Agent(Process):
             try:
                 status, _ = forward(str(self.socket), {"CNI_COMMAND": "VERSION"}, b"{}", 5.0)
                 if status == 0:
+                    self.wait_started(max(deadline - time.monotonic(), 0.0))
                     return self
-            except OSError:
+            except (OSError, WireError):
                 pass
             if time.monotonic() > deadline:
                 raise FleetError(f"{self.name} not ready after {timeout}s:\n{self.output()}")

@@ -36,6 +36,7 @@ from ipward.blocks import cidr_of
 from ipward.errors import (
     AddressOutsidePool,
     AddressTaken,
+    InputTooLarge,
     InvalidConfig,
     IpwardError,
     OwnerChanged,
@@ -45,7 +46,15 @@ from ipward.errors import (
     UnknownPool,
 )
 from ipward.pool import PoolSpec
-from ipward.store.base import Delete, KeyValue, Put, StoreUnavailable, absent, at_revision
+from ipward.store.base import (
+    Delete,
+    KeyValue,
+    Put,
+    StoreUnavailable,
+    TxnTooLarge,
+    absent,
+    at_revision,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -56,7 +65,10 @@ if TYPE_CHECKING:
     from ipward.store.base import Compare, Store
 
 MAX_ATTEMPTS = 100
-MAX_BATCH = 24  # allocations per combined transaction (etcd caps a txn at 128 ops)
+MAX_BATCH = 24  # allocations per combined transaction at most (fewer: the store's limits)
+# Addresses one ADD may need (range sets over all its pools): each costs at most four
+# compares and three writes, so one ADD's transaction fits etcd's 128 operations.
+MAX_ADDRESSES = 16
 QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being released
 QUEUE_MEMORY = 1.0  # seconds a long-lived ledger trusts its view of its free queues
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
@@ -103,7 +115,7 @@ class _Request:
         self.attachment = attachment
         self.pod = pod
         self.result: list[Allocation] | None = None
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
         self.done = False
         self.wake = _thread.allocate_lock()  # not `threading`: it costs the plugin ~1 ms
         self.wake.acquire()
@@ -266,6 +278,12 @@ class Ledger:
         them in one transaction (distinct addresses, every compare kept), instead of all
         of them racing for the same queue head and block cursor. A batch that fails falls
         back to one transaction per request. Alone, a call is its own batch of one."""
+        wanted = sum(len(p.range_sets) for p in pools)
+        if wanted > MAX_ADDRESSES:
+            raise InputTooLarge(
+                f"{attachment}: one address per range set of each pool makes {wanted}, more"
+                f" than the {MAX_ADDRESSES} one ADD may have; nothing was done"
+            )
         if sticky is not None:
             return self._allocate_sticky(pools, attachment, pod, requested, sticky)
         if requested:
@@ -288,35 +306,56 @@ class Ledger:
         return me.result
 
     def _lead(self, key: tuple[str, ...]) -> None:
-        """Serve one batch of the waiting requests (this caller's among them), then hand
-        the lead to the next waiting request, so no caller serves others forever."""
+        """Serve one batch of the waiting requests (this caller's first among them), then
+        hand the lead to the next waiting request, so no caller serves others forever.
+        Whatever serving raises, every request of the batch is answered (a result or an
+        error) or back in line, and the lead passes on."""
         with self._combining:
             batch = self._waiting[key][:MAX_BATCH]
             del self._waiting[key][:MAX_BATCH]
-        self._serve(batch)
-        for request in batch:
-            request.done = True
-        with self._combining:
-            successor = self._waiting[key][0] if self._waiting[key] else None
-            if successor is None:
-                self._leading.discard(key)
-                del self._waiting[key]
-        for request in batch:
-            if request.wake.locked():
-                request.wake.release()
-        if successor is not None:
-            successor.wake.release()  # it wakes not done, so it leads
+        answered = len(batch)
+        try:
+            answered = self._serve(batch)
+        except BaseException as e:  # a bug, or an interrupt: its callers must still hear
+            for request in batch:
+                if request.result is None and request.error is None:
+                    request.error = e
+            raise
+        finally:
+            served, unserved = batch[:answered], batch[answered:]
+            for request in served:
+                request.done = True
+            with self._combining:
+                waiting = self._waiting[key]
+                waiting[:0] = unserved  # did not fit this batch's transaction: next in line
+                successor = waiting[0] if waiting else None
+                if successor is None:
+                    self._leading.discard(key)
+                    del self._waiting[key]
+            for request in served:
+                if request.wake.locked():
+                    request.wake.release()
+            if successor is not None:
+                successor.wake.release()  # it wakes not done, so it leads
 
-    def _serve(self, batch: list[_Request]) -> None:
-        results: list[list[Allocation]] | None = None
+    def _serve(self, batch: list[_Request]) -> int:
+        """Answer the first requests of `batch`, as many as one transaction of the store
+        holds: combined when they commit together, else one by one. How many it answered
+        (at least one: the lead's own)."""
+        count, results = 1, None
         if len(batch) > 1:
             try:
-                results = self._allocate_group(batch)
-            except _Conflict:
-                results = None
-            except (IpwardError, _NeedsBlock):
-                results = None  # each request finds its own answer below
-        for position, request in enumerate(batch):
+                count, results = self._allocate_group(batch)
+            except Exception as e:  # whatever it was, each request finds its own answer
+                foreseen = isinstance(e, _Conflict | _NeedsBlock | IpwardError)
+                if not foreseen or isinstance(e, InputTooLarge):  # the store's limits?
+                    log.warning(
+                        "combined allocation failed; serving one by one",
+                        error=f"{type(e).__name__}: {e}",
+                        batch=len(batch),
+                    )
+                count, results = len(batch), None
+        for position, request in enumerate(batch[:count]):
             if results is not None:
                 request.result = results[position]
                 continue
@@ -324,10 +363,14 @@ class Ledger:
                 request.result = self._allocate_one(request.pools, request.attachment, request.pod)
             except Exception as e:  # handed to the caller, raised in its own thread
                 request.error = e
+        return count
 
-    def _allocate_group(self, batch: list[_Request]) -> list[list[Allocation]] | None:
-        """One transaction for the whole batch, on a first, optimistic attempt; None if
-        it did not commit."""
+    def _allocate_group(self, batch: list[_Request]) -> tuple[int, list[list[Allocation]] | None]:
+        """One transaction for the first requests of the batch, as many as fit the
+        store's transaction limits (each member's compares and writes are counted as it is
+        added, after the batch's shared ones are merged), on a first, optimistic attempt.
+        (How many it took, their allocations or None if they are to be served one by one:
+        it did not commit, or only one fitted.)"""
         pools = batch[0].pools
         compares: list[Compare] = []
         ops: list[Put | Delete] = []
@@ -344,30 +387,39 @@ class Ledger:
                 for i, rs in enumerate(pool.range_sets)
             ]
             refs = [f"{p.name}/{k.ip}" for p, k in picks]
-            refs_of.append(refs)
-            compares.append(absent(request.attachment.key))
-            ops.append(Put(request.attachment.key, rec.encode({"ips": refs})))
+            member_compares = [absent(request.attachment.key)]
+            member_ops: list[Put | Delete] = [
+                Put(request.attachment.key, rec.encode({"ips": refs}))
+            ]
             for pool, pick in picks:
                 record = rec.ip_record(
                     request.attachment, request.pod, self.node, pick.block, now, False
                 )
-                compares += pick.compares
-                ops += pick.ops
-                ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
+                member_compares += pick.compares
+                member_ops += pick.ops
+                member_ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
+            grown_compares = _unique_compares(compares + member_compares)
+            grown_ops = _last_write_per_key(ops + member_ops)
+            if self.store.txn_problem(grown_compares, grown_ops) is not None:
+                break  # this one and the rest wait for the next batch
+            compares, ops = grown_compares, grown_ops
+            refs_of.append(refs)
+        if len(refs_of) < 2:
+            return 1, None
         testpoints.pause("allocate")
-        if not self._txn(_unique_compares(compares), _last_write_per_key(ops)):
-            return None
+        if not self._txn(compares, ops):
+            return len(refs_of), None
         results = []
-        for request, refs in zip(batch, refs_of, strict=True):
+        for request, refs in zip(batch, refs_of, strict=False):
             allocations = self._allocations(refs, pools)
             log.info(
                 "allocated",
                 attachment=repr(request.attachment),
                 ips=[repr(a) for a in allocations],
-                batch=len(batch),
+                batch=len(refs_of),
             )
             results.append(allocations)
-        return results
+        return len(refs_of), results
 
     def _allocate_one(
         self,
@@ -1197,8 +1249,13 @@ class Ledger:
             raise StoreUnreachable(f"store unreachable: {e}") from e
 
     def _txn(self, compares: list[Compare], ops: list[Put | Delete]) -> bool:
+        problem = self.store.txn_problem(compares, ops)
+        if problem is not None:
+            raise InputTooLarge(f"one transaction would need {problem}; nothing was done")
         try:
             result = self.store.txn(compares, ops)
+        except TxnTooLarge as e:  # limits set lower than the store's defaults
+            raise InputTooLarge(f"the store refused a transaction as too large: {e}") from e
         except StoreUnavailable as e:
             # Applied or not, nobody can tell: forget all it touched.
             touched = {c.key for c in compares} | {op.key for op in ops}

@@ -1,14 +1,19 @@
 """The executable's entry point (`ipward install-cni` writes a launcher calling `main`).
 
-With `agentSocket` in the ipam config (cluster mode) the call is forwarded to the node's
-agent and its answer printed as is: this path imports only `_socket` and `posix` (the C
-module under `os`, whose Python layer alone costs ~0.8 ms per exec) and `ipward.wire`,
-so it costs little over the interpreter's own start. Without it,
-`ipward.cni` runs the ledger in-process on SQLite (single-node mode).
+Cluster mode: the network config names the node agent's socket in `ipam.agentSocket`,
+and nowhere else counts. The config is parsed (`jsonc`, CPython's C scanner) and only
+that field of the `ipam` section is read: a key of that name anywhere else, such as in
+`args.cni`, which Multus fills from pod annotations, is only data. The call is then sent
+(`ipward.wire`) and the agent's answer printed as is, but only to an agent the plugin
+can trust: the socket file must be owned by root or by the plugin's own user, and so
+must the process listening on it (SO_PEERCRED, read after connecting and before a byte
+is sent). Anything else is refused with code 5 and nothing is sent. This path imports
+only `_socket`, `posix` (the C module under `os`, whose Python layer alone costs
+~0.8 ms), `jsonc` and `wire`, so it costs little over the interpreter's own start.
 
-`agentSocket` is found by scanning the raw config for the key and its plain string
-value (no escapes), not by parsing JSON; a config where the scan finds nothing takes
-the full in-process path, which parses properly and refuses what it must.
+Everything else runs `ipward.cni` in-process on SQLite (single-node mode), which also
+answers VERSION (it needs no agent) and a configuration over `wire.MAX_CONFIG` (107),
+whatever the config says, so both paths give the same answers to the same input.
 """
 
 from __future__ import annotations
@@ -16,80 +21,128 @@ from __future__ import annotations
 import posix
 import sys
 
-AGENT_UNREACHABLE = 11
+from ipward import jsonc
+from ipward.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, agent_socket
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import _socket
+    from collections.abc import Mapping
+
+_S_IFMT, _S_IFSOCK = 0o170000, 0o140000
 
 
-def _string_field(data: bytes, name: bytes) -> str | None:
-    """The plain string value of `"name": "..."` in raw JSON, or None."""
-    at = data.find(b'"' + name + b'"')
-    if at < 0:
-        return None
-    i = at + len(name) + 2
-    while i < len(data) and data[i] in b" \t\r\n":
-        i += 1
-    if i >= len(data) or data[i] != ord(":"):
-        return None
-    i += 1
-    while i < len(data) and data[i] in b" \t\r\n":
-        i += 1
-    if i >= len(data) or data[i] != ord('"'):
-        return None
-    end = data.find(b'"', i + 1)
-    value = data[i + 1 : end] if end > 0 else b""
-    if not value or b"\\" in value:
-        return None
+def read_stdin() -> bytes:
+    """The network configuration, read up to one byte past its limit (enough to refuse
+    it; a runtime closes stdin, so this never waits for more)."""
     try:
-        return value.decode()
-    except UnicodeDecodeError:
-        return None
+        return sys.stdin.buffer.read(MAX_CONFIG + 1)
+    except (AttributeError, OSError, ValueError):  # no stdin at all
+        return b""
+
+
+def trusted_uids() -> tuple[int, ...]:
+    """Whose socket and agent the plugin talks to: root and its own (effective) user."""
+    return (0, posix.geteuid())
 
 
 def forward(
-    path: str, env: dict[str, str], stdin: bytes, timeout: float = 60.0
+    path: str, env: Mapping[str, str | bytes], stdin: bytes, timeout: float = CALL_TIMEOUT
 ) -> tuple[int, bytes]:
-    """Send one call to the agent at `path`; its exit status and stdout."""
+    """Send one call to the agent at `path`; its exit status and stdout. Raises
+    PermissionError when the socket or the process behind it is not root's or ours
+    (nothing is sent then), other OSErrors and `wire.WireError` when no answer comes."""
     import _socket
 
-    from ipward.wire import encode_env, frame, recv_frame
+    from ipward.wire import NO_ANSWER, WireError, encode_request, read_answer
 
+    request = encode_request(env, stdin)
+    trusted = trusted_uids()
+    st = posix.stat(path)
+    if st.st_mode & _S_IFMT != _S_IFSOCK:
+        raise PermissionError(f"{path} is not a socket")
+    if st.st_uid not in trusted:
+        raise PermissionError(
+            f"{path} is owned by uid {st.st_uid}; the plugin talks only to a socket of root"
+            f" or of its own uid {trusted[-1]}"
+        )
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
-        sock.connect(path)
-        sock.sendall(frame(encode_env(env)) + frame(stdin))
-        answer = recv_frame(sock.recv)
+        _connect(sock, path, timeout)
+        raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+        peer_pid = int.from_bytes(raw[0:4], sys.byteorder)
+        peer_uid = int.from_bytes(raw[4:8], sys.byteorder)
+        if peer_uid not in trusted:
+            raise PermissionError(
+                f"the process listening on {path} (pid {peer_pid}) runs as uid {peer_uid};"
+                f" the plugin talks only to an agent of root or of its own uid {trusted[-1]}"
+            )
+        try:
+            sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it answered without reading all of it (busy, or refused): read that
+        try:
+            return read_answer(sock.recv)
+        except ConnectionResetError as e:
+            raise WireError(f"{NO_ANSWER}: {e.strerror}") from None
     finally:
         sock.close()
-    if not answer:
-        raise OSError("empty answer from the agent")
-    return answer[0], answer[1:]
 
 
-def _unreachable(stdin: bytes, path: str, error: BaseException) -> bytes:
-    version = _string_field(stdin, b"cniVersion") or "1.0.0"
-    command = _environ().get("CNI_COMMAND", "")
-    what = "nothing was released; retry the DEL" if command == "DEL" else "try again later"
-    msg = f"ipward agent at {path} unreachable ({type(error).__name__}: {error}); {what}"
-    quoted = msg.replace("\\", "\\\\").replace('"', '\\"')
-    return f'{{"cniVersion":"{version}","code":{AGENT_UNREACHABLE},"msg":"{quoted}"}}\n'.encode()
+def _connect(sock: _socket.socket, path: str, timeout: float) -> None:
+    """Connect, waiting while the listen backlog is full: a Unix socket with a timeout
+    says EAGAIN at once then, where a blocking one would wait for room."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.002)
 
 
-def _environ() -> dict[str, str]:
-    return {k.decode(): v.decode(errors="replace") for k, v in posix.environ.items()}
+def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exception) -> bytes:
+    """The error object when the agent gave no answer (never success: nothing was done)."""
+    from ipward.cni import error_output
+    from ipward.errors import IoFailure, IpwardError, NotAvailable, TryAgainLater
+
+    reason = f"{type(error).__name__}: {error}"
+    answer: IpwardError
+    if command == b"STATUS":
+        answer = NotAvailable(f"cannot serve ADD: ipward agent at {path}: {reason}")
+    elif isinstance(error, PermissionError):  # retrying cannot help
+        answer = IoFailure(f"ipward agent at {path} not usable ({reason}); nothing was sent")
+    else:
+        what = "nothing was released; retry the DEL" if command == b"DEL" else "try again later"
+        answer = TryAgainLater(f"ipward agent at {path} unreachable ({reason}); {what}")
+    return error_output(answer, stdin).encode()
 
 
 def main() -> None:
-    stdin = sys.stdin.buffer.read()
-    path = _string_field(stdin, b"agentSocket")
+    stdin = read_stdin()
+    environ = posix.environ
+    command = environ.get(b"CNI_COMMAND")
+    path = None
+    if len(stdin) <= MAX_CONFIG and command != b"VERSION":
+        try:
+            path = agent_socket(jsonc.loads(stdin))
+        except Exception:  # not JSON: the in-process path answers that (code 6)
+            path = None
     if path is None:
         from ipward.cni import main as in_process
 
         in_process(stdin)
         return
+    env = {name: environ[name.encode()] for name in FORWARDED if name.encode() in environ}
     try:
-        status, out = forward(path, _environ(), stdin)
-    except Exception as e:  # any failure to get an answer is "try again", never success
-        status, out = 1, _unreachable(stdin, path, e)
+        status, out = forward(path, env, stdin)
+    except Exception as e:  # any failure to get an answer is an error, never success
+        status, out = 1, _unreachable(stdin, path, command, e)
     sys.stdout.buffer.write(out)
     sys.stdout.flush()
     posix._exit(status)

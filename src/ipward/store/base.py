@@ -38,6 +38,11 @@ class StoreIncompatible(StoreError):
     not yet migrated, an import in progress. Permanent: trying again cannot help."""
 
 
+class TxnTooLarge(StoreError):
+    """The store refused a transaction as over its limits (see `Store.txn_problem`):
+    trying again cannot help."""
+
+
 class KeyValue:
     __slots__ = ("create_revision", "key", "lease", "mod_revision", "value", "version")
 
@@ -180,6 +185,34 @@ class Watch(abc.ABC):
     def cancel(self) -> None: ...
 
 
+# Upper bounds of the protobuf bytes etcd encodes around keys, values and operands: the
+# field tags, lengths and numbers of a Compare (< 24) or a RequestOp (< 32), and of the
+# TxnRequest inside etcd's raft request, with its header and user name (< 1024).
+# tests/test_wire.py measures them against the real encoding.
+TXN_BYTES_PER_COMPARE = 32
+TXN_BYTES_PER_OP = 40
+TXN_BYTES_BASE = 1024
+
+
+def txn_bytes(
+    compares: Sequence[Compare], success: Sequence[Put | Delete], failure: Sequence[Put | Delete]
+) -> int:
+    """An upper bound of a transaction's size as etcd counts it against its request
+    limit (the request as encoded in its raft log)."""
+    size = TXN_BYTES_BASE
+    for c in compares:
+        operand = len(c.operand) if isinstance(c.operand, bytes) else 0
+        size += TXN_BYTES_PER_COMPARE + _utf8_length(c.key) + operand
+    for op in (*success, *failure):
+        value = len(op.value) if isinstance(op, Put) else 0
+        size += TXN_BYTES_PER_OP + _utf8_length(op.key) + value
+    return size
+
+
+def _utf8_length(key: str) -> int:
+    return len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
+
+
 class Store(abc.ABC):
     """What ipward needs of a store. Every method may raise StoreUnavailable.
 
@@ -190,7 +223,42 @@ class Store(abc.ABC):
     the whole `txn` with StoreError. Revoking a lease that is gone is not an error.
     A watch reports a broken stream by raising StoreUnavailable from iteration; watch
     again from the last revision seen plus one. etcd raises lease TTLs below 2 s to 2 s.
+
+    A transaction must respect the store's limits, None where it has none of that kind:
+    `max_txn_ops`, compares and the writes of each branch, each counted apart (as etcd
+    counts them: `--max-txn-ops`, 128 by default); `max_txn_keys`, distinct keys in all
+    (SQLite reads them with one SQL variable each); `max_txn_bytes`, the encoded request
+    as `txn_bytes` bounds it (etcd's `--max-request-bytes`, 1.5 MiB by default).
+    `txn_problem` says whether a transaction does; one that does not may be refused with
+    TxnTooLarge (or, when the server's limits are lower than these, still be).
     """
+
+    max_txn_ops: int | None = None
+    max_txn_keys: int | None = None
+    max_txn_bytes: int | None = None
+
+    def txn_problem(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Put | Delete],
+        failure: Sequence[Put | Delete] = (),
+    ) -> str | None:
+        """What in this transaction is over the store's limits, or None."""
+        if self.max_txn_ops is not None:
+            ops = max(len(compares), len(success), len(failure))
+            if ops > self.max_txn_ops:
+                return f"{ops} operations (the store takes {self.max_txn_ops})"
+        if self.max_txn_keys is not None:
+            keys = {c.key for c in compares}
+            keys.update(op.key for op in success)
+            keys.update(op.key for op in failure)
+            if len(keys) > self.max_txn_keys:
+                return f"{len(keys)} keys (the store takes {self.max_txn_keys})"
+        if self.max_txn_bytes is not None:
+            size = txn_bytes(compares, success, failure)
+            if size > self.max_txn_bytes:
+                return f"about {size} bytes (the store takes {self.max_txn_bytes})"
+        return None
 
     @abc.abstractmethod
     def get(self, key: str) -> KeyValue | None: ...

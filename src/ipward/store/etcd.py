@@ -34,6 +34,7 @@ from ipward.store.base import (
     StoreError,
     StoreUnavailable,
     TxnResult,
+    TxnTooLarge,
     Watch,
 )
 
@@ -64,6 +65,15 @@ UNAVAILABLE = (*RETRYABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.C
 # etcd (3.4) answers a request whose deadline passes inside the server, as during a
 # leader election, with UNKNOWN and Go's context error: that is a timeout too.
 SERVER_TIMEOUTS = ("context deadline exceeded", "context canceled")
+
+
+# How etcd refuses a transaction over its limits (the last one is grpc's own, past the
+# request limit plus 512 KiB): permanent, never "unavailable".
+TOO_LARGE = (
+    "etcdserver: too many operations in txn request",
+    "etcdserver: request is too large",
+    "grpc: received message larger than max",
+)
 
 
 def _retryable(code: grpc.StatusCode, details: str | None) -> bool:
@@ -106,6 +116,11 @@ class Endpoint:
 
 
 class EtcdStore(Store):
+    # etcd's defaults (--max-txn-ops, --max-request-bytes): a server run with lower ones
+    # refuses a larger transaction with TxnTooLarge.
+    max_txn_ops = 128
+    max_txn_bytes = 3 * 512 * 1024
+
     def __init__(
         self,
         endpoints: Sequence[str],
@@ -494,5 +509,7 @@ def _token_rejected(code: grpc.StatusCode, details: str | None) -> bool:
 
 
 def _error(target: str, code: grpc.StatusCode, details: str | None) -> StoreError:
+    if (details or "").startswith(TOO_LARGE):
+        return TxnTooLarge(f"etcd {target}: {code.name}: {details}")
     cls = StoreUnavailable if code in UNAVAILABLE or _retryable(code, details) else StoreError
     return cls(f"etcd {target}: {code.name}: {details}")

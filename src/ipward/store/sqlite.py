@@ -134,6 +134,8 @@ class SqliteStore(Store):
             if os.path.isdir(path):
                 raise StoreIncompatible(f"{path} is a directory, not a store file") from e
             raise StoreUnavailable(f"sqlite store {path}: {e}") from e
+        # A txn reads its keys with one SQL variable each (see _read_keys).
+        self.max_txn_keys = self._conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
 
     @classmethod
     def _open(cls, path: str, busy_timeout: float, create: bool) -> sqlite3.Connection:
