@@ -1,6 +1,8 @@
 """Store keys and record encodings: the one place that knows how facts are laid out.
 
     pools/<pool>                                  pool spec (pool.PoolSpec)
+    poolcoverage                                  {generation, pool}: rewritten by every write
+                                                  that adds addresses to a pool (lifecycle)
     blocks/<pool>/<cidr>                          {node, state, next}
     fill/<pool>/<family>/<node>                      {block}: the block this node fills fresh
     blockcursor/<pool>/<family>                      {next}: index of the next unclaimed block
@@ -11,6 +13,8 @@
     sticky/<network>/<namespace>/<name>           a sticky reservation: the identity's addresses
     nodes/<node>                                  agent registration, held by its lease
     controller/leader                             {id, since}, held by the leader's lease
+    affinity/<pool>/<node>/<cidr>                 the node's blocks (index of blocks/)
+    blockfree/<pool>/<family>/<cidr>              a released block, claimed again first
 
 One record per fact and one key per address: nothing grows per pool.
 """
@@ -39,6 +43,36 @@ def decode(raw: bytes) -> dict:
     if not isinstance(value, dict):
         raise ValueError("record is not an object")
     return value
+
+
+# The key that serialises changes of what pools cover: every transaction that stores a
+# pool or adds addresses to one compares it at the revision its overlap test read and
+# rewrites it, so two such changes cannot both pass the test on the same view.
+POOL_COVERAGE_KEY = "poolcoverage"
+# Prefixes of keys that belong to one pool (`<prefix><pool>/...`): all of them go when the
+# pool is deleted, and one left without its pool is an orphan (`ipward check`). `ips/`
+# (allocation records) is not among them: records are released, never swept.
+POOL_STATE_PREFIXES = (
+    "blocks/",
+    "affinity/",
+    "fill/",
+    "blockcursor/",
+    "blockfree/",
+    "free/",
+    "freeq/",
+)
+# Every key ipward writes starts with one of these (or is POOL_COVERAGE_KEY); `ipward
+# check` reports any other key. `bench/` is the benchmark's own CAS keys.
+KNOWN_PREFIXES = (
+    "pools/",
+    *POOL_STATE_PREFIXES,
+    "ips/",
+    "attach/",
+    "sticky/",
+    "nodes/",
+    "controller/",
+    "bench/",
+)
 
 
 def node_key(node: str) -> str:
