@@ -70,7 +70,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ipward import blocks, gc, log
+from ipward import blocks, gc, lifecycle, log
 from ipward import records as rec
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import ADD_GRACE, Ledger
@@ -509,6 +509,11 @@ class Controller:
                 log.error("pool spec unreadable; pool skipped", key=kv.key, error=str(e))
                 failed.add(name)
                 continue
+            # Block assignments compare the spec at this revision: none lands in a pool
+            # being deleted, or in ranges that changed since.
+            spec.revision = kv.mod_revision
+            if spec.deleting:
+                continue  # `ipward pool delete` is removing its keys
             try:
                 self._pool_pass(spec, nodes, counts, deficits, seen)
             except (NotLeader, StoreError):
@@ -803,6 +808,10 @@ class Controller:
         for state in states.values():
             labels = (pool, str(state.get("node", "")), str(state.get("state", "")))
             counts[labels] = counts.get(labels, 0) + 1
+        # 5. After a change of the pool's ranges: what its new layout does not use, and
+        # earlier layouts no record holds any more (`lifecycle.prune`, fenced).
+        if spec.retired or any(blocks.block_of(spec, cidr) is None for cidr in states):
+            lifecycle.prune(self.store, pool, self._fence())
 
     def _surplus(
         self,
