@@ -205,6 +205,15 @@ def block_next(state: dict, version: int) -> int:
     return int(state.get("next", 0)) if state.get("version", 0) == version else 0
 
 
+def versioned(state: dict, version: int) -> dict:
+    """A block or cursor record stamped with the layout version it indexes (the field is
+    left out for version 0, a pool whose ranges never changed: records as before)."""
+    out = {k: v for k, v in state.items() if k != "version"}
+    if version:
+        out["version"] = version
+    return out
+
+
 class Claim:
     """A block a node may take: a released one (`entry`: its `blockfree/` key) or the
     next never-claimed one (`index` in the range set's block numbering, `cursor` as
@@ -265,7 +274,7 @@ def claim_writes(
     furthest = None
     for claim, next_offset in taken:
         key = rec.block_key(spec.name, claim.block.cidr)
-        state = {"node": node, "state": rec.ACTIVE, "next": next_offset, "version": spec.version}
+        state = versioned({"node": node, "state": rec.ACTIVE, "next": next_offset}, spec.version)
         compares.append(absent(key))
         ops += [
             Put(key, rec.encode(state)),
@@ -281,7 +290,7 @@ def claim_writes(
         cursor = furthest.cursor
         compares.append(at_revision(cursor_key, cursor.mod_revision if cursor else 0))
         ops.append(
-            Put(cursor_key, rec.encode({"next": furthest.index + 1, "version": spec.version}))
+            Put(cursor_key, rec.encode(versioned({"next": furthest.index + 1}, spec.version)))
         )
     return compares, ops
 

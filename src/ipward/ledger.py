@@ -865,7 +865,7 @@ class Ledger:
             return None
         pick = self._fresh_pick(pool, index, block, offset)
         pick.compares.append(at_revision(block_kv.key, block_kv.mod_revision))
-        advanced = {**state, "next": offset + 1, "version": pool.version}
+        advanced = blocks.versioned({**state, "next": offset + 1}, pool.version)
         pick.ops.append(Put(block_kv.key, rec.encode(advanced)))
         if taken is not None:
             taken.next[block.cidr] = offset + 1
@@ -979,7 +979,7 @@ class Ledger:
             # next = 0: addresses whose free entries the controller already cleaned are
             # found again as fresh (those still recorded or queued are skipped).
             active = {k: v for k, v in state.items() if k not in ("marked_at", "answered_at")}
-            active.update(state=rec.ACTIVE, next=0, version=pool.version)
+            active = blocks.versioned({**active, "state": rec.ACTIVE, "next": 0}, pool.version)
             pick.compares.append(at_revision(kv.key, kv.mod_revision))
             pick.ops.append(Put(kv.key, rec.encode(active)))
             moved = "needs the space again: release handshake aborted"
@@ -989,6 +989,10 @@ class Ledger:
     def _available_in(
         self, pool: PoolSpec, index: int, block: Block, careful: bool, cooled_only: bool
     ) -> _Pick | None:
+        """The address `_take_back` wants from one block: its oldest freed address past
+        the cooldown, else its first fresh one, else (unless `cooled_only`) its oldest
+        freed one still cooling. Reads every address of the block, on a careful attempt
+        only (a first one proposes the first address and lets the compares judge)."""
         offset = block.next_usable(0)
         if not careful:
             return None if offset is None else self._fresh_pick(pool, index, block, offset)
