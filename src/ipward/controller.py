@@ -33,7 +33,10 @@ scan of its records:
     delays), small enough for the agent's one-transaction answer, and whose addresses
     the node can do without (free - its size >= warm) is marked.
 Blocks of nodes that are not registered under `nodes/` are left alone but counted in
-the metrics, until the node is known gone (below).
+the metrics, until the node is known gone (below). A pool being deleted is skipped;
+block assignments compare the spec at the revision the pass read. A pool whose ranges
+changed (retired layouts, or blocks its current layout does not use) is pruned
+(`lifecycle.prune`, fenced).
 
 Garbage collection (with `--liveness`, every `--gc-interval`; the rules are `ipward.gc`'s):
 records, registrations, then liveness; a record found leaked on two passes in a row at

@@ -3,9 +3,10 @@
     pools/<pool>                                  pool spec (pool.PoolSpec)
     poolcoverage                                  {generation, pool}: rewritten by every write
                                                   that adds addresses to a pool (lifecycle)
-    blocks/<pool>/<cidr>                          {node, state, next}
+    blocks/<pool>/<cidr>                          {node, state, next[, version]}
     fill/<pool>/<family>/<node>                      {block}: the block this node fills fresh
-    blockcursor/<pool>/<family>                      {next}: index of the next unclaimed block
+    blockcursor/<pool>/<family>                      {next[, version]}: index of the next
+                                                  unclaimed block (of that layout version)
     ips/<pool>/<ip>                               the allocation record
     attach/<network>/<container>/<ifname>         {ips: ["<pool>/<ip>", ...]}
     free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
