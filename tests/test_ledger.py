@@ -537,3 +537,18 @@ def test_an_inline_pool_overlapping_another_is_refused_and_writes_nothing(ledger
     with pytest.raises(InvalidConfig, match="would overlap pool p"):
         add_to(ledger, inline("10.0.0.0/23"), 4)
     assert sqlite_store.revision() == revision
+
+
+def test_plain_adds_and_dels_never_write_the_coverage_key(ledger, sqlite_store):
+    """Only a write that stores a pool or adds addresses to one serialises on
+    `poolcoverage`: the hot path adds no contention."""
+    add_to(ledger, inline("10.20.0.0/24"), "first")  # stores the pool
+    written = sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision
+    for i in range(70):  # across a block claim
+        add_to(ledger, inline("10.20.0.0/24"), i)
+    for i in range(70):
+        ledger.release(att(i))
+    add_to(ledger, inline("10.20.0.0/24", routes=[{"dst": "0.0.0.0/0"}]), "routes")  # not ranges
+    assert sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision == written
+    add_to(ledger, inline("10.20.0.0/23"), "wider")  # grows: tested and written
+    assert sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision > written
