@@ -504,3 +504,30 @@ def test_prune_drops_a_layout_only_once_no_record_holds_it(sqlite_url: str, old_
         assert lifecycle.prune(store, "net")[1] == 1
         assert ledger.get_pool("net", fresh=True).retired == []
         assert_clean(sqlite_url)
+
+
+def test_prune_and_delete_of_a_large_pool_fit_etcd_transactions(tmp_path: Path) -> None:
+    """On a real etcd (128 operations per transaction at most): a pool with hundreds of
+    free entries and several blocks in an earlier layout is pruned, then deleted, in
+    bounded transactions, and nothing of it is left."""
+    from ipward import lifecycle
+    from ipward.etcdlab import etcd_server
+
+    with etcd_server(tmp_path / "etcd") as server, open_store(server.url) as store:
+        ledger = Ledger(store, "n1")
+        old = PoolSpec("net", [[{"subnet": "10.70.0.0/23"}]], cooldown=0, source="cni-config")
+        new = PoolSpec("net", [[{"subnet": "10.71.0.0/24"}]], cooldown=0, source="cni-config")
+        for i in range(300):
+            ledger.allocate([old], Attachment("net", f"o{i}", "eth0"), PodInfo())
+        for i in range(300):
+            ledger.release(Attachment("net", f"o{i}", "eth0"))
+        for i in range(200):
+            ledger.allocate([new], Attachment("net", f"n{i}", "eth0"), PodInfo())
+        keys, layouts = lifecycle.prune(store, "net")
+        assert layouts == 1 and keys >= 600  # 300 free and 300 queue entries, 5 blocks...
+        assert_clean(server.url)
+        for i in range(200):
+            ledger.release(Attachment("net", f"n{i}", "eth0"))
+        assert lifecycle.delete_pool(store, "net") >= 400
+        assert pool_keys(server.url, "net") == []
+        assert_clean(server.url)
