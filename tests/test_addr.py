@@ -9,6 +9,7 @@ range edge, or a miscounted gateway/exclusion shows up as a disagreement.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -16,9 +17,20 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ipward.addr import BITS, V4, V6, Block, Range, RangeSet, format_ip, parse_cidr, parse_ip
+from ipward.addr import (
+    BITS,
+    V4,
+    V6,
+    Block,
+    Range,
+    RangeSet,
+    first_overlap,
+    format_ip,
+    parse_cidr,
+    parse_ip,
+)
 from ipward.errors import InvalidConfig
-from ipward.pool import PoolSpec
+from ipward.pool import PoolSpec, overlap
 
 # Documented defaults (module docstring of ipward.addr): /26 for IPv4, /122 for IPv6.
 DEFAULT_BLOCK = {V4: 26, V6: 122}
@@ -346,6 +358,32 @@ def check_block_cidrs(spec: SetSpec, rs: RangeSet, orc: list[RangeOracle]) -> No
                 assert got.cidr in names
 
 
+def check_jumps_and_spans(spec: SetSpec, rs: RangeSet, orc: list[RangeOracle]) -> None:
+    """`next_usable_block(j)` is the first block >= j that `walk` finds an address in;
+    `spans()` covers exactly each range's window minus exclusions, plus its gateway."""
+    has_address = [bool(walk(b)) for b in (rs.block(j) for j in range(rs.block_count())) if b]
+    for j in range(-1, rs.block_count() + 2):
+        want = next((k for k in range(max(j, 0), len(has_address)) if has_address[k]), None)
+        assert rs.next_usable_block(j) == want, j
+    spans = rs.spans()
+    assert all(lo <= hi for lo, hi in spans)
+    assert all(a[1] + 1 < b[0] for a, b in itertools.pairwise(spans))  # merged
+    assert {a for lo, hi in spans for a in range(lo, hi + 1)} == covered_by_oracle(spec, orc)
+
+
+def covered_by_oracle(spec: SetSpec, orc: list[RangeOracle]) -> set[int]:
+    """What a set covers for the overlap test: each range's window minus exclusions,
+    and its gateway."""
+    excluded = [
+        (int(n.network_address), int(n.broadcast_address))
+        for n in (ipaddress.ip_network(text, strict=False) for text in spec.excludes)
+        if n.version == spec.family
+    ]
+    gateways = {parse_ip(r.gateway)[1] for r in spec.ranges if r.gateway}
+    windows = {a for o in orc for a in o.window}
+    return {a for a in windows if not any(lo <= a <= hi for lo, hi in excluded)} | gateways
+
+
 @settings(max_examples=400, deadline=None)
 @given(set_specs(disjoint=True))
 def test_range_set_matches_oracle(spec: SetSpec) -> None:
@@ -354,6 +392,7 @@ def test_range_set_matches_oracle(spec: SetSpec) -> None:
         rs, orc = built
         check_against_oracle(spec, rs, orc)
         check_block_cidrs(spec, rs, orc)
+        check_jumps_and_spans(spec, rs, orc)
 
 
 @settings(max_examples=400, deadline=None)
@@ -366,6 +405,7 @@ def test_range_set_with_overlapping_subnets(spec: SetSpec) -> None:
     if built is not None:
         check_against_oracle(spec, *built)
         check_block_cidrs(spec, *built)
+        check_jumps_and_spans(spec, *built)
 
 
 @settings(max_examples=100, deadline=None)
@@ -799,6 +839,15 @@ def test_parse_cidr_non_ascii_or_huge_prefix(text: str) -> None:
 # -- PoolSpec -------------------------------------------------------------------------
 
 
+# Two valid range sets of one family (each from its own random parent network).
+TWO_SETS_OF_ONE_FAMILY = st.sampled_from([V4, V6]).flatmap(
+    lambda f: st.tuples(
+        set_specs(disjoint=True, valid=True, family=f),
+        set_specs(disjoint=True, valid=True, family=f),
+    )
+)
+
+
 @st.composite
 def pool_args(draw: st.DrawFn) -> dict:
     families = draw(st.sampled_from([[V4], [V6], [V4, V6], [V6, V4]]))
@@ -813,9 +862,13 @@ def pool_args(draw: st.DrawFn) -> dict:
         "exclude": excludes,
         "routes": draw(
             st.lists(
-                st.fixed_dictionaries(
-                    {"dst": st.sampled_from(["0.0.0.0/0", "::/0", "10.0.0.0/8"])},
-                    optional={"gw": st.sampled_from(["10.0.0.1", "fd00::1"])},
+                st.sampled_from(
+                    [
+                        {"dst": "0.0.0.0/0"},
+                        {"dst": "::/0"},
+                        {"dst": "10.0.0.0/8", "gw": "10.0.0.1"},
+                        {"dst": "::/0", "gw": "fd00::1"},
+                    ]
                 ),
                 max_size=2,
             )
@@ -874,14 +927,7 @@ def test_pool_spec_from_dict_defaults() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(
-    st.sampled_from([V4, V6]).flatmap(
-        lambda f: st.tuples(
-            set_specs(disjoint=True, valid=True, family=f),
-            set_specs(disjoint=True, valid=True, family=f),
-        )
-    )
-)
+@given(TWO_SETS_OF_ONE_FAMILY)
 def test_pool_spec_two_sets_of_one_family(pair: tuple[SetSpec, SetSpec]) -> None:
     a, b = pair
     with pytest.raises(InvalidConfig, match="one family"):
@@ -967,3 +1013,136 @@ def test_pool_spec_mixed_family_set_and_overlap() -> None:
         PoolSpec("bad name!", [[{"subnet": "10.0.0.0/24"}]])
     with pytest.raises(InvalidConfig):
         PoolSpec("p", [[{"subnet": "10.0.0.0/24", "gateway": 5}]])
+
+
+# -- jumping over excluded blocks, coverage and overlap ---------------------------------
+
+
+@st.composite
+def span_lists(draw: st.DrawFn) -> list[tuple[int, int]]:
+    """Sorted, disjoint spans of small integers."""
+    cuts = sorted(set(draw(st.lists(st.integers(0, 60), max_size=10))))
+    spans = [(lo, hi) for lo, hi in zip(cuts[::2], cuts[1::2], strict=False)]
+    return [(lo, hi) for lo, hi in spans if lo <= hi]
+
+
+@settings(max_examples=300, deadline=None)
+@given(span_lists(), span_lists())
+def test_first_overlap_is_the_lowest_common_span(a: list, b: list) -> None:
+    in_a = {v for lo, hi in a for v in range(lo, hi + 1)}
+    in_b = {v for lo, hi in b for v in range(lo, hi + 1)}
+    common = in_a & in_b
+    got = first_overlap(a, b)
+    if not common:
+        assert got is None
+        return
+    assert got is not None
+    lo, hi = got
+    assert lo == min(common)
+    assert set(range(lo, hi + 1)) <= common
+    assert first_overlap(b, a) == got
+
+
+def test_next_usable_block_jumps_over_a_slash9_in_a_slash8(monkeypatch) -> None:
+    """A /8 with its first /9 excluded: the first block with an address is found by
+    arithmetic, not by looking at 2^17 blocks one after the other."""
+    rs = RangeSet([Range("10.0.0.0/8")], excludes=["10.0.0.0/9"])
+    looked = []
+    real = RangeSet.excluded_span
+    monkeypatch.setattr(
+        RangeSet, "excluded_span", lambda self, v: looked.append(v) or real(self, v)
+    )
+    j = rs.next_usable_block(0)
+    assert j == 2**17
+    assert rs.block(j).cidr == "10.128.0.0/26"  # type: ignore[union-attr]
+    assert len(looked) <= 2
+    assert rs.next_usable_block(2**18) is None
+    v6 = RangeSet([Range("fd00::/64")], excludes=["fd00::/65", "fd00:0:0:0:8000::/122"])
+    assert v6.next_usable_block(0) == 2**57 + 1  # the /65, then one excluded block
+
+
+@settings(max_examples=200, deadline=None)
+@given(TWO_SETS_OF_ONE_FAMILY)
+def test_pools_overlap_exactly_when_they_share_a_covered_address(pair) -> None:
+    """Two pools overlap iff an address is covered by both: inside a range's window and
+    not excluded, or a gateway (it is in use on the network)."""
+    pools, covered = [], []
+    for i, spec in enumerate(pair):
+        try:
+            pools.append(
+                PoolSpec(f"p{i}", [[r.as_dict() for r in spec.ranges]], list(spec.excludes))
+            )
+        except InvalidConfig:
+            return  # ranges sharing a block: not a pool (the oracle tests cover it)
+        covered.append(covered_by_oracle(spec, oracle_of(spec)))
+    why = overlap(pools[0], pools[1])
+    assert (why is not None) == bool(covered[0] & covered[1]), why
+    if why is not None:
+        assert "p1" in why and "both cover" in why
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("cooldown", True),
+        ("cooldown", False),
+        ("warm", True),
+        ("release_delay", True),
+        ("cooldown", 10**10),
+        ("warm", -1),
+    ],
+)
+def test_pool_spec_rejects_bools_where_numbers_go(field: str, value: object) -> None:
+    """`true` is an int in Python: never one second, one address or one block."""
+    with pytest.raises(InvalidConfig, match=field):
+        PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], **{field: value})  # type: ignore[arg-type]
+
+
+def test_pool_spec_rejects_bool_block_size_and_empty_addresses() -> None:
+    with pytest.raises(InvalidConfig, match="block size"):
+        PoolSpec.from_dict(
+            {"name": "p", "ranges": [[{"subnet": "10.0.0.0/24"}]], "blockSize": {"4": True}}
+        )
+    for field in ("rangeStart", "rangeEnd", "gateway"):
+        with pytest.raises(InvalidConfig, match=field):
+            PoolSpec("p", [[{"subnet": "10.0.0.0/24", field: ""}]])
+
+
+@pytest.mark.parametrize(
+    ("subnet", "ok"),
+    [
+        ("0.0.0.0/0", False),
+        ("10.0.0.0/7", False),
+        ("10.0.0.0/8", True),
+        ("10.0.0.7/32", True),
+        ("::/0", False),
+        ("fc00::/7", False),
+        ("fd00::/8", True),
+        ("fd00::/64", True),
+        ("fd00::5/128", True),
+    ],
+)
+def test_pool_subnet_prefix_lengths(subnet: str, ok: bool) -> None:
+    """A pool's subnet is at most as wide as the largest private range of its family."""
+    if ok:
+        assert PoolSpec("p", [[{"subnet": subnet}]]).attachments_capacity() >= 1
+    else:
+        with pytest.raises(InvalidConfig, match="wider than a pool takes"):
+            PoolSpec("p", [[{"subnet": subnet}]])
+
+
+@pytest.mark.parametrize(
+    ("route", "needle"),
+    [
+        ({"dst": "0.0.0.0/0", "gw": "nope"}, "gw 'nope' is not an address"),
+        ({"dst": "0.0.0.0/0", "gw": ""}, "is not an address"),
+        ({"dst": "0.0.0.0/0", "gw": 7}, "is not an address"),
+        ({"dst": "0.0.0.0/0", "gw": "fd00::1"}, "IPv6"),
+        ({"dst": "::/0", "gw": "10.0.0.1"}, "IPv4"),
+        ({"dst": "10.0.0.0/33"}, "prefix"),
+        ({"gw": "10.0.0.1"}, "dst"),
+    ],
+)
+def test_pool_spec_routes_are_checked(route: dict, needle: str) -> None:
+    with pytest.raises(InvalidConfig, match=needle):
+        PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], routes=[route])

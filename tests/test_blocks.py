@@ -215,3 +215,63 @@ def test_borrowing_takes_another_nodes_freed_address(sqlite_store, a, b):
     a.release(att("borrower"))
     assert [kv.key.rsplit("/", 1)[-1] for kv in sqlite_store.range("freeq/p/4/node-b/")[0]] == [got]
     assert check(sqlite_store)[0] == []
+
+
+def test_one_claim_walk_skips_blocks_without_an_address(sqlite_store, b):
+    """The controller's assignment and the ledger's claim walk the same way (one
+    function): blocks whose every address is excluded are never claimed."""
+    pool = stored(
+        sqlite_store,
+        PoolSpec("p", [[{"subnet": "10.0.0.0/26"}]], exclude=["10.0.0.0/27"], block_prefix={4: 28}),
+    )
+    assert blocks.assign(sqlite_store, pool, 4, "node-a") == "10.0.0.32/28"
+    assert b.allocate([pool], att("b0"), PodInfo())[0].ip == "10.0.0.48"
+    assert blocks.assign(sqlite_store, pool, 4, "node-a") is None  # nothing left
+    assert sorted(blocks.cidr_of(kv.key) for kv in sqlite_store.range("blocks/")[0]) == [
+        "10.0.0.32/28",
+        "10.0.0.48/28",
+    ]
+    assert check(sqlite_store)[0] == []
+
+
+def test_assign_compares_the_spec_it_read(sqlite_store):
+    """A block is never assigned in a pool being deleted or whose ranges changed since
+    the controller read it."""
+    from ipward.store.base import Put
+
+    pool = stored(sqlite_store, spec())
+    kv = sqlite_store.get("pools/p")
+    deleting = rec.encode({**rec.decode(kv.value), "state": "deleting"})
+    sqlite_store.txn([], [Put("pools/p", deleting)])
+    revision = sqlite_store.revision()
+    assert blocks.assign(sqlite_store, pool, 4, "node-a") is None
+    assert blocks.assign(sqlite_store, Ledger(sqlite_store, "x").get_pool("p"), 4, "n") is None
+    assert sqlite_store.revision() == revision
+
+
+@pytest.mark.parametrize("cooldown", [0, 300])
+def test_a_block_whose_every_address_is_queued_is_taken_back(sqlite_store, a, clock, cooldown):
+    """The node's only room is a block in the handshake whose every address is freed
+    (queued, none fresh): the ADD takes the block back for its oldest freed address,
+    still cooling if nothing else is left (invariant 9 allows it then)."""
+    pool = stored(
+        sqlite_store,
+        PoolSpec("p", [[{"subnet": "10.0.0.0/28"}]], block_prefix={4: 28}, cooldown=cooldown),
+    )
+    for i in range(14):
+        a.allocate([pool], att(f"x{i}"), PodInfo())
+    order = []
+    for i in (5, 2, 9, *range(14)):
+        if f"x{i}" not in order:
+            order.append(f"x{i}")
+            a.release(att(f"x{i}"))
+            clock.now += 1
+    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    assert blocks.mark(sqlite_store, "p", kv, clock.now)
+    assert blocks.answer(sqlite_store, pool, sqlite_store.get(kv.key), clock.now) == rec.READY
+    got = a.allocate([pool], att("y"), PodInfo())[0].ip
+    assert got == "10.0.0.6"  # x5's, freed first
+    assert block_state(sqlite_store, "10.0.0.0/28")["state"] == rec.ACTIVE
+    more = {a.allocate([pool], att(f"z{i}"), PodInfo())[0].ip for i in range(13)}
+    assert len(more | {got}) == 14
+    assert check(sqlite_store)[0] == []

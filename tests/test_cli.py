@@ -167,7 +167,7 @@ def test_status_and_pool_delete_refuses_while_in_use(plugin, sqlite_url):
     status = json.loads(run_cli("--json", "status", store=sqlite_url, check=True).stdout)
     assert status["pools"] == [{"name": "web", "used": 1, "capacity": 253}]
     proc = run_cli("pool", "delete", "web", store=sqlite_url)
-    assert proc.returncode == 2 and "allocations" in proc.stderr
+    assert proc.returncode == 2 and "still has 1 allocation;" in proc.stderr
 
 
 def test_install_cni_writes_an_isolated_launcher(cni_bin):
@@ -261,3 +261,58 @@ def test_bad_store_urls_name_the_part_and_create_nothing(
         assert out.returncode == 1 and out.json["code"] == 7 and needle in out.json["msg"], out
     assert not Path("/tmp/ipward-test-x.db?mode=ro").exists()
     assert not Path("/tmp/ipward-test-x.db").exists()
+
+
+def test_pool_create_validation_names_the_field_and_changes_nothing(sqlite_url):
+    """Findings of the hostile pass: each was accepted before."""
+    make_pool(sqlite_url)
+    before = dump(sqlite_url)
+    cases = [
+        (["--range", "10.1.0.0/24,gateway="], "gateway= has no value"),
+        (["--range", "10.1.0.0/24,start="], "start= has no value"),
+        (["--range", "10.1.0.0/24,end="], "end= has no value"),
+        (["--range", "10.1.0.0/24", "--route", "10.0.0.0/8,via=nope"], "not an address"),
+        (["--range", "10.1.0.0/24", "--route", "10.0.0.0/8,via="], "not an address"),
+        (["--range", "10.1.0.0/24", "--route", "10.0.0.0/8,via=fd00::1"], "IPv6"),
+        (["--range", "10.1.0.0/24", "--route", "10.0.0.0/8,gw=10.1.0.1"], "--route"),
+        (["--range", "10.1.0.0/24", "--block-v6", "120"], "--block-v6"),
+        (["--range", "fd01::/64", "--block-v4", "28"], "--block-v4"),
+        (["--range", "0.0.0.0/0"], "wider than a pool takes"),
+        (["--range", "::/0"], "wider than a pool takes"),
+        (["--range", "10.0.0.0/7"], "wider than a pool takes"),
+        (["--range", "10.1.0.0/24", "--cooldown", "-1"], "cooldown"),
+    ]
+    for options, needle in cases:
+        proc = run_cli("pool", "create", "x", *options, store=sqlite_url)
+        assert proc.returncode == 2, (options, proc)
+        assert needle in proc.stderr, (options, proc.stderr)
+        assert "Traceback" not in proc.stderr + proc.stdout
+    assert dump(sqlite_url) == before
+    # The widest accepted: a /8 (the benchmark uses 10.0.0.0/8) and an IPv6 /8.
+    for name, subnet in (("big", "11.0.0.0/8"), ("big6", "fd00::/8"), ("v6", "fc00::/64")):
+        assert run_cli("pool", "create", name, "--range", subnet, store=sqlite_url).returncode == 0
+
+
+def test_cli_pool_keeps_the_first_address_as_gateway_unless_told(plugin, sqlite_url):
+    """Found: a CLI pool without `gateway=` handed out .1, which a bridge with
+    isGateway puts on itself; an inline host-local range kept it. Now both keep it,
+    and `gateway=none` hands it out."""
+    run_cli("pool", "create", "web", "--range", "10.9.0.0/24", store=sqlite_url, check=True)
+    run_cli(
+        "pool",
+        "create",
+        "bare",
+        "--range",
+        "10.8.0.0/24,gateway=none",
+        store=sqlite_url,
+        check=True,
+    )
+    run_cli("pool", "create", "p2p", "--range", "10.7.0.0/31", store=sqlite_url, check=True)
+    result = add(plugin, sqlite_url, "c1")
+    assert result["ips"] == [{"address": "10.9.0.2/24", "gateway": "10.9.0.1"}]
+    result = add(plugin, sqlite_url, "c2", pool="bare")
+    assert result["ips"] == [{"address": "10.8.0.1/24"}]
+    result = add(plugin, sqlite_url, "c3", pool="p2p")
+    assert result["ips"] == [{"address": "10.7.0.0/31"}]  # a /31 has no address to spare
+    shown = json.loads(run_cli("--json", "pool", "show", "web", store=sqlite_url).stdout)
+    assert shown["spec"]["ranges"][0][0]["gateway"] == "10.9.0.1"

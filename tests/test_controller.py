@@ -439,8 +439,11 @@ def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
 
 @pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
 def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
-    # Four /26 blocks, all n1's, with 254 free entries: two cleanup chunks per block.
-    create_pool(store_url, "--range 10.0.0.0/24 --block-v4 26 --warm 10 --release-delay 1")
+    # Four /26 blocks, all n1's, with 254 free entries: two cleanup chunks per block
+    # (no gateway: every address of the /24 is handed out).
+    create_pool(
+        store_url, "--range 10.0.0.0/24,gateway=none --block-v4 26 --warm 10 --release-delay 1"
+    )
     register(store, "n1")
     spec = pool_spec(store)
     ledger = Ledger(store, "n1")
@@ -632,3 +635,66 @@ def test_a_write_of_a_stale_leader_fails_its_fence(store_url, store):
         assert leader_id(store) == "successor"
         successor.resign()
         assert leader(store) is None
+
+
+# -- 8. pools that change or go ----------------------------------------------------------
+
+
+def passes(ctl: Ctl) -> float:
+    return ctl.metric("ipward_controller_pass_seconds_count") or 0
+
+
+def test_the_controller_prunes_an_earlier_layout_once_no_record_holds_it(store_url, store, spawn):
+    """An inline pool whose config changed keeps its earlier layout while a record holds
+    one of its addresses; the controller's pass removes what the new layout does not
+    use (the old block, its free entries), then the layout itself once empty."""
+    register(store, "n1")
+    ledger = Ledger(store, "n1")
+
+    def declared(subnet: str) -> PoolSpec:
+        return PoolSpec(
+            "p",
+            [[{"subnet": subnet}]],
+            block_prefix={4: 28},
+            cooldown=0,
+            warm=0,
+            source="cni-config",
+        )
+
+    ledger.allocate([declared("10.20.0.0/24")], att("a"), PodInfo())
+    ledger.allocate([declared("10.20.0.0/24")], att("b"), PodInfo())
+    ledger.release(att("b"))
+    ledger.allocate([declared("10.30.0.0/24")], att("c"), PodInfo())
+    assert len(pool_spec(store).retired) == 1
+    ctl = spawn(store_url, "c1")
+    wait_for(
+        lambda: list(block_states(store)) == ["10.30.0.0/28"] and not store.range("free/p/")[0],
+        "the old layout's block and free entries removed",
+        TAKEOVER,
+    )
+    start = passes(ctl)
+    wait_for(lambda: passes(ctl) >= start + 2, "two more passes", 10)
+    assert len(pool_spec(store).retired) == 1  # "a" still holds 10.20.0.1
+    assert_check_clean(store_url)
+    ledger.release(att("a"))
+    wait_for(lambda: pool_spec(store).retired == [], "the earlier layout pruned", 10)
+    assert ctl.logged("pool layouts pruned")
+    assert ctl.terminate() == 0
+    assert_single_owners(store)
+    assert_check_clean(store_url)
+
+
+def test_the_controller_leaves_a_pool_being_deleted_alone(store_url, store, spawn):
+    """A pool marked `deleting` gets no block (an assignment also compares the spec it
+    read), so `pool delete` finishes with nothing written behind it."""
+    create_pool(store_url, "--range 10.0.0.0/24 --block-v4 28 --warm 20")
+    kv = store.get(rec.pool_key("p"))
+    store.txn([], [Put(kv.key, rec.encode({**rec.decode(kv.value), "state": "deleting"}))])
+    register(store, "n1")
+    ctl = spawn(store_url, "c1")
+    wait_for(lambda: passes(ctl) >= 3, "three passes", TAKEOVER)
+    assert block_states(store) == {}
+    assert run_cli("pool", "delete", "p", store=store_url).returncode == 0
+    assert ctl.terminate() == 0
+    assert store.range("blockcursor/")[0] == [] and store.range("affinity/")[0] == []
+    assert_check_clean(store_url)

@@ -7,7 +7,13 @@ import pytest
 
 from ipward import records as rec
 from ipward.check import check
-from ipward.errors import AddressOutsidePool, AddressTaken, OwnerChanged, PoolExhausted
+from ipward.errors import (
+    AddressOutsidePool,
+    AddressTaken,
+    InvalidConfig,
+    OwnerChanged,
+    PoolExhausted,
+)
 from ipward.ledger import Ledger
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
@@ -150,11 +156,12 @@ def test_dual_stack_gets_one_address_per_family_in_one_transaction(ledger, sqlit
     revision = sqlite_store.revision()
     got = ledger.allocate([spec], att(1), PodInfo())
     assert sorted(a.family for a in got) == [4, 6]
-    # the two blocks are claimed in their own transactions, then one allocating txn
-    # writes both records, the index and the pool spec
+    # one transaction claims both blocks and writes both records, the index and the
+    # pool spec
     assert sqlite_store.get(att(1).key).mod_revision == sqlite_store.revision()
     assert sqlite_store.get("pools/p").mod_revision == sqlite_store.revision()
-    assert sqlite_store.revision() == revision + 3
+    assert sqlite_store.get("blocks/p/10.0.0.0/26").mod_revision == sqlite_store.revision()
+    assert sqlite_store.revision() == revision + 1
 
 
 def test_failed_dual_stack_add_writes_nothing(ledger, sqlite_store):
@@ -380,3 +387,168 @@ def test_check_reports_a_block_with_two_owners_and_a_released_block_in_use(ledge
         "blockfree/p/4/10.0.0.0/26",
         "blocks/p/10.0.0.0/26",
     ]
+
+
+# -- a failed ADD writes nothing; blocks with no address are never claimed ---------------
+
+
+def whole_store(store) -> list[tuple]:
+    return [(kv.key, kv.value, kv.mod_revision) for kv in store.range("")[0]]
+
+
+def test_range_fully_excluded_is_exhausted_and_writes_nothing(ledger, sqlite_store):
+    """Found: the pool was refused (100) but its blocks were claimed and cursor and
+    fill keys written for a pool that was never stored."""
+    spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], exclude=["10.0.0.0/24"])
+    before = whole_store(sqlite_store)
+    with pytest.raises(PoolExhausted):
+        add(ledger, spec, 1)
+    assert whole_store(sqlite_store) == before
+    assert not sqlite_store.range("blocks/")[0]
+
+
+@pytest.mark.parametrize(
+    ("subnet", "excluded", "first"),
+    [
+        ("10.0.0.0/16", "10.0.0.0/18", "10.0.64.0"),
+        ("10.0.0.0/8", "10.0.0.0/9", "10.128.0.0"),
+        ("fd00::/64", "fd00::/65", "fd00::8000:0:0:0"),
+    ],
+)
+def test_excluded_head_of_a_range_is_jumped_over_in_one_transaction(
+    ledger, sqlite_store, subnet, excluded, first
+):
+    """Found: a /16 with a /18 excluded failed twice with 11 after claiming every
+    all-excluded block, one CAS each (about 99 revisions). The first block with an
+    address is found by arithmetic and claimed by the allocating transaction."""
+    spec = PoolSpec("p", [[{"subnet": subnet}]], exclude=[excluded])
+    revision = sqlite_store.revision()
+    assert add(ledger, spec, 1) == first
+    assert sqlite_store.revision() == revision + 1
+    assert [kv.key for kv in sqlite_store.range("blocks/")[0]] == [
+        f"blocks/p/{first}/{26 if '.' in first else 122}"
+    ]
+    assert check(sqlite_store)[0] == []
+
+
+def test_a_block_taken_by_requested_addresses_is_claimed_on_the_way(ledger, sqlite_store):
+    """The walk passes a never-claimed block whose every usable address was requested:
+    it is claimed in the same transaction (so its addresses go back to a queue once
+    freed) and the fresh address comes from the next block."""
+    spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], block_prefix={4: 29}, cooldown=0)
+    for i, ip in enumerate(["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]):
+        add(ledger, spec, f"r{i}", requested=[ip])
+    # requested addresses are ahead of the fresh cursor: a careful retry finds the way
+    fresh = {add(ledger, spec, i) for i in range(4)}
+    assert "10.0.0.6" in fresh and not fresh & {"10.0.0.1", "10.0.0.2", "10.0.0.3"}
+    assert sqlite_store.get("blocks/p/10.0.0.0/29") is not None
+    assert check(sqlite_store)[0] == []
+
+
+# -- a pool whose ranges change (an inline network's config) -----------------------------
+
+
+def inline(subnet: str, **kw) -> PoolSpec:
+    return PoolSpec("net", [[{"subnet": subnet}]], cooldown=0, source="cni-config", **kw)
+
+
+def add_to(ledger: Ledger, spec: PoolSpec, i) -> str:
+    return ledger.allocate([spec], att(i), PodInfo("ns", f"pod{i}"))[0].ip
+
+
+def test_a_changed_subnet_is_a_new_version_and_old_records_stay_valid(ledger, sqlite_store):
+    """Found: after ADD/DEL on 10.20.0.0/24, a config switched to 10.30.0.0/26 answered
+    100 forever (the block cursor indexed the old ranges), and check marked the old
+    records outside-pool."""
+    old = add_to(ledger, inline("10.20.0.0/24"), "old")
+    for i in range(70):  # two blocks claimed: the cursor stands at 2
+        add_to(ledger, inline("10.20.0.0/24"), i)
+    for i in range(70):
+        ledger.release(att(i))
+    assert check(sqlite_store)[0] == []
+    new = add_to(ledger, inline("10.30.0.0/26"), "new")
+    assert new == "10.30.0.1"
+    stored = ledger.get_pool("net", fresh=True)
+    assert stored.version == 1 and [r.to_dict()["ranges"] for r in stored.retired] == [
+        [[{"subnet": "10.20.0.0/24", "rangeStart": "10.20.0.1", "rangeEnd": "10.20.0.254"}]]
+    ]
+    assert check(sqlite_store)[0] == []  # the old record is held by the retired layout
+    # An idempotent ADD of the old attachment answers its address with its own prefix.
+    (again,) = ledger.allocate([inline("10.30.0.0/26")], att("old"), PodInfo())
+    assert (again.ip, again.prefix) == (old, 24)
+    # Its DEL frees it without queueing it: the pool no longer hands it out.
+    assert ledger.release(att("old")) == [f"net/{old}"]
+    assert sqlite_store.get(rec.free_key("net", old)) is None
+    assert check(sqlite_store)[0] == []
+    # The new /26 serves its whole capacity: 62 addresses, then 100.
+    got = {new} | {add_to(ledger, inline("10.30.0.0/26"), f"n{i}") for i in range(61)}
+    assert len(got) == 62 and all(ip.startswith("10.30.0.") for ip in got)
+    revision = sqlite_store.revision()
+    with pytest.raises(PoolExhausted):
+        add_to(ledger, inline("10.30.0.0/26"), "one-too-many")
+    assert sqlite_store.revision() == revision
+    assert check(sqlite_store)[0] == []
+
+
+def test_new_ranges_start_at_their_first_block(ledger, sqlite_store):
+    """Found: switching to another /24 skipped its first blocks (the cursor kept the old
+    index)."""
+    for i in range(130):  # three /26 blocks of the first /24
+        add_to(ledger, inline("10.20.0.0/24"), i)
+    assert add_to(ledger, inline("10.40.0.0/24"), "x") == "10.40.0.1"
+    assert check(sqlite_store)[0] == []
+
+
+def test_ranges_changed_and_changed_back_lose_and_double_nothing(ledger, sqlite_store):
+    """A -> B -> A with records held across both changes: every address of A is handed
+    out exactly once in the end (freed ones found again though their block's cursor
+    had passed them, none twice)."""
+    a = [add_to(ledger, inline("10.20.0.0/26"), i) for i in range(10)]
+    ledger.release(att(3))  # freed while A is current: queued
+    add_to(ledger, inline("10.30.0.0/26"), "b")  # B
+    ledger.release(att(4))  # freed while A is retired: not queued
+    add_to(ledger, inline("10.20.0.0/26"), "again")  # A again, a third version
+    assert ledger.get_pool("net", fresh=True).version == 2
+    assert check(sqlite_store)[0] == []
+    got = {a[i] for i in range(10) if i not in (3, 4)}
+    got.add(ledger.lookup(att("again"))[0].ip)  # type: ignore[index]
+    while True:
+        try:
+            ip = add_to(ledger, inline("10.20.0.0/26"), f"fill{len(got)}")
+        except PoolExhausted:
+            break
+        assert ip not in got
+        got.add(ip)
+    assert len(got) == 62  # the whole /26, a[3] and a[4] included
+    assert check(sqlite_store)[0] == []
+
+
+def test_an_inline_pool_overlapping_another_is_refused_and_writes_nothing(ledger, sqlite_store):
+    ledger.allocate([pool("10.0.0.0/24")], att(1), PodInfo())
+    revision = sqlite_store.revision()
+    with pytest.raises(
+        InvalidConfig, match=r"would overlap pool p: both cover 10\.0\.0\.129-10\.0\.0\.254"
+    ):
+        add_to(ledger, inline("10.0.0.128/25"), 2)
+    assert sqlite_store.revision() == revision
+    add_to(ledger, inline("10.0.1.0/24"), 3)  # next to it: fine
+    # A change of ranges is tested too: growing into p is refused.
+    revision = sqlite_store.revision()
+    with pytest.raises(InvalidConfig, match="would overlap pool p"):
+        add_to(ledger, inline("10.0.0.0/23"), 4)
+    assert sqlite_store.revision() == revision
+
+
+def test_plain_adds_and_dels_never_write_the_coverage_key(ledger, sqlite_store):
+    """Only a write that stores a pool or adds addresses to one serialises on
+    `poolcoverage`: the hot path adds no contention."""
+    add_to(ledger, inline("10.20.0.0/24"), "first")  # stores the pool
+    written = sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision
+    for i in range(70):  # across a block claim
+        add_to(ledger, inline("10.20.0.0/24"), i)
+    for i in range(70):
+        ledger.release(att(i))
+    add_to(ledger, inline("10.20.0.0/24", routes=[{"dst": "0.0.0.0/0"}]), "routes")  # not ranges
+    assert sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision == written
+    add_to(ledger, inline("10.20.0.0/23"), "wider")  # grows: tested and written
+    assert sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision > written

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PluginResult, exec_plugin, run_cli
+from conftest import PluginResult, exec_plugin, run_cli, wait_for
 from ipward import fleet
 from ipward import records as rec
 from ipward.liveness import Pod, write_sim_state
@@ -42,6 +42,10 @@ class Cluster:
             ("--cluster", f"sim://{self.state}"),
             metrics=False,
         ).wait_ready()
+        # The agent registers its node (a write) on its own thread: done before a test
+        # compares store revisions.
+        with open_store(url) as store:
+            wait_for(lambda: store.get(rec.node_key(NODE)), "the agent's node registration")
 
     def publish(self) -> None:
         cluster = (

@@ -109,15 +109,21 @@ class Range:
             first += 1
             if self.family == V4:
                 last -= 1
-        self.start = self._inside(start, "rangeStart") if start else first
-        self.end = self._inside(end, "rangeEnd") if end else last
+        # None is "not given"; an empty string is a mistake, never a quiet default.
+        self.start = self._inside(start, "rangeStart") if start is not None else first
+        self.end = self._inside(end, "rangeEnd") if end is not None else last
         self.start, self.end = max(self.start, first), min(self.end, last)
         if self.start > self.end:
             raise InvalidConfig(f"range {subnet} has no usable address between start and end")
-        self.gateway = self._inside(gateway, "gateway") if gateway else None
+        self.gateway = self._inside(gateway, "gateway") if gateway is not None else None
 
     def _inside(self, text: str, field: str) -> int:
-        family, value = parse_ip(text)
+        try:
+            family, value = parse_ip(text)
+        except InvalidConfig:
+            raise InvalidConfig(
+                f"{field} {text!r} of range {self.subnet} is not an address"
+            ) from None
         size = 1 << (BITS[self.family] - self.prefix)
         if family != self.family or not self.network <= value < self.network + size:
             raise InvalidConfig(f"{field} {text} is outside subnet {self.subnet}")
@@ -178,7 +184,7 @@ class RangeSet:
                 continue  # an exclusion of the other family belongs to the other set
             hi = lo + (1 << (BITS[family] - prefix)) - 1 if prefix is not None else lo
             spans.append((lo, hi))
-        self.excludes = _merged(spans)
+        self.excludes = merge_spans(spans)
         self._block_counts = [self._first_last_block(r) for r in ranges]
 
     # -- blocks ---------------------------------------------------------------------
@@ -208,6 +214,22 @@ class RangeSet:
                 bits = self.block_bits(r)
                 return Block(self, r, (first + index) << bits, bits)
             index -= count
+        return None
+
+    def next_usable_block(self, index: int) -> int | None:
+        """The smallest block number >= `index` whose block holds an address that may be
+        handed out, or None past the end. Jumps over excluded spans (and the gateway), so
+        a /8 with a /9 excluded costs what a /24 does, not one step per block."""
+        offset = 0
+        for r, (first, last) in zip(self.ranges, self._block_counts, strict=True):
+            count = last - first + 1
+            if index < offset + count:
+                bits = self.block_bits(r)
+                base = (first + max(index - offset, 0)) << bits
+                value = self.next_usable_value(r, max(base, r.start), r.end)
+                if value is not None:
+                    return offset + (value >> bits) - first
+            offset += count
         return None
 
     def block_of(self, value: int) -> Block | None:
@@ -248,6 +270,43 @@ class RangeSet:
             if lo > value:
                 break
         return None
+
+    def next_usable_value(self, r: Range, value: int, last: int) -> int | None:
+        """The smallest address in [value, last] of range `r` that may be handed out, or
+        None. The cost is bounded by the number of exclusions, not the span's size."""
+        value = max(value, r.start)
+        last = min(last, r.end)
+        while value <= last:
+            if value == r.gateway:
+                value += 1
+                continue
+            span = self.excluded_span(value)
+            if span is None:
+                return value
+            value = span[1] + 1
+        return None
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The addresses the set covers, as sorted disjoint spans: every range's
+        start..end minus the exclusions. The gateway counts as covered (it is in use on
+        the network even though it is never handed out). For the overlap test between
+        pools: arithmetic on a handful of spans, never an enumeration."""
+        spans = []
+        for r in self.ranges:
+            lo = r.start
+            for elo, ehi in self.excludes:
+                if ehi < lo:
+                    continue
+                if elo > r.end:
+                    break
+                if elo > lo:
+                    spans.append((lo, elo - 1))
+                lo = ehi + 1
+            if lo <= r.end:
+                spans.append((lo, r.end))
+            if r.gateway is not None:
+                spans.append((r.gateway, r.gateway))
+        return merge_spans(spans)
 
     def usable(self, value: int, r: Range | None = None) -> bool:
         """May `value` be handed out: inside a range, not a gateway, not excluded."""
@@ -291,19 +350,10 @@ class Block:
     def next_usable(self, offset: int) -> int | None:
         """The smallest offset >= `offset` whose address may be handed out, or None.
         Jumps over exclusions, so the cost is bounded by their number, not the size."""
-        rs, r = self.range_set, self.range
-        value = max(self.base + offset, r.start)
-        last = min(self.base + self.size - 1, r.end)
-        while value <= last:
-            if value == r.gateway:
-                value += 1
-                continue
-            span = rs.excluded_span(value)
-            if span is not None:
-                value = span[1] + 1
-                continue
-            return value - self.base
-        return None
+        value = self.range_set.next_usable_value(
+            self.range, self.base + offset, self.base + self.size - 1
+        )
+        return None if value is None else value - self.base
 
     def address(self, offset: int) -> str:
         return format_ip(self.range_set.family, self.base + offset)
@@ -319,7 +369,24 @@ def _describe(r: Range) -> str:
     return f"{r.subnet} ({format_ip(r.family, r.start)}-{format_ip(r.family, r.end)})"
 
 
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def first_overlap(
+    a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]
+) -> tuple[int, int] | None:
+    """The first span (lowest addresses) common to two lists of sorted disjoint spans,
+    or None when they share no address. One pass over both lists."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            return lo, hi
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return None
+
+
+def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Sorted, non-overlapping, non-adjacent spans covering the same addresses."""
     out: list[tuple[int, int]] = []
     for lo, hi in sorted(spans):

@@ -406,11 +406,13 @@ class _BlockFiller:
                     self.offset = found + 1
                     self.last[self.block.cidr] = found + 1
                     return self.block.address(found), self.block.cidr
-            # The block is used up (or none is claimed yet): claim the next one.
-            block = self.rs.block(self.claimed)
-            if block is None:
+            # The block is used up (or none is claimed yet): claim the next one that holds
+            # an address (the ledger never claims one that does not).
+            index = self.rs.next_usable_block(self.claimed)
+            block = None if index is None else self.rs.block(index)
+            if index is None or block is None:
                 raise BenchError(f"pool {self.spec.name} has fewer addresses than asked")
-            self.claimed += 1
+            self.claimed = index + 1
             self.block = block
             self.offset = 0
             self.last.setdefault(block.cidr, 0)
@@ -455,7 +457,12 @@ def bulk_fill(
     now = time.time() if created_at is None else created_at
     default_pod = PodInfo("bench", "fill", "uid-fill")
     fillers = [_BlockFiller(spec, i, node) for i in range(len(spec.range_sets))]
-    ops: list[Put] = [Put(rec.pool_key(spec.name), rec.encode(spec.to_dict()))]
+    # The first ADD of a declared pool stores it, with the overlap guard's key.
+    coverage = rec.encode({"generation": 1, "pool": spec.name})
+    ops: list[Put] = [
+        Put(rec.pool_key(spec.name), rec.encode(spec.to_dict())),
+        Put(rec.POOL_COVERAGE_KEY, coverage),
+    ]
     attachments = []
     for i in range(count):
         attachment = Attachment(network, f"{prefix}-{i}", "eth0")

@@ -26,12 +26,13 @@ from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
-    from ipward.addr import Block
+    from ipward.addr import Block, RangeSet
     from ipward.store.base import Compare
 
 CLEANUP_CHUNK = 40  # free entries deleted per transaction (two keys each; etcd caps ops)
+RELEASED_WINDOW = 16  # released-block entries looked at for one claim
 
 
 def cidr_of(key: str) -> str:
@@ -184,40 +185,136 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
     return done.succeeded
 
 
+# -- claiming blocks (the ledger when a node runs out, the controller's warm target) ------
+
+
+def cursor_next(cursor: KeyValue | None, version: int) -> int:
+    """Where the walk for never-claimed blocks starts: the cursor's index, if it indexes
+    this layout version's blocks; else 0 (the pool's ranges changed since: the walk
+    passes the blocks already claimed)."""
+    if cursor is None:
+        return 0
+    state = rec.decode(cursor.value)
+    return int(state.get("next", 0)) if state.get("version", 0) == version else 0
+
+
+def block_next(state: dict, version: int) -> int:
+    """The block's never-used cursor, if written under this layout version; else 0 (the
+    ranges changed since, and addresses behind the cursor may have been freed without a
+    queue entry while they were outside the pool: a fresh pick skips what is taken)."""
+    return int(state.get("next", 0)) if state.get("version", 0) == version else 0
+
+
+def versioned(state: dict, version: int) -> dict:
+    """A block or cursor record stamped with the layout version it indexes (the field is
+    left out for version 0, a pool whose ranges never changed: records as before)."""
+    out = {k: v for k, v in state.items() if k != "version"}
+    if version:
+        out["version"] = version
+    return out
+
+
+class Claim:
+    """A block a node may take: a released one (`entry`: its `blockfree/` key) or the
+    next never-claimed one (`index` in the range set's block numbering, `cursor` as
+    read)."""
+
+    __slots__ = ("block", "cursor", "entry", "index")
+
+    def __init__(
+        self,
+        block: Block,
+        entry: KeyValue | None = None,
+        cursor: KeyValue | None = None,
+        index: int = 0,
+    ) -> None:
+        self.block = block
+        self.entry = entry
+        self.cursor = cursor
+        self.index = index
+
+
+def claims(
+    spec: PoolSpec,
+    rs: RangeSet,
+    get: Callable[[str], KeyValue | None],
+    range_: Callable[[str, int], tuple[list[KeyValue], int]],
+) -> Iterator[Claim]:
+    """The blocks of `rs` a node may claim, in the order they are taken: released blocks
+    first, then never-claimed ones from the block cursor on. A block with no address to
+    hand out is never offered (`next_usable_block` jumps over excluded spans), nor one
+    that exists already. Reads only: the claim is written by `claim_writes`, in the
+    caller's transaction."""
+    released, _ = range_(rec.released_block_prefix(spec.name, rs.family), RELEASED_WINDOW)
+    for entry in released:
+        block = rs.block_by_cidr(cidr_of(entry.key))
+        if block is None or block.next_usable(0) is None:
+            continue  # a block of an earlier layout: `lifecycle.prune` removes the entry
+        if get(rec.block_key(spec.name, block.cidr)) is None:
+            yield Claim(block, entry=entry)
+    cursor = get(rec.block_cursor_key(spec.name, rs.family))
+    index = rs.next_usable_block(cursor_next(cursor, spec.version))
+    while index is not None:
+        block = rs.block(index)
+        assert block is not None
+        if get(rec.block_key(spec.name, block.cidr)) is None:
+            yield Claim(block, cursor=cursor, index=index)
+        index = rs.next_usable_block(index + 1)  # claimed out of order, or since the change
+
+
+def claim_writes(
+    spec: PoolSpec, family: int, node: str, taken: Sequence[tuple[Claim, int]]
+) -> tuple[list[Compare], list[Put | Delete]]:
+    """Compares and writes that give `node` the claimed blocks, each with its `next`
+    cursor (a block whose first addresses the same transaction allocates starts past
+    them): each block absent, each released entry as read (and deleted), the block
+    cursor as read and moved past the furthest block taken."""
+    compares: list[Compare] = []
+    ops: list[Put | Delete] = []
+    furthest = None
+    for claim, next_offset in taken:
+        key = rec.block_key(spec.name, claim.block.cidr)
+        state = versioned({"node": node, "state": rec.ACTIVE, "next": next_offset}, spec.version)
+        compares.append(absent(key))
+        ops += [
+            Put(key, rec.encode(state)),
+            Put(rec.affinity_key(spec.name, node, claim.block.cidr), b""),
+        ]
+        if claim.entry is not None:
+            compares.append(at_revision(claim.entry.key, claim.entry.mod_revision))
+            ops.append(Delete(claim.entry.key))
+        elif furthest is None or claim.index > furthest.index:
+            furthest = claim
+    if furthest is not None:
+        cursor_key = rec.block_cursor_key(spec.name, family)
+        cursor = furthest.cursor
+        compares.append(at_revision(cursor_key, cursor.mod_revision if cursor else 0))
+        ops.append(
+            Put(cursor_key, rec.encode(versioned({"next": furthest.index + 1}, spec.version)))
+        )
+    return compares, ops
+
+
 def assign(
     store: Store, spec: PoolSpec, family: int, node: str, fence: Sequence[Compare] = ()
 ) -> str | None:
     """Controller: give `node` a block of this family (a released one first, else the
-    next never claimed), by CAS. The node's agent starts filling it when its current
-    block runs out. None when the pool has no block left or a race was lost."""
+    next never claimed), by CAS, pinned to the pool spec as read (so no block is ever
+    assigned in a pool being deleted or since changed). The node's agent starts filling
+    it when its current block runs out. None when the pool has no block left or a race
+    was lost."""
     index = spec.set_of(family)
-    if index is None:
+    if index is None or spec.deleting:
         return None
     rs = spec.range_sets[index]
-    released, _ = store.range(rec.released_block_prefix(spec.name, family), limit=1)
-    new_block = rec.encode({"node": node, "state": rec.ACTIVE, "next": 0})
-    if released:
-        cidr = cidr_of(released[0].key)
-        compares = [at_revision(released[0].key, released[0].mod_revision)]
-        ops: list[Put | Delete] = [Delete(released[0].key)]
-    else:
-        cursor_key = rec.block_cursor_key(spec.name, family)
-        cursor = store.get(cursor_key)
-        n = rec.decode(cursor.value)["next"] if cursor else 0
-        while True:
-            block = rs.block(n)
-            if block is None:
-                return None
-            if store.get(rec.block_key(spec.name, block.cidr)) is None:
-                break
-            n += 1
-        cidr = block.cidr
-        compares = [at_revision(cursor_key, cursor.mod_revision if cursor else 0)]
-        ops = [Put(cursor_key, rec.encode({"next": n + 1}))]
-    key = rec.block_key(spec.name, cidr)
-    compares += [*fence, absent(key)]
-    ops += [Put(key, new_block), Put(rec.affinity_key(spec.name, node, cidr), b"")]
-    if not store.txn(compares, ops).succeeded:
+    claim = next(claims(spec, rs, store.get, store.range), None)
+    if claim is None:
         return None
+    compares, ops = claim_writes(spec, family, node, [(claim, 0)])
+    if spec.revision is not None:
+        compares.append(at_revision(rec.pool_key(spec.name), spec.revision))
+    if not store.txn([*fence, *compares], ops).succeeded:
+        return None
+    cidr = claim.block.cidr
     log.info("block assigned", pool=spec.name, block=cidr, node=node, reason="warm target")
     return cidr

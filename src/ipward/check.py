@@ -5,16 +5,24 @@
                        or an attachment holding two addresses of one family in a pool
   index-missing        a record whose attachment index does not list it
   index-dangling       an index entry with no record, or a record owned by another
-  outside-pool         a record of an unknown pool, or outside its pool's ranges
+  outside-pool         a record of an unknown pool, or of no address its pool hands out
+                       now or did before its last change (a retired layout)
   free-and-allocated   an address both recorded and queued as free
   free-queue           a free record without its queue entry, or the reverse
   block-owner          a block without exactly one affinity entry (its node's), an
                        affinity entry without its block, or a block also listed as released
   sticky               a reservation whose addresses are not recorded for it (bound to the
                        sandbox it names, detached when it names none), or the reverse
+  orphan               a key of a pool's own state (block, affinity, fill, cursor,
+                       released block, free or queue entry) whose pool does not exist
+  stale                such a key of an existing pool that its current ranges do not use,
+                       when no change of its ranges explains it (none is awaiting pruning)
+  pool-deleting        a pool left half-deleted ('ipward pool delete' again finishes it)
+  unknown-key          a key under no prefix ipward writes (another program's, or damage)
 
-Read-only, and at one revision: keys are read with `range` per prefix, so the report
-names the revision each part was read at; run it on a quiet store for a strict answer.
+Orphans and stale keys are removed by `ipward check --remove-orphans`
+(`lifecycle.remove_orphans`); the rest need a person. Read-only, and at one revision:
+the whole store is read with one `range`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 from ipward import records as rec
 from ipward.addr import parse_ip
 from ipward.errors import IpwardError
+from ipward.lifecycle import pool_of, stale_state
 from ipward.pool import PoolSpec
 
 TYPE_CHECKING = False
@@ -47,18 +56,33 @@ class Problem:
 def check(store: Store) -> tuple[list[Problem], dict]:
     """All problems found, and counts of what was read."""
     problems: list[Problem] = []
+    everything, revision = store.range("")
+    by_prefix: dict[str, list[KeyValue]] = {prefix: [] for prefix in rec.PREFIXES}
+    for kv in everything:
+        head, slash, _ = kv.key.partition("/")
+        prefix = head + slash
+        if prefix in by_prefix and (prefix != rec.META_PREFIX or kv.key in rec.META_KEYS):
+            by_prefix[prefix].append(kv)
+        else:
+            problems.append(Problem("unknown-key", kv.key, "not a key ipward writes"))
     pools: dict[str, PoolSpec | None] = {}
-    for kv in store.range("pools/")[0]:
+    for kv in by_prefix["pools/"]:
         name = kv.key.split("/", 1)[1]
         try:
-            pools[name] = PoolSpec.from_dict(rec.decode(kv.value))
+            parsed = PoolSpec.from_dict(rec.decode(kv.value))
         except (IpwardError, ValueError) as e:
             pools[name] = None
             problems.append(Problem("outside-pool", kv.key, f"pool spec unreadable: {e}"))
-    records, _ = store.range("ips/")
-    indexes, _ = store.range("attach/")
-    frees, _ = store.range("free/")
-    queue, _ = store.range("freeq/")
+            continue
+        pools[name] = parsed
+        if parsed.deleting:
+            problems.append(
+                Problem("pool-deleting", kv.key, f"half deleted: 'ipward pool delete {name}'")
+            )
+    records = by_prefix["ips/"]
+    indexes = by_prefix["attach/"]
+    frees = by_prefix["free/"]
+    queue = by_prefix["freeq/"]
 
     sticky_of: dict[str, tuple[str, bool]] = {}  # "<pool>/<ip>" -> (reservation, detached)
     index_refs: dict[str, list[str]] = {}
@@ -79,12 +103,10 @@ def check(store: Store) -> tuple[list[Problem], dict]:
         spec = pools.get(pool_name)
         if spec is None:
             problems.append(Problem("outside-pool", kv.key, f"pool {pool_name} does not exist"))
-        else:
-            index = spec.set_of(family)
-            if index is None or not spec.range_sets[index].usable(value):
-                problems.append(
-                    Problem("outside-pool", kv.key, f"not an allocatable address of {pool_name}")
-                )
+        elif not spec.explains(family, value):
+            problems.append(
+                Problem("outside-pool", kv.key, f"not an allocatable address of {pool_name}")
+            )
         other = seen_on_network.setdefault((attachment.network, ip), kv.key)
         if other != kv.key:
             problems.append(Problem("duplicate-address", kv.key, f"{ip} also recorded as {other}"))
@@ -122,17 +144,50 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             problems.append(Problem("free-queue", kv.key, f"queue entry {queue_key} missing"))
     for key in sorted(queued - referenced):
         problems.append(Problem("free-queue", key, "queue entry without a free record"))
-    reservations, _ = store.range("sticky/")
+    reservations = by_prefix["sticky/"]
     problems += _reservations(reservations, sticky_of, index_refs)
-    problems += _block_owners(store)
+    problems += _block_owners(by_prefix)
+    problems += _leftovers(pools, by_prefix)
     counts = {
         "pools": len(pools),
         "allocations": len(records),
         "attachments": len(indexes),
         "free": len(frees),
         "sticky": len(reservations),
+        "retired_layouts": sum(len(spec.retired) for spec in pools.values() if spec),
+        "revision": revision,
     }
     return problems, counts
+
+
+def _leftovers(
+    pools: dict[str, PoolSpec | None], by_prefix: dict[str, list[KeyValue]]
+) -> list[Problem]:
+    """Keys of a pool's own state without their pool (orphans), and those of an existing
+    pool that its current ranges do not use while no retired layout explains them
+    (stale: with retired layouts they await pruning)."""
+    problems = []
+    of_pool: dict[str, list[KeyValue]] = {}
+    for prefix in rec.POOL_STATE_PREFIXES:
+        for kv in by_prefix[prefix]:
+            pool = pool_of(kv.key)
+            if pool is not None:
+                of_pool.setdefault(pool, []).append(kv)
+    remedy = "remove with 'ipward check --remove-orphans'"
+    for pool, kvs in sorted(of_pool.items()):
+        if pool not in pools:
+            problems += [
+                Problem("orphan", kv.key, f"pool {pool} does not exist ({remedy})") for kv in kvs
+            ]
+            continue
+        spec = pools[pool]
+        if spec is None or spec.retired:
+            continue
+        problems += [
+            Problem("stale", kv.key, f"not used by pool {pool}'s current ranges ({remedy})")
+            for kv in stale_state(spec, kvs)
+        ]
+    return problems
 
 
 def _reservations(
@@ -164,14 +219,14 @@ def _reservations(
     return problems
 
 
-def _block_owners(store: Store) -> list[Problem]:
+def _block_owners(by_prefix: dict[str, list[KeyValue]]) -> list[Problem]:
     """Invariant 7 as the store shows it: a block belongs to exactly one node."""
     problems = []
     owners: dict[str, str] = {}  # "<pool>/<cidr>" -> node, from the block records
-    for kv in store.range("blocks/")[0]:
+    for kv in by_prefix["blocks/"]:
         owners[kv.key.split("/", 1)[1]] = rec.decode(kv.value).get("node", "")
     listed: dict[str, list[str]] = {}
-    for kv in store.range("affinity/")[0]:
+    for kv in by_prefix["affinity/"]:
         _, pool, node, cidr = kv.key.split("/", 3)
         listed.setdefault(f"{pool}/{cidr}", []).append(node)
     for block, node in sorted(owners.items()):
@@ -189,7 +244,7 @@ def _block_owners(store: Store) -> list[Problem]:
                 "block-owner", f"affinity/{block}", f"listed for {listed[block]} but no such block"
             )
         )
-    for kv in store.range("blockfree/")[0]:
+    for kv in by_prefix["blockfree/"]:
         _, pool, _family, cidr = kv.key.split("/", 3)
         if f"{pool}/{cidr}" in owners:
             problems.append(Problem("block-owner", kv.key, "released, yet still a block"))

@@ -24,7 +24,14 @@ from ipward.addr import format_ip, parse_cidr, parse_ip
 from ipward.config import DEFAULT_STORE
 from ipward.errors import InvalidConfig, IpwardError
 from ipward.ledger import Ledger
-from ipward.pool import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM, PoolSpec
+from ipward.pool import (
+    DEFAULT_COOLDOWN,
+    DEFAULT_RELEASE_DELAY,
+    DEFAULT_WARM,
+    PoolSpec,
+    check_routes,
+    default_gateway,
+)
 from ipward.serving import add_grace_option, redact
 from ipward.store import Store, StoreError, open_backend, open_store, store_location
 
@@ -154,18 +161,44 @@ def pool() -> None:
 
 
 def parse_range_option(text: str) -> dict:
-    """`CIDR[,start=IP][,end=IP][,gateway=IP]` -> a range dict."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise InvalidConfig("--range needs a CIDR")
+    """`CIDR[,start=IP][,end=IP][,gateway=IP|none]` -> a range dict. Without `gateway`,
+    the subnet's first address is the gateway, as with host-local (so a bridge with
+    `isGateway` never shares its address with a pod); `gateway=none` hands it out."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts[0]:
+        raise InvalidConfig(f"--range {text!r}: needs a CIDR first")
     out = {"subnet": parts[0]}
     names = {"start": "rangeStart", "end": "rangeEnd", "gateway": "gateway", "gw": "gateway"}
     for part in parts[1:]:
         key, sep, value = part.partition("=")
         if not sep or key not in names:
-            raise InvalidConfig(f"--range {text!r}: {part!r} is not start=IP, end=IP or gateway=IP")
+            raise InvalidConfig(
+                f"--range {text!r}: {part!r} is not start=IP, end=IP or gateway=IP|none"
+            )
+        if not value:
+            raise InvalidConfig(f"--range {text!r}: {key}= has no value")
+        if names[key] in out:
+            raise InvalidConfig(f"--range {text!r}: {key} given twice")
         out[names[key]] = value
+    if "gateway" not in out:
+        gateway = default_gateway(out["subnet"])
+        if gateway is not None:
+            out["gateway"] = gateway
+    elif out["gateway"] == "none":
+        del out["gateway"]
     return out
+
+
+def parse_route_option(text: str) -> dict:
+    """`DST[,via=GW]` -> a route dict, checked like a CNI config's routes."""
+    dst, *rest = (p.strip() for p in text.split(","))
+    route = {"dst": dst}
+    for part in rest:
+        key, sep, value = part.partition("=")
+        if key != "via" or not sep or "gw" in route:
+            raise InvalidConfig(f"--route {text!r}: {part!r} is not via=GW (once)")
+        route["gw"] = value
+    return check_routes([route], f"--route {text!r}")[0]
 
 
 @pool.command("create")
@@ -175,7 +208,8 @@ def parse_range_option(text: str) -> dict:
     "ranges",
     multiple=True,
     required=True,
-    help="CIDR[,start=IP][,end=IP][,gateway=IP]; repeat for more ranges and for dual stack.",
+    help="CIDR[,start=IP][,end=IP][,gateway=IP|none]; repeat for more ranges and for dual"
+    " stack. Default gateway: the subnet's first address (as host-local).",
 )
 @click.option("--exclude", multiple=True, help="CIDR or address never handed out; repeatable.")
 @click.option("--route", multiple=True, help="Route for the pool's pods: DST[,via=GW].")
@@ -186,8 +220,8 @@ def parse_range_option(text: str) -> dict:
     show_default=True,
     help="Seconds before a freed address is handed out again.",
 )
-@click.option("--block-v4", type=int, default=26, show_default=True, help="IPv4 block prefix.")
-@click.option("--block-v6", type=int, default=122, show_default=True, help="IPv6 block prefix.")
+@click.option("--block-v4", type=int, help="IPv4 block prefix (default 26).")
+@click.option("--block-v6", type=int, help="IPv6 block prefix (default 122).")
 @click.option(
     "--warm",
     type=int,
@@ -228,42 +262,43 @@ def pool_create(
     exclude: tuple[str, ...],
     route: tuple[str, ...],
     cooldown: float,
-    block_v4: int,
-    block_v6: int,
+    block_v4: int | None,
+    block_v6: int | None,
     warm: int,
     release_delay: float,
     borrow: bool,
     namespaces: tuple[str, ...],
     nodes: tuple[str, ...],
 ) -> None:
-    """Create pool NAME (refuses if it exists)."""
+    """Create pool NAME (refuses if it exists, or if another pool covers any of its
+    addresses)."""
+    from ipward import lifecycle
+
     by_family: dict[int, list[dict]] = {}
     for text in ranges:
         r = parse_range_option(text)
         by_family.setdefault(parse_cidr(r["subnet"])[0], []).append(r)
-    routes = []
-    for text in route:
-        dst, _, via = text.partition(",via=")
-        parse_cidr(dst)
-        routes.append({"dst": dst, "gw": via} if via else {"dst": dst})
+    block_prefix = {}
+    for family, option, prefix in ((4, "--block-v4", block_v4), (6, "--block-v6", block_v6)):
+        if prefix is None:
+            continue
+        if family not in by_family:
+            raise InvalidConfig(f"{option} {prefix}: the pool has no IPv{family} range")
+        block_prefix[family] = prefix
     spec = PoolSpec(
         name,
         [by_family[f] for f in sorted(by_family)],
         list(exclude),
-        routes,
+        [parse_route_option(text) for text in route],
         cooldown,
-        {4: block_v4, 6: block_v6},
+        block_prefix,
         warm=warm,
         release_delay=release_delay,
         borrow=borrow,
         namespaces=namespaces,
         nodes=nodes,
     )
-    from ipward.store.base import Put, absent
-
-    key = rec.pool_key(name)
-    if not c.store.txn([absent(key)], [Put(key, rec.encode(spec.to_dict()))]).succeeded:
-        raise InvalidConfig(f"pool {name} already exists")
+    lifecycle.create_pool(c.store, spec)
     c.emit(
         spec.to_dict(), f"created pool [bold]{name}[/] ({spec.attachments_capacity():,} addresses)"
     )
@@ -400,34 +435,12 @@ def pool_show(c: Context, name: str) -> None:
 @click.argument("name")
 @pass_ctx
 def pool_delete(c: Context, name: str) -> None:
-    """Delete pool NAME; refuses while any address of it is allocated."""
-    from ipward.store.base import Delete, at_revision
+    """Delete pool NAME and every key of it; refuses while any address of it is
+    allocated. Safe against ADDs in flight; run it again to finish one interrupted."""
+    from ipward import lifecycle
 
-    key = rec.pool_key(name)
-    kv = c.store.get(key)
-    if kv is None:
-        raise InvalidConfig(f"pool {name} does not exist")
-    if c.store.range(f"ips/{name}/", limit=1)[0]:
-        raise InvalidConfig(f"pool {name} still has allocations; release them first")
-    state = [
-        k.key
-        for prefix in (
-            f"blocks/{name}/",
-            f"affinity/{name}/",
-            f"fill/{name}/",
-            f"blockcursor/{name}/",
-            f"blockfree/{name}/",
-            f"free/{name}/",
-            f"freeq/{name}/",
-        )
-        for k in c.store.range(prefix)[0]
-    ]
-    # The spec goes first, at the revision read, so no new allocation can start.
-    if not c.store.txn([at_revision(key, kv.mod_revision)], [Delete(key)]).succeeded:
-        raise InvalidConfig(f"pool {name} changed while deleting; try again")
-    for k in state:
-        c.store.txn([], [Delete(k)])
-    c.emit({"deleted": name}, f"deleted pool [bold]{name}[/]")
+    removed = lifecycle.delete_pool(c.store, name)
+    c.emit({"deleted": name, "keys": removed}, f"deleted pool [bold]{name}[/]")
 
 
 # -- allocations ------------------------------------------------------------------------
@@ -533,13 +546,36 @@ def _sticky_text(state: dict) -> str:
 
 
 @cli.command("check")
+@click.option(
+    "--remove-orphans",
+    is_flag=True,
+    help="First remove keys left by deleted pools and state a pool's current ranges do"
+    " not use, and prune earlier pool versions no record holds (each a compare-and-"
+    "delete; never an allocation record, never a key ipward does not know).",
+)
 @pass_ctx
-def check_command(c: Context) -> None:
+def check_command(c: Context, remove_orphans: bool) -> None:
     """Report broken invariants; exit status 1 if any."""
     from ipward.check import check
 
+    removed: dict[str, Any] = {}
+    if remove_orphans:
+        from ipward import lifecycle
+
+        keys, pruned = lifecycle.remove_orphans(c.store)
+        removed = {
+            "removed": keys,
+            "pruned": {name: {"keys": k, "layouts": n} for name, (k, n) in pruned.items()},
+        }
+        if not c.as_json:
+            pruned_keys = sum(k for k, _ in pruned.values())
+            pruned_layouts = sum(n for _, n in pruned.values())
+            console.print(
+                f"removed {len(keys)} orphan key(s), {pruned_keys} stale key(s), pruned"
+                f" {pruned_layouts} earlier pool version(s)"
+            )
     problems, counts = check(c.store)
-    data = {"ok": not problems, "problems": [p.to_dict() for p in problems], **counts}
+    data = {"ok": not problems, "problems": [p.to_dict() for p in problems], **counts, **removed}
     if c.as_json:
         c.emit(data, None)
     elif problems:

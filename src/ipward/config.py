@@ -18,7 +18,7 @@ from ipward.addr import family_of, format_cidr, format_ip, parse_cidr, parse_ip
 from ipward.errors import InvalidConfig, InvalidEnvironment, IpwardError
 from ipward.ledger import ADD_GRACE, STICKY_TTL
 from ipward.log import LEVELS
-from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name
+from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name, check_routes, default_gateway
 from ipward.records import Attachment, PodInfo
 from ipward.wire import agent_socket, socket_path_problem
 
@@ -238,13 +238,7 @@ def _ip_list(value: object, where: str, error: type[IpwardError]) -> list[str]:
 
 
 def _routes(value: object) -> list[dict]:
-    if not isinstance(value, list):
-        raise InvalidConfig("ipam.routes must be a list")
-    for route in value:
-        if not isinstance(route, dict) or not isinstance(route.get("dst"), str):
-            raise InvalidConfig(f"a route needs 'dst' (CIDR): {route!r}")
-        parse_cidr(route["dst"])
-    return value
+    return check_routes(value, "ipam.routes")
 
 
 def _inline_pool(network: str, ipam: dict, routes: list[dict]) -> PoolSpec | None:
@@ -278,6 +272,12 @@ def _inline_pool(network: str, ipam: dict, routes: list[dict]) -> PoolSpec | Non
     return PoolSpec(network, range_sets, exclude, routes, cooldown, source="cni-config")
 
 
+def _unset_empty(entry: dict, fields: tuple[str, ...]) -> dict:
+    """host-local and whereabouts read an empty address as not given (Go's net.IP of
+    ""): so does their dialect here (a stored spec never has an empty address)."""
+    return {k: v for k, v in entry.items() if not (k in fields and v == "")}
+
+
 def _host_local_gateways(range_set: object) -> list[dict]:
     """host-local's rule: a range without `gateway` has its subnet's first address as
     the gateway, never handed out (a bridge with isGateway puts that address on itself,
@@ -286,10 +286,12 @@ def _host_local_gateways(range_set: object) -> list[dict]:
         raise InvalidConfig("each entry of ipam.ranges must be a list of ranges")
     out = []
     for r in range_set:
-        if isinstance(r, dict) and "gateway" not in r and isinstance(r.get("subnet"), str):
-            family, network, prefix = parse_cidr(r["subnet"])
-            if prefix < (32 if family == 4 else 128) - 1:  # /31, /32, /127, /128: no gateway
-                r = {**r, "gateway": format_ip(family, network + 1)}
+        if isinstance(r, dict):
+            r = _unset_empty(r, ("rangeStart", "rangeEnd", "gateway"))
+            if "gateway" not in r and isinstance(r.get("subnet"), str):
+                gateway = default_gateway(r["subnet"])
+                if gateway is not None:
+                    r["gateway"] = gateway
         out.append(r)
     return out
 
@@ -298,10 +300,16 @@ def _whereabouts_range(entry: dict, gateway: object) -> tuple[dict, list[str]]:
     text = entry.get("range")
     if not isinstance(text, str):
         raise InvalidConfig(f"a whereabouts range needs 'range' (CIDR): {entry!r}")
+    entry = _unset_empty(entry, ("range_start", "range_end", "gateway"))
     one: dict = {}
     if "-" in text:  # "first-last/prefix"
         span, _, prefix = text.partition("/")
         first, _, last = span.partition("-")
+        if not first or not last:
+            raise InvalidConfig(
+                f"ipam range {text!r}: 'first-last/prefix' needs both the first and the last"
+                " address"
+            )
         one["rangeStart"], one["rangeEnd"] = first, last
         text = f"{first}/{prefix}"
     family, network, length = parse_cidr(text)
@@ -311,7 +319,7 @@ def _whereabouts_range(entry: dict, gateway: object) -> tuple[dict, list[str]]:
     for ours, theirs in (("rangeStart", "range_start"), ("rangeEnd", "range_end")):
         if isinstance(entry.get(theirs), str):
             one[ours] = entry[theirs]
-    gw = entry.get("gateway", gateway)
+    gw = entry.get("gateway", gateway or None)
     # A top-level gateway (whereabouts) applies to the range of its own family only.
     if isinstance(gw, str) and family_of(gw) == family:
         one["gateway"] = gw

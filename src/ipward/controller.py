@@ -33,7 +33,10 @@ scan of its records:
     delays), small enough for the agent's one-transaction answer, and whose addresses
     the node can do without (free - its size >= warm) is marked.
 Blocks of nodes that are not registered under `nodes/` are left alone but counted in
-the metrics, until the node is known gone (below).
+the metrics, until the node is known gone (below). A pool being deleted is skipped;
+block assignments compare the spec at the revision the pass read. A pool whose ranges
+changed (retired layouts, or blocks its current layout does not use) is pruned
+(`lifecycle.prune`, fenced).
 
 Garbage collection (with `--liveness`, every `--gc-interval`; the rules are `ipward.gc`'s):
 records, registrations, then liveness; a record found leaked on two passes in a row at
@@ -70,7 +73,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ipward import blocks, gc, log
+from ipward import blocks, gc, lifecycle, log
 from ipward import records as rec
 from ipward.config import node_name_problem
 from ipward.errors import InvalidConfig, IpwardError
@@ -510,6 +513,11 @@ class Controller:
                 log.error("pool spec unreadable; pool skipped", key=kv.key, error=str(e))
                 failed.add(name)
                 continue
+            # Block assignments compare the spec at this revision: none lands in a pool
+            # being deleted, or in ranges that changed since.
+            spec.revision = kv.mod_revision
+            if spec.deleting:
+                continue  # `ipward pool delete` is removing its keys
             try:
                 self._pool_pass(spec, nodes, counts, deficits, seen)
             except (NotLeader, StoreError):
@@ -808,6 +816,10 @@ class Controller:
         for state in states.values():
             labels = (pool, str(state.get("node", "")), str(state.get("state", "")))
             counts[labels] = counts.get(labels, 0) + 1
+        # 5. After a change of the pool's ranges: what its new layout does not use, and
+        # earlier layouts no record holds any more (`lifecycle.prune`, fenced).
+        if spec.retired or any(blocks.block_of(spec, cidr) is None for cidr in states):
+            lifecycle.prune(self.store, pool, self._fence())
 
     def _surplus(
         self,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import _thread
 import time
 
-from ipward import log, testpoints
+from ipward import blocks, log, testpoints
 from ipward import records as rec
 from ipward.addr import family_of, format_ip, parse_ip
 from ipward.blocks import cidr_of
@@ -66,9 +66,9 @@ if TYPE_CHECKING:
 
 MAX_ATTEMPTS = 100
 MAX_BATCH = 24  # allocations per combined transaction at most (fewer: the store's limits)
-# Addresses one ADD may need (range sets over all its pools): each costs at most four
-# compares and three writes, so one ADD's transaction fits etcd's 128 operations.
-MAX_ADDRESSES = 16
+# Never-claimed blocks whose every usable address is already taken (by requested
+# addresses) that one allocation claims on its way to a block with room.
+MAX_FULL_CLAIMS = 16
 QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being released
 QUEUE_MEMORY = 1.0  # seconds a long-lived ledger trusts its view of its free queues
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
@@ -93,9 +93,10 @@ class Allocation:
 
 
 class _Pick:
-    """A chosen address and what the allocating transaction must compare and write."""
+    """A chosen address and what the allocating transaction must compare and write;
+    `moved`: why the node's fill block changes with it (logged once committed)."""
 
-    __slots__ = ("block", "compares", "ip", "ops", "set_index")
+    __slots__ = ("block", "compares", "ip", "moved", "ops", "set_index")
 
     def __init__(self, set_index: int, ip: str, block: str) -> None:
         self.set_index = set_index
@@ -103,6 +104,7 @@ class _Pick:
         self.block = block
         self.compares: list[Compare] = []
         self.ops: list[Put | Delete] = []
+        self.moved = ""
 
 
 class _Request:
@@ -148,6 +150,30 @@ def _queue_prefix_of(key: str) -> str:
     return "/".join(key.split("/", 4)[:4]) + "/"
 
 
+class _Cleanup:
+    """The removal of stale entries (`deleted`), valid while `read` is as it was read."""
+
+    __slots__ = ("compares", "ops")
+
+    def __init__(self, read: list[KeyValue], deleted: list[str]) -> None:
+        self.compares = [at_revision(kv.key, kv.mod_revision) for kv in read]
+        self.ops: list[Put | Delete] = [Delete(key) for key in deleted]
+
+
+def _with_cleanups(pick: _Pick, stale: list[_Cleanup]) -> _Pick:
+    for removal in stale:
+        pick.compares += removal.compares
+        pick.ops += removal.ops
+    return pick
+
+
+def _refuse_deleting(spec: PoolSpec) -> None:
+    if spec.deleting:
+        raise UnknownPool(
+            f"pool {spec.name!r} is being deleted ('ipward pool delete'); no ADD may use it"
+        )
+
+
 def _unique_compares(compares: list[Compare]) -> list[Compare]:
     seen = set()
     out = []
@@ -169,42 +195,22 @@ class _Conflict(Exception):
     """What was read changed before it could be used; read again."""
 
 
-class _Plan:
-    """How the node gets room in a range set: `kind` is "switch" (fill another of its
-    blocks), "reactivate" (take back one of its blocks from the release handshake),
-    "reclaim" (a released block) or "claim" (the next never-claimed block)."""
-
-    __slots__ = ("cidr", "cursor", "family", "index", "kind", "kv", "pool")
-
-    def __init__(
-        self,
-        kind: str,
-        pool: PoolSpec,
-        family: int,
-        cidr: str,
-        kv: KeyValue | None = None,
-        cursor: KeyValue | None = None,
-        index: int = 0,
-    ) -> None:
-        self.kind = kind
-        self.pool = pool
-        self.family = family
-        self.cidr = cidr
-        self.kv = kv  # the block (switch, reactivate) or the released-block entry (reclaim)
-        self.cursor = cursor
-        self.index = index
-
-
 class _StickyExists(Exception):
     """The reservation appeared while this ADD made a new one: take it over instead."""
 
 
 class _NeedsBlock(Exception):
-    """This family has no free address in the blocks the node fills, and a plan to get
-    one; carried out only once every family of the ADD is known to have room."""
+    """A batch ran out of room in the blocks its node fills: getting another block is
+    left to each request's own transaction."""
 
-    def __init__(self, plan: _Plan) -> None:
-        self.plan = plan
+
+class _ClaimFirst(Exception):
+    """More never-claimed blocks than MAX_FULL_CLAIMS are full (of requested addresses):
+    claim them on their own (the ADD then goes on from past them)."""
+
+    def __init__(self, compares: list[Compare], ops: list[Put | Delete]) -> None:
+        self.compares = compares
+        self.ops = ops
 
 
 class Ledger:
@@ -225,31 +231,57 @@ class Ledger:
         kv = self._get(rec.pool_key(name), fresh)
         if kv is None:
             raise UnknownPool(f"pool {name!r} does not exist (create it with 'ipward pool create')")
+        return self._parsed(kv)
+
+    def _parsed(self, kv: KeyValue) -> PoolSpec:
+        """The stored spec, parsed once per revision (not on every ADD of an agent)."""
+        name = kv.key[len("pools/") :]
         parsed = self._specs.get(name)
         if parsed is not None and parsed.revision == kv.mod_revision:
-            return parsed  # parsed once per revision, not on every ADD of an agent
+            return parsed
         spec = PoolSpec.from_dict(rec.decode(kv.value))
         spec.revision = kv.mod_revision
         self._specs[name] = spec
         return spec
 
     def _pool_guard(self, spec: PoolSpec) -> tuple[list[Compare], list[Put | Delete]]:
-        """What an allocation must compare (and write) about its pool: a spec read from
-        the store must be unchanged; a declared spec (CNI config) is stored by the
-        allocating transaction itself, so a failed ADD leaves nothing behind."""
+        """What an allocation must compare (and write) about its pool. A spec read from
+        the store must be unchanged and not being deleted. A declared spec (CNI config)
+        is stored by the allocating transaction itself, so a failed ADD leaves nothing
+        behind: it takes its layout version and retired layouts from the stored one; a
+        new pool, or a change of its layout (a new version; the old layout is retired),
+        passes the overlap test against every other pool in the same transaction
+        (`lifecycle.coverage_guard`). A plain ADD on an unchanged pool only compares."""
         key = rec.pool_key(spec.name)
         if spec.revision is not None:
+            _refuse_deleting(spec)
             return [at_revision(key, spec.revision)], []
         kv = self._get(key)
-        wanted = rec.encode(spec.to_dict())
-        if kv is not None and kv.value == wanted:
+        if kv is not None and kv.value == rec.encode(spec.to_dict()):
             return [at_revision(key, kv.mod_revision)], []
-        if kv is not None and rec.decode(kv.value).get("source") != spec.source:
-            raise InvalidConfig(
-                f"pool {spec.name!r} exists and was created with the CLI; name it with 'pool'"
-                " in the CNI config instead of inline ranges, or rename the network"
-            )
-        return [at_revision(key, kv.mod_revision if kv else 0)], [Put(key, wanted)]
+        stored = self._parsed(kv) if kv is not None else None
+        if stored is not None:
+            _refuse_deleting(stored)
+            if stored.source != spec.source:
+                raise InvalidConfig(
+                    f"pool {spec.name!r} exists and was created with the CLI; name it with"
+                    " 'pool' in the CNI config instead of inline ranges, or rename the network"
+                )
+            spec.retired = list(stored.retired)
+            spec.layout.version = stored.version
+            if spec.same_layout(stored):
+                compares = [at_revision(key, kv.mod_revision)]  # type: ignore[union-attr]
+                if spec.declaration() == stored.declaration():
+                    return compares, []
+                return compares, [Put(key, rec.encode(spec.to_dict()))]  # routes, cooldown...
+            spec.retired.append(stored.layout)  # records may hold its addresses
+            spec.layout.version = stored.version + 1
+        from ipward import lifecycle  # only when a pool is stored or changed
+
+        compares, ops = lifecycle.coverage_guard(self._get, self.store_range, spec)
+        compares.append(at_revision(key, kv.mod_revision if kv else 0))
+        ops.append(Put(key, rec.encode(spec.to_dict())))
+        return compares, ops
 
     # -- ADD --------------------------------------------------------------------------
 
@@ -278,12 +310,6 @@ class Ledger:
         them in one transaction (distinct addresses, every compare kept), instead of all
         of them racing for the same queue head and block cursor. A batch that fails falls
         back to one transaction per request. Alone, a call is its own batch of one."""
-        wanted = sum(len(p.range_sets) for p in pools)
-        if wanted > MAX_ADDRESSES:
-            raise InputTooLarge(
-                f"{attachment}: one address per range set of each pool makes {wanted}, more"
-                f" than the {MAX_ADDRESSES} one ADD may have; nothing was done"
-            )
         if sticky is not None:
             return self._allocate_sticky(pools, attachment, pod, requested, sticky)
         if requested:
@@ -429,7 +455,6 @@ class Ledger:
         requested: Sequence[str] = (),
         sticky: Sticky | None = None,
     ) -> list[Allocation]:
-        wanted = self._requested_by_pool(pools, requested)
         refused_once = False
         for attempt in range(MAX_ATTEMPTS):
             # The first attempt leaves the attachment's absence to a compare; a retry reads
@@ -445,27 +470,25 @@ class Ledger:
                 # A pool read from the store may have changed (or gone): read it again.
                 pools = [self.get_pool(p.name) if p.revision is not None else p for p in pools]
             try:
-                # The pool guard first: a pool that may not be used sees no block claims.
+                # The pool guard first: it settles the layout version the picks use, and a
+                # pool that may not be used is refused before anything is read for it.
                 guards = [self._pool_guard(pool) for pool in pools]
-                picks, needs = [], []
-                for pool in pools:
-                    for i, rs in enumerate(pool.range_sets):
-                        try:
-                            picks.append(
-                                (pool, self._pick(pool, i, rs, wanted.get((pool.name, i)), careful))
-                            )
-                        except _NeedsBlock as e:
-                            needs.append(e)
-                # Claim blocks only once every family is known to have room, so a failed
-                # ADD writes nothing; then pick again from the new blocks.
-                if needs and not careful:
-                    continue  # claim only after checking the attachment is new
-                for wanting in needs:
-                    self._carry_out(wanting.plan)
-                if needs:
-                    continue
+                wanted = self._requested_by_pool(pools, requested)
+                # Every family's pick, block claims included, goes into one transaction:
+                # a failed ADD writes nothing.
+                picks = [
+                    (pool, self._pick(pool, i, rs, wanted.get((pool.name, i)), careful))
+                    for pool in pools
+                    for i, rs in enumerate(pool.range_sets)
+                ]
             except _Conflict:
                 self._backoff(attempt)
+                continue
+            except _ClaimFirst as full:
+                # Blocks entirely taken by requested addresses: claimed on their own, so
+                # the walk goes on past them (pinned to the pool as the guard saw it).
+                guard_compares = [c for compares, _ in guards for c in compares]
+                self._txn([*guard_compares, *full.compares], full.ops)
                 continue
             except StoreUnreachable:
                 raise
@@ -506,6 +529,7 @@ class Ledger:
                 ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
             testpoints.pause("allocate")
             if self._txn(compares, ops):
+                self._log_pool_writes(pools, guards, picks)
                 allocations = self._allocations(refs, pools)
                 log.info(
                     "allocated",
@@ -516,6 +540,29 @@ class Ledger:
                 return allocations
             self._backoff(attempt)
         raise TryAgainLater(f"{attachment}: too much contention, no allocation made")
+
+    def _log_pool_writes(
+        self,
+        pools: list[PoolSpec],
+        guards: list[tuple[list[Compare], list[Put | Delete]]],
+        picks: list[tuple[PoolSpec, _Pick]],
+    ) -> None:
+        """Log what a committed allocation changed besides its records: a pool stored or
+        changed by its CNI config, a block claimed or taken back."""
+        for pool, (_, guard_ops) in zip(pools, guards, strict=True):
+            if guard_ops:
+                log.info(
+                    "pool stored",
+                    pool=pool.name,
+                    version=pool.version,
+                    retired=len(pool.retired),
+                    reason="declared by the network config",
+                )
+        for pool, pick in picks:
+            if pick.moved:
+                log.info(
+                    "block", pool=pool.name, block=pick.block, node=self.node, reason=pick.moved
+                )
 
     def _allocate_sticky(
         self,
@@ -661,12 +708,17 @@ class Ledger:
         fresh = self._pick_fresh(pool, index, rs, careful, taken)
         if fresh is not None:
             return fresh
-        plan = self._block_plan(pool, rs)
-        if plan is not None:
-            raise _NeedsBlock(plan)
+        if taken is not None:
+            raise _NeedsBlock  # a batch does not move blocks: each request does, alone
+        room = self._pick_new_room(pool, index, rs, careful)
+        if room is not None:
+            return room
         queued = self._pick_from_queue(pool, index, taken, careful, cooled_only=False)
         if queued is not None:
             return queued  # still cooling, but the only address left
+        taken_back = self._take_back(pool, index, rs, careful, cooled_only=False)
+        if taken_back is not None:
+            return taken_back  # the same, in a block being released
         if pool.borrow:
             borrowed = self._borrow(pool, index, rs, careful)
             if borrowed is not None:
@@ -712,16 +764,19 @@ class Ledger:
         skip = taken.ips if taken is not None else ()
         prefix = rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node)
         first = taken.size if taken is not None else 1  # a batch reads its share at once
+        stale: list[_Cleanup] = []
+        looked: set[str] = set()  # the window's read starts over at the head
         for limit in (first + len(skip), QUEUE_WINDOW + len(skip)):
             kvs, complete = self._queue_read(prefix, limit, careful)
             for kv in kvs:
-                if kv.key.rsplit("/", 1)[-1] in skip:
+                if kv.key.rsplit("/", 1)[-1] in skip or kv.key in looked:
                     continue
+                looked.add(kv.key)
                 if cooled_only and not self._cooled(pool, kv):
                     return None  # in release order: the rest are cooling too
-                pick = self._pick_queued(pool, index, kv, careful=careful)
+                pick = self._pick_queued(pool, index, kv, stale, careful=careful)
                 if pick is not None:
-                    return pick
+                    return _with_cleanups(pick, stale)
             if complete:
                 return None  # that was all of it
         return None
@@ -776,42 +831,35 @@ class Ledger:
         pool: PoolSpec,
         index: int,
         head: KeyValue,
+        stale: list[_Cleanup],
         owner: str | None = None,
         careful: bool = True,
     ) -> _Pick | None:
         """The queue entry's address, or None when its block is not `owner`'s (this
         node's, unless borrowing) active block (being released: the ledger looks
         elsewhere, and takes the block back only if it must). A first attempt leaves the
-        address's absence to the transaction's compare; a careful one reads it, and
-        drops an entry whose address was taken by request meanwhile."""
+        address's absence to the transaction's compare; a careful one reads it. A stale
+        entry (its address allocated by request meanwhile, outside the pool since its
+        ranges changed, or of a released block) is passed over and its removal added to
+        `stale`: it rides in the transaction of the address picked instead, so a failed
+        ADD writes nothing."""
         ip = head.key.rsplit("/", 1)[-1]
         record = self._get(rec.ip_key(pool.name, ip), fresh=True) if careful else None
         if record is not None:
-            # Allocated meanwhile by request: drop the stale queue entry and read again.
-            self._txn(
-                [
-                    at_revision(head.key, head.mod_revision),
-                    at_revision(record.key, record.mod_revision),
-                ],
-                [Delete(head.key)],
-            )
-            raise _Conflict
+            stale.append(_Cleanup([head, record], [head.key]))
+            return None
         block = pool.range_sets[index].block_of(parse_ip(ip)[1])
         if block is None:
-            # The pool no longer covers this address (its ranges changed): forget it.
-            free = rec.free_key(pool.name, ip)
-            self._txn([at_revision(head.key, head.mod_revision)], [Delete(head.key), Delete(free)])
-            raise _Conflict
+            stale.append(_Cleanup([head], [head.key, rec.free_key(pool.name, ip)]))
+            return None
         block_key = rec.block_key(pool.name, block.cidr)
         block_kv = self._get(block_key)
         if block_kv is None:
             # A released block's entries are deleted before it; one left over is stale.
-            free = rec.free_key(pool.name, ip)
-            self._txn(
-                [at_revision(head.key, head.mod_revision), absent(block_key)],
-                [Delete(head.key), Delete(free)],
-            )
-            raise _Conflict
+            gone = _Cleanup([head], [head.key, rec.free_key(pool.name, ip)])
+            gone.compares.append(absent(block_key))
+            stale.append(gone)
+            return None
         state = rec.decode(block_kv.value)
         if state.get("state") != rec.ACTIVE or state.get("node") != (owner or self.node):
             return None
@@ -852,30 +900,42 @@ class Ledger:
         state = rec.decode(block_kv.value)
         if state.get("state") != rec.ACTIVE or (state.get("node") != self.node and not borrow):
             return None
-        start = state["next"]
+        start = blocks.block_next(state, pool.version)
         if taken is not None:
             start = max(start, taken.next.get(block.cidr, 0))
+        offset = self._free_offset(pool, block, start, careful)
+        if offset is None:
+            return None
+        pick = self._fresh_pick(pool, index, block, offset)
+        pick.compares.append(at_revision(block_kv.key, block_kv.mod_revision))
+        advanced = blocks.versioned({**state, "next": offset + 1}, pool.version)
+        pick.ops.append(Put(block_kv.key, rec.encode(advanced)))
+        if taken is not None:
+            taken.next[block.cidr] = offset + 1
+        return pick
+
+    def _free_offset(self, pool: PoolSpec, block: Block, start: int, careful: bool) -> int | None:
+        """The first usable offset >= `start` of the block to hand out fresh. A requested
+        address may sit ahead of the cursor: the first attempt trusts the transaction's
+        compares to find out; a retry reads and skips what is taken or queued."""
         offset = block.next_usable(start)
         while offset is not None:
             ip = block.address(offset)
-            ip_k, free_k = rec.ip_key(pool.name, ip), rec.free_key(pool.name, ip)
-            # A requested address may sit ahead of the cursor. The first attempt trusts the
-            # compares to find out; a retry reads and skips what is taken or queued.
             if not careful or (
-                self._get(ip_k, fresh=True) is None and self._get(free_k, fresh=True) is None
+                self._get(rec.ip_key(pool.name, ip), fresh=True) is None
+                and self._get(rec.free_key(pool.name, ip), fresh=True) is None
             ):
-                pick = _Pick(index, ip, block.cidr)
-                pick.compares += [
-                    at_revision(block_kv.key, block_kv.mod_revision),
-                    absent(ip_k),
-                    absent(free_k),
-                ]
-                pick.ops.append(Put(block_kv.key, rec.encode({**state, "next": offset + 1})))
-                if taken is not None:
-                    taken.next[block.cidr] = offset + 1
-                return pick
+                return offset
             offset = block.next_usable(offset + 1)
         return None
+
+    @staticmethod
+    def _fresh_pick(pool: PoolSpec, index: int, block: Block, offset: int) -> _Pick:
+        """A never-used address: its record and free entry must still be absent."""
+        ip = block.address(offset)
+        pick = _Pick(index, ip, block.cidr)
+        pick.compares += [absent(rec.ip_key(pool.name, ip)), absent(rec.free_key(pool.name, ip))]
+        return pick
 
     def _own_blocks(self, pool: PoolSpec, family: int) -> list[tuple[str, KeyValue]]:
         """This node's blocks of one family (from the affinity index, not a pool scan)."""
@@ -889,80 +949,131 @@ class Ledger:
                     out.append((cidr, block_kv))
         return out
 
-    def _block_plan(self, pool: PoolSpec, rs: RangeSet) -> _Plan | None:
-        """How this node could get room in `rs`, without changing anything yet."""
-        fill = self._get(rec.fill_key(pool.name, rs.family, self.node))
+    def _pick_new_room(
+        self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool
+    ) -> _Pick | None:
+        """An address from elsewhere when the block this node fills is used up, in order:
+        1. a fresh one of another of its active blocks (one the controller assigned);
+        2. one of its blocks in the release handshake, taken back (it needs the space),
+           for a fresh or cooled freed address of it;
+        3. a released block (`blockfree/`), before
+        4. the pool's next never-claimed block (`blockcursor/`).
+        What moves (the fill record, a block taken back or claimed, the cursor) is
+        written by the allocating transaction itself and pinned by its compares, so a
+        failed ADD writes nothing. None when there is no room anywhere."""
+        fill_key = rec.fill_key(pool.name, rs.family, self.node)
+        fill = self._get(fill_key)
         filling = rec.decode(fill.value)["block"] if fill else None
-        taken_back = None
+        for block, kv, _ in self._node_blocks(pool, rs, active=True):
+            if block.cidr == filling:
+                continue  # used up (the fresh pick found nothing in it)
+            pick = self._fresh_in_block(pool, index, block, kv, careful)
+            if pick is not None:
+                return self._fills(pick, fill_key, fill, "fills another of its blocks")
+        taken_back = self._take_back(pool, index, rs, careful, cooled_only=True)
+        if taken_back is not None:
+            return taken_back
+        full: list[tuple[blocks.Claim, int]] = []
+        for claim in blocks.claims(pool, rs, self._get, self.store_range):
+            offset = self._free_offset(pool, claim.block, 0, careful)
+            if offset is None:  # every usable address taken by request: claim it, go on
+                full.append((claim, claim.block.size))
+                if len(full) >= MAX_FULL_CLAIMS:
+                    raise _ClaimFirst(*blocks.claim_writes(pool, rs.family, self.node, full))
+                continue
+            pick = self._fresh_pick(pool, index, claim.block, offset)
+            compares, ops = blocks.claim_writes(
+                pool, rs.family, self.node, [*full, (claim, offset + 1)]
+            )
+            pick.compares += compares
+            pick.ops += ops
+            moved = "claimed a released block" if claim.entry else "claimed a new block"
+            return self._fills(pick, fill_key, fill, moved)
+        return None
+
+    def _node_blocks(
+        self, pool: PoolSpec, rs: RangeSet, active: bool
+    ) -> list[tuple[Block, KeyValue, dict]]:
+        """This node's blocks of the current layout in `rs`, active or (`active=False`)
+        in the release handshake."""
+        out = []
         for cidr, kv in self._own_blocks(pool, rs.family):
-            state = rec.decode(kv.value)
             block = rs.block_by_cidr(cidr)
+            state = rec.decode(kv.value)
             if block is None or state.get("node") != self.node:
                 continue
-            if state.get("state") == rec.ACTIVE:
-                if cidr != filling and block.next_usable(state["next"]) is not None:
-                    return _Plan("switch", pool, rs.family, cidr, kv)
-            elif taken_back is None:
-                taken_back = _Plan("reactivate", pool, rs.family, cidr, kv)
-        if taken_back is not None:
-            return taken_back  # the node needs space again: abort that handshake
-        released, _ = self.store_range(rec.released_block_prefix(pool.name, rs.family), limit=1)
-        if released:
-            cidr = cidr_of(released[0].key)
-            return _Plan("reclaim", pool, rs.family, cidr, released[0])
-        cursor = self._get(rec.block_cursor_key(pool.name, rs.family))
-        n = rec.decode(cursor.value)["next"] if cursor else 0
-        while True:
-            block = rs.block(n)
-            if block is None:
-                return None
-            if self._get(rec.block_key(pool.name, block.cidr)) is None:
-                return _Plan("claim", pool, rs.family, block.cidr, cursor=cursor, index=n)
-            n += 1  # claimed out of order (by the controller)
+            if (state.get("state") == rec.ACTIVE) == active:
+                out.append((block, kv, state))
+        return out
 
-    def _carry_out(self, plan: _Plan) -> None:
-        """Make the plan's block the one this node fills, by CAS on everything the plan
-        was made from; _Conflict if any of it changed."""
-        pool, cidr = plan.pool.name, plan.cidr
-        key = rec.block_key(pool, cidr)
-        fill_key = rec.fill_key(pool, plan.family, self.node)
-        fill = self._get(fill_key)
-        compares = [at_revision(fill_key, fill.mod_revision if fill else 0)]
-        ops: list[Put | Delete] = [Put(fill_key, rec.encode({"block": cidr}))]
-        if plan.kind in ("switch", "reactivate"):
-            assert plan.kv is not None
-            compares.append(at_revision(key, plan.kv.mod_revision))
-            if plan.kind == "reactivate":
-                # next = 0: addresses whose free entries the controller already cleaned
-                # are found again as fresh (the cursor skips those still queued).
-                state = rec.decode(plan.kv.value)
-                state = {k: v for k, v in state.items() if k not in ("marked_at", "answered_at")}
-                ops.append(Put(key, rec.encode({**state, "state": rec.ACTIVE, "next": 0})))
-        else:
-            new_block = {"node": self.node, "state": rec.ACTIVE, "next": 0}
-            compares.append(absent(key))
-            ops += [
-                Put(key, rec.encode(new_block)),
-                Put(rec.affinity_key(pool, self.node, cidr), b""),
-            ]
-            if plan.kind == "reclaim":
-                assert plan.kv is not None
-                compares.append(at_revision(plan.kv.key, plan.kv.mod_revision))
-                ops.append(Delete(plan.kv.key))
-            else:
-                cursor_key = rec.block_cursor_key(pool, plan.family)
-                cursor = plan.cursor
-                compares.append(at_revision(cursor_key, cursor.mod_revision if cursor else 0))
-                ops.append(Put(cursor_key, rec.encode({"next": plan.index + 1})))
-        if not self._txn(compares, ops):
-            raise _Conflict
-        reason = {
-            "switch": "fills another of its blocks",
-            "reactivate": "needs the space again: release handshake aborted",
-            "reclaim": "claimed a released block",
-            "claim": "claimed a new block",
-        }[plan.kind]
-        log.info("block", pool=pool, block=cidr, node=self.node, reason=reason)
+    def _take_back(
+        self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool, cooled_only: bool
+    ) -> _Pick | None:
+        """An address of one of this node's blocks in the release handshake, taking the
+        block back (active again; the controller's next step fails its CAS): its oldest
+        freed address past the cooldown, else a fresh one, else (unless `cooled_only`)
+        its oldest freed address still cooling. A first attempt trusts compares; a
+        careful one reads each address of the block."""
+        fill_key = rec.fill_key(pool.name, rs.family, self.node)
+        for block, kv, state in self._node_blocks(pool, rs, active=False):
+            pick = self._available_in(pool, index, block, careful, cooled_only)
+            if pick is None:
+                continue
+            # next = 0: addresses whose free entries the controller already cleaned are
+            # found again as fresh (those still recorded or queued are skipped).
+            active = {k: v for k, v in state.items() if k not in ("marked_at", "answered_at")}
+            active = blocks.versioned({**active, "state": rec.ACTIVE, "next": 0}, pool.version)
+            pick.compares.append(at_revision(kv.key, kv.mod_revision))
+            pick.ops.append(Put(kv.key, rec.encode(active)))
+            moved = "needs the space again: release handshake aborted"
+            return self._fills(pick, fill_key, self._get(fill_key), moved)
+        return None
+
+    def _available_in(
+        self, pool: PoolSpec, index: int, block: Block, careful: bool, cooled_only: bool
+    ) -> _Pick | None:
+        """The address `_take_back` wants from one block: its oldest freed address past
+        the cooldown, else its first fresh one, else (unless `cooled_only`) its oldest
+        freed one still cooling. Reads every address of the block, on a careful attempt
+        only (a first one proposes the first address and lets the compares judge)."""
+        offset = block.next_usable(0)
+        if not careful:
+            return None if offset is None else self._fresh_pick(pool, index, block, offset)
+        fresh: int | None = None
+        oldest: dict[bool, tuple[float, KeyValue]] = {}  # cooled? -> oldest freed
+        now = self.clock()
+        while offset is not None:
+            ip = block.address(offset)
+            if self._get(rec.ip_key(pool.name, ip), fresh=True) is None:
+                free = self._get(rec.free_key(pool.name, ip), fresh=True)
+                if free is None:
+                    fresh = offset if fresh is None else fresh
+                else:
+                    released = float(rec.decode(free.value).get("released_at", 0))
+                    cooled = released + pool.cooldown <= now
+                    if cooled not in oldest or released < oldest[cooled][0]:
+                        oldest[cooled] = (released, free)
+            offset = block.next_usable(offset + 1)
+        queued = oldest.get(True) or (None if cooled_only else oldest.get(False))
+        if queued is None:
+            return None if fresh is None else self._fresh_pick(pool, index, block, fresh)
+        free = queued[1]
+        ip = free.key.rsplit("/", 1)[-1]
+        pick = _Pick(index, ip, block.cidr)
+        pick.compares += [
+            absent(rec.ip_key(pool.name, ip)),
+            at_revision(free.key, free.mod_revision),
+        ]
+        pick.ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
+        return pick
+
+    @staticmethod
+    def _fills(pick: _Pick, fill_key: str, fill: KeyValue | None, moved: str) -> _Pick:
+        """The pick's block becomes the one this node fills."""
+        pick.compares.append(at_revision(fill_key, fill.mod_revision if fill else 0))
+        pick.ops.append(Put(fill_key, rec.encode({"block": pick.block})))
+        pick.moved = moved
+        return pick
 
     def _borrow(self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool) -> _Pick | None:
         """One address of another node's active block (the pool allows borrowing and no
@@ -971,12 +1082,13 @@ class Ledger:
         of nodes, not the pool's size. Released, the address goes back to its owner."""
         family = rs.family
         queued, _ = self.store_range(f"freeq/{pool.name}/{family}/", limit=QUEUE_WINDOW)
+        stale: list[_Cleanup] = []
         for kv in queued:
             owner = kv.key.split("/")[3]
             if owner != self.node and self._cooled(pool, kv):
-                pick = self._pick_queued(pool, index, kv, owner=owner)
+                pick = self._pick_queued(pool, index, kv, stale, owner=owner)
                 if pick is not None:
-                    return pick
+                    return _with_cleanups(pick, stale)
         fills, _ = self.store_range(f"fill/{pool.name}/{family}/")
         for fill in fills:
             if fill.key.rsplit("/", 1)[-1] == self.node:
@@ -1107,20 +1219,41 @@ class Ledger:
     def _free_ops(
         self, pool_name: str, ip: str, record: dict, now: float
     ) -> tuple[list[Put | Delete], list[Compare]]:
-        """Delete a record and queue its address on the node that owns its block (pinned
-        by a compare on the block)."""
+        """Delete a record and, if its pool hands the address out now, queue it (the
+        cooldown) on the node that owns its block. An address the pool does not cover
+        any more (a retired layout's, or a deleted pool's) is not queued: this pool
+        version never hands it out. Pinned by compares on the pool spec and the block."""
+        pool_key = rec.pool_key(pool_name)
+        spec_kv = self._get(pool_key)
+        compares = [at_revision(pool_key, spec_kv.mod_revision if spec_kv else 0)]
+        ops: list[Put | Delete] = [Delete(rec.ip_key(pool_name, ip))]
+        if spec_kv is None:
+            return ops, compares
+        family, value = parse_ip(ip)
+        try:
+            spec = self._parsed(spec_kv)
+        except (IpwardError, ValueError):
+            spec = None  # unreadable ('ipward check' says so): a DEL must still work
+        if spec is not None:
+            index = spec.set_of(family)
+            block = spec.range_sets[index].block_of(value) if index is not None else None
+            if block is None:
+                return ops, compares
+            cidr = block.cidr
+        else:
+            cidr = record["block"]
         owner = record.get("node", self.node)
-        block_key = rec.block_key(pool_name, record["block"])
+        block_key = rec.block_key(pool_name, cidr)
         block_kv = self._get(block_key)
         if block_kv is not None:
             owner = rec.decode(block_kv.value).get("node", owner)
-        queue = rec.queue_key(pool_name, family_of(ip), owner, now, ip)
-        ops: list[Put | Delete] = [
-            Delete(rec.ip_key(pool_name, ip)),
+        queue = rec.queue_key(pool_name, family, owner, now, ip)
+        ops += [
             Put(rec.free_key(pool_name, ip), rec.encode({"released_at": now, "queue": queue})),
             Put(queue, b""),
         ]
-        return ops, [at_revision(block_key, block_kv.mod_revision if block_kv else 0)]
+        compares.append(at_revision(block_key, block_kv.mod_revision if block_kv else 0))
+        return ops, compares
 
     def release_address(
         self,
@@ -1210,8 +1343,10 @@ class Ledger:
             pool_name, ip = rec.split_pool_ip(ref)
             spec = specs.get(pool_name) or specs.setdefault(pool_name, self.get_pool(pool_name))
             family, value = parse_ip(ip)
-            index = spec.set_of(family)
-            r = spec.range_sets[index].range_of(value) if index is not None else None
+            # An address allocated before the pool's ranges changed is answered with its
+            # own range's prefix and gateway (a retired layout's).
+            sets = [rs for rs in (lay.set_of(family) for lay in spec.layouts()) if rs]
+            r = next((r for rs in sets if (r := rs.range_of(value)) is not None), None)
             if r is None:
                 raise AddressOutsidePool(f"{ref} is no longer inside pool {pool_name}")
             gateway = None

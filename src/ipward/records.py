@@ -1,9 +1,13 @@
 """Store keys and record encodings: the one place that knows how facts are laid out.
 
+    meta/schema                                   {version[, import]}: see ipward.schema
+    meta/poolcoverage                             {generation, pool}: rewritten by every write
+                                                  that adds addresses to a pool (lifecycle)
     pools/<pool>                                  pool spec (pool.PoolSpec)
-    blocks/<pool>/<cidr>                          {node, state, next}
+    blocks/<pool>/<cidr>                          {node, state, next[, version]}
     fill/<pool>/<family>/<node>                      {block}: the block this node fills fresh
-    blockcursor/<pool>/<family>                      {next}: index of the next unclaimed block
+    blockcursor/<pool>/<family>                      {next[, version]}: index of the next
+                                                  unclaimed block (of that layout version)
     ips/<pool>/<ip>                               the allocation record
     attach/<network>/<container>/<ifname>         {ips: ["<pool>/<ip>", ...]}
     free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
@@ -11,7 +15,8 @@
     sticky/<network>/<namespace>/<name>           a sticky reservation: the identity's addresses
     nodes/<node>                                  agent registration, held by its lease
     controller/leader                             {id, since}, held by the leader's lease
-    meta/schema                                   {version[, import]}: see ipward.schema
+    affinity/<pool>/<node>/<cidr>                 the node's blocks (index of blocks/)
+    blockfree/<pool>/<family>/<cidr>              a released block, claimed again first
 
 One record per fact and one key per address: nothing grows per pool.
 """
@@ -31,26 +36,6 @@ READY = "ready"  # the agent agrees: no records, nothing in flight
 REFUSED = "refused"  # the agent needs it
 
 
-SCHEMA_KEY = "meta/schema"
-# Every kind of key, by prefix: what makes a store hold ipward data (no common prefix:
-# on a shared etcd, ipward's keys are those under these).
-LEASED_PREFIXES = ("controller/", "nodes/")  # held by a running process's lease
-DATA_PREFIXES = (
-    "affinity/",
-    "attach/",
-    "blockcursor/",
-    "blockfree/",
-    "blocks/",
-    "fill/",
-    "free/",
-    "freeq/",
-    "ips/",
-    "pools/",
-    "sticky/",
-)
-PREFIXES = ("meta/", *DATA_PREFIXES, *LEASED_PREFIXES)
-
-
 def encode(obj: dict) -> bytes:
     return jsonc.dumps(obj, sort_keys=True).encode()
 
@@ -60,6 +45,35 @@ def decode(raw: bytes) -> dict:
     if not isinstance(value, dict):
         raise ValueError("record is not an object")
     return value
+
+
+# Store-wide facts, under `meta/`: the schema version (`ipward.schema`), and the key that
+# serialises changes of what pools cover: every transaction that stores a pool or adds
+# addresses to one compares it at the revision its overlap test read and rewrites it, so
+# two such changes cannot both pass the test on the same view.
+META_PREFIX = "meta/"
+SCHEMA_KEY = "meta/schema"
+POOL_COVERAGE_KEY = "meta/poolcoverage"
+META_KEYS = (SCHEMA_KEY, POOL_COVERAGE_KEY)
+# Prefixes of keys that belong to one pool (`<prefix><pool>/...`): all of them go when the
+# pool is deleted, and one left without its pool is an orphan (`ipward check`). `ips/`
+# (allocation records) is not among them: records are released, never swept.
+POOL_STATE_PREFIXES = (
+    "blocks/",
+    "affinity/",
+    "fill/",
+    "blockcursor/",
+    "blockfree/",
+    "free/",
+    "freeq/",
+)
+# The ledger's keys, by prefix (exported and imported whole) ...
+DATA_PREFIXES = ("pools/", *POOL_STATE_PREFIXES, "ips/", "attach/", "sticky/")
+# ... keys held by a running process's lease (never exported) ...
+LEASED_PREFIXES = ("controller/", "nodes/")
+# ... and so every key ipward writes: what makes a store hold ipward data (ipward's keys
+# have no common prefix), and what `ipward check` reports any other key against.
+PREFIXES = (META_PREFIX, *DATA_PREFIXES, *LEASED_PREFIXES)
 
 
 def node_key(node: str) -> str:

@@ -65,7 +65,7 @@ def record(version: int, importing: dict | None = None) -> bytes:
 def first_key(store: Store) -> str | None:
     """Some key of ipward's other than the schema key, or None: does the store hold
     ipward data?"""
-    for prefix in rec.PREFIXES:
+    for prefix in (*rec.DATA_PREFIXES, *rec.LEASED_PREFIXES, rec.META_PREFIX):
         for kv in store.range(prefix, limit=2)[0]:
             if kv.key != rec.SCHEMA_KEY:
                 return kv.key

@@ -8,7 +8,8 @@ Pools, first match wins:
   3. its namespace's annotation `ipward.io/pool`;
   4. the pool of the CNI config (`pool`, or its inline ranges).
 Every pool chosen must serve the pod's namespace and this node (`PoolSpec.namespaces`,
-`PoolSpec.nodes`), else the ADD fails with code 105 and writes nothing.
+`PoolSpec.nodes`), else the ADD fails with code 105 and writes nothing; a list of pools
+holds one pool per family (an attachment gets one address of each), else code 7.
 
 Sticky: the CNI config says `"sticky": true`, or the pod's owner is a StatefulSet, or the
 pod is annotated `ipward.io/sticky: "true"`. The identity is (network, pod namespace,
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from ipward.addr import parse_ip
 from ipward.errors import AddressOutsidePool, InvalidEnvironment
+from ipward.pool import check_one_per_family
 from ipward.records import Sticky
 
 TYPE_CHECKING = False
@@ -83,6 +85,7 @@ def choose(
     requested = config.requested_ips(call.args)
     if requested:
         pools = _holding(ledger, pools, requested)
+    check_one_per_family(pools)
     for pool in pools:
         pool.check_allowed(pod.namespace, ledger.node)
     return pools, requested, _sticky(config, call, meta, directory)

@@ -1,10 +1,17 @@
 """Test-only pauses at named points, so race tests can make two processes' steps land
 exactly together: an agent between reading a block and committing an allocation in it
 (`allocate`), a controller between reading a block and marking it (`mark`), garbage
-collection between judging a record and its compare-and-delete (`gc-free`).
+collection between judging a record and its compare-and-delete (`gc-free`), `pool
+delete` between its check for allocations and removing the pool's keys (`pool-delete`),
+`pool create` between its overlap test and the transaction that stores the pool
+(`pool-create`).
 
-Set in a process's environment, e.g. `IPWARD_TEST_PAUSES="allocate=0.003"`; unset (as
-in production) a pause is one dict lookup.
+Set in a process's environment, e.g. `IPWARD_TEST_PAUSES="allocate=0.003"` (seconds),
+or as a gate, `IPWARD_TEST_GATES="pool-delete=/tmp/gates"`: at the point the process
+creates `/tmp/gates/pool-delete.reached` and waits until the test creates
+`/tmp/gates/pool-delete.open` (at most GATE_LIMIT seconds), so a test acts in the window
+knowing it is open, without guessing a duration. Unset (as in production) a point is one
+dict lookup.
 """
 
 from __future__ import annotations
@@ -12,14 +19,31 @@ from __future__ import annotations
 import os
 import time
 
-_PAUSES: dict[str, float] = {}
-for _item in os.environ.get("IPWARD_TEST_PAUSES", "").split(","):
-    _point, _, _seconds = _item.partition("=")
-    if _point and _seconds:
-        _PAUSES[_point.strip()] = float(_seconds)
+GATE_LIMIT = 120.0
+
+
+def _points(variable: str) -> dict[str, str]:
+    points = {}
+    for item in os.environ.get(variable, "").split(","):
+        point, _, value = item.partition("=")
+        if point and value:
+            points[point.strip()] = value
+    return points
+
+
+_PAUSES = {point: float(value) for point, value in _points("IPWARD_TEST_PAUSES").items()}
+_GATES = _points("IPWARD_TEST_GATES")
 
 
 def pause(point: str) -> None:
     seconds = _PAUSES.get(point)
     if seconds:
         time.sleep(seconds)
+    gates = _GATES.get(point)
+    if gates:
+        base = os.path.join(gates, point)
+        with open(f"{base}.reached", "w"):
+            pass
+        deadline = time.monotonic() + GATE_LIMIT
+        while not os.path.exists(f"{base}.open") and time.monotonic() < deadline:
+            time.sleep(0.01)
