@@ -25,12 +25,13 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import blocks, fleet
+from ipward import blocks
 from ipward import records as rec
-from ipward.etcdlab import etcd_server
 from ipward.pool import PoolSpec
 from ipward.store import open_store
 from ipward.wire import encode_env, frame, recv_frame
+from ipward_lab import fleet
+from ipward_lab.etcdlab import etcd_server
 
 NODE = "agent-node"
 SETPRIV = "/usr/bin/setpriv"
@@ -40,7 +41,7 @@ READY_TIMEOUT = 30.0
 
 
 class AgentProcess(fleet.Agent):
-    """One `ipward agent` process (`ipward.fleet`), metrics off unless asked for."""
+    """One `ipward agent` process (`ipward_lab.fleet`), metrics off unless asked for."""
 
     def __init__(
         self,

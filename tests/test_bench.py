@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ipward.bench import (
+from ipward.check import check
+from ipward.ledger import Ledger
+from ipward.pool import PoolSpec
+from ipward.records import Attachment, PodInfo
+from ipward.store.sqlite import SqliteStore
+from ipward_lab.bench import (
     ETCD,
     NODE,
     PLOT_FILL,
@@ -37,12 +42,7 @@ from ipward.bench import (
     write_launcher,
     write_report,
 )
-from ipward.check import check
-from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
-from ipward.report import PNG_MAGIC, Page, Panel, line_plot, line_plots, save_png
-from ipward.store.sqlite import SqliteStore
+from ipward_lab.report import PNG_MAGIC, Page, Panel, line_plot, line_plots, save_png
 
 
 def test_p99_nearest_rank() -> None:
@@ -261,7 +261,7 @@ def test_bulk_fill_writes_what_the_ledger_writes(tmp_path: Path, count: int) -> 
 
 
 def test_bulk_fill_refuses_more_than_the_pool_holds(tmp_path: Path) -> None:
-    from ipward.bench import BenchError
+    from ipward_lab.bench import BenchError
 
     store = SqliteStore(str(tmp_path / "b.db"))
     try:
@@ -419,7 +419,7 @@ def test_plugin_and_agent_do_not_load_matplotlib() -> None:
         [
             sys.executable,
             "-c",
-            "import sys, ipward.cli, ipward.cni, ipward.plugin, ipward.report;"
+            "import sys, ipward.cli, ipward.cni, ipward.plugin, ipward_lab.report;"
             " print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))",
         ],
         capture_output=True,

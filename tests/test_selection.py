@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli
-from ipward import fleet
 from ipward import records as rec
 from ipward.liveness import Pod, write_sim_state
 from ipward.store import open_store
+from ipward_lab import fleet
 
 NODE = "n1"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from conftest import IPWARD, wait_for
 from ipward import records as rec
-from ipward.sim import FAULTS, NS, POOL, Options, Soak
 from ipward.store.base import Delete, at_revision
+from ipward_lab.sim import FAULTS, NS, POOL, Options, Soak
 
 
 def soak(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -729,10 +729,10 @@ def install_cni(bin_dir: str, name: str) -> None:
 
 def _attach_commands() -> None:
     from ipward.agent import agent_command
-    from ipward.bench import bench_command
     from ipward.controller import controller_command
-    from ipward.demo import demo_command
-    from ipward.sim import sim_command
+    from ipward_lab.bench import bench_command
+    from ipward_lab.demo import demo_command
+    from ipward_lab.sim import sim_command
 
     cli.add_command(agent_command, "agent")
     cli.add_command(bench_command, "bench")

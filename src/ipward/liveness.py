@@ -15,7 +15,7 @@ creation plus the ADD grace, so a lagging source (an old `as_of`) frees nothing.
 
 Sources by URL (`open_source`):
   * `cri:///run/containerd/containerd.sock`: containerd's CRI over its socket (ipward.cri);
-  * `sim:///path/state.json`: the simulated cluster's published state (ipward.simcluster
+  * `sim:///path/state.json`: the simulated cluster's published state (ipward_lab.simcluster
     writes it; the format is `SimFileSource`'s docstring);
   * `k8s://` (in a pod) or `k8s://?kubeconfig=PATH&context=NAME`: the Kubernetes API
     (ipward.cluster.k8s; with a node, that node's pods only).

@@ -4,7 +4,7 @@ along, in numbers and pictures.
 What runs, all real: a store (SQLite by default; one etcd; or a three-member etcd on
 loopback), one `ipward agent` per simulated node and two `ipward controller`s (leader
 election), the installed plugin executable, and the simulated cluster
-(`ipward.simcluster`) as the runtime and orchestrator both: Deployments scaling and
+(`ipward_lab.simcluster`) as the runtime and orchestrator both: Deployments scaling and
 rolling, StatefulSets scaled down and up fast (sticky addresses), Jobs completing, pods
 deleted and restarted, at `--rate` actions per second, for `--duration` seconds.
 
@@ -45,15 +45,15 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from ipward import fleet
 from ipward import records as rec
 from ipward.check import check
-from ipward.etcdlab import EtcdCluster, EtcdServer
 from ipward.liveness import Pod
 from ipward.pool import PoolSpec
-from ipward.simcluster import SimCluster
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Put, absent
+from ipward_lab import fleet
+from ipward_lab.etcdlab import EtcdCluster, EtcdServer
+from ipward_lab.simcluster import SimCluster
 
 FAULTS = ("kill-agent", "kill-leader", "kill-etcd", "stall-runtime", "drop-del", "delay-del")
 BACKENDS = ("sqlite", "etcd", "etcd-cluster")
@@ -711,7 +711,7 @@ def _secs(value: float | None) -> str:
 def write_report(result: Result, directory: Path) -> Path:
     """The self-contained HTML report: pool use over time, ADD latency percentiles over
     time with fault markers, GC frees by reason, the summary, the violations."""
-    from ipward.report import Page, line_plot
+    from ipward_lab.report import Page, line_plot
 
     directory.mkdir(parents=True, exist_ok=True)
     markers = [(t, kind) for t, kind, _ in result.faults]

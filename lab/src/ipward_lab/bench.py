@@ -18,7 +18,7 @@ speed; targets are printed next to the figures for the reader.
 7. a real agent's memory after its reconcile pass over those records, next to the same
    agent on an empty store;
 then runs the cluster part (unless --no-etcd) and writes DIR/report.html (self-contained,
-`ipward.report`), DIR/report.json and the plots as PNG files.
+`ipward_lab.report`), DIR/report.json and the plots as PNG files.
 
 `ipward bench --cluster` instead (`run_cluster`): N real `ipward agent` processes on one
 temporary etcd, C client threads per agent looping ADD then DEL through the plugin's own
@@ -51,17 +51,17 @@ import click
 import ipward
 from ipward import records as rec
 from ipward.addr import Block
-from ipward.etcdlab import ETCD, etcd_server
 from ipward.ledger import Ledger
 from ipward.liveness import write_sim_state
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
 from ipward.store.base import Put, Store, StoreError, absent, at_revision
 from ipward.store.sqlite import SqliteStore
+from ipward_lab.etcdlab import ETCD, etcd_server
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ipward.report import Page
+    from ipward_lab.report import Page
 
 PLUGIN_PYTHON = "/usr/bin/python3"
 HOST_LOCAL = "/usr/lib/cni/host-local"
@@ -782,7 +782,7 @@ def agent_memory(tmp: Path, records: RecordStore, other_node: bool = False) -> d
     reconcile pass has read and judged every record of its node (its "reconciled" log
     line), its VmRSS and VmHWM in MiB. Then it is stopped. With `other_node`, the agent
     of another node (its pass reads every record and keeps none)."""
-    from ipward.fleet import Agent, FleetError
+    from ipward_lab.fleet import Agent, FleetError
 
     label = f"{_count_label(records.records)}{'-other' if other_node else ''}"
     node, state = (OTHER_NODE, records.other_state) if other_node else (NODE, records.runtime_state)
@@ -1970,7 +1970,7 @@ def headline(result: dict) -> list[list[str]]:
 
 def report_plots(series: dict) -> dict[str, bytes]:
     """The report's plots as PNG, by file name (those whose series were measured)."""
-    from ipward.report import Panel, line_plot, line_plots
+    from ipward_lab.report import Panel, line_plot, line_plots
 
     plots: dict[str, bytes] = {}
     sizes = series.get("pool_size", [])
@@ -2066,7 +2066,7 @@ def write_report(result: dict, directory: str | Path, console: Sequence[str] = (
     """DIR/report.html (one self-contained page: every table of the run, the plots,
     the console output), the plots as PNG files, and DIR/report.json (the result).
     Returns the files written."""
-    from ipward.report import Page, save_png
+    from ipward_lab.report import Page, save_png
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
