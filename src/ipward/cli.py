@@ -15,6 +15,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ipward import extensions
 from ipward import gc as gc_rules
 from ipward import records as rec
 from ipward.addr import format_ip, parse_cidr, parse_ip
@@ -57,7 +58,19 @@ pass_ctx = click.make_pass_decorator(Context)
 
 
 class IpwardGroup(click.Group):
-    """Turns our errors into one clear line instead of a traceback."""
+    """Turns our errors into one clear line instead of a traceback. Also offers the commands
+    other installed distributions declare (`extensions.COMMANDS`: the labs' demo, sim,
+    bench); without them, they are simply not there."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *extensions.added(extensions.COMMANDS)})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None:
+            entry = extensions.added(extensions.COMMANDS).get(name)
+            command = entry.load() if entry is not None else None
+        return command
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -730,15 +743,9 @@ def install_cni(bin_dir: str, name: str) -> None:
 def _attach_commands() -> None:
     from ipward.agent import agent_command
     from ipward.controller import controller_command
-    from ipward_lab.bench import bench_command
-    from ipward_lab.demo import demo_command
-    from ipward_lab.sim import sim_command
 
     cli.add_command(agent_command, "agent")
-    cli.add_command(bench_command, "bench")
     cli.add_command(controller_command, "controller")
-    cli.add_command(demo_command, "demo")
-    cli.add_command(sim_command, "sim")
 
 
 _attach_commands()
