@@ -1,0 +1,3 @@
+from ipward_lab.simcluster.model import SimCluster
+
+__all__ = ["SimCluster"]
