@@ -21,9 +21,9 @@ import pytest
 
 from conftest import run_cli
 from ipward import records as rec
-from ipward.liveness import LivenessUnavailable, Pod, SimFileSource
+from ipward.liveness import LivenessUnavailable, Pod
 from ipward.store import open_store
-from ipward_lab.simcluster import SimCluster
+from ipward_lab.simcluster import SimCluster, SimFileSource
 from simprocs import ManualClock, agents
 
 NODES = ["node-a", "node-b", "node-c"]

@@ -52,12 +52,12 @@ import ipward
 from ipward import records as rec
 from ipward.addr import Block
 from ipward.ledger import Ledger
-from ipward.liveness import write_sim_state
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
 from ipward.store.base import Put, Store, StoreError, absent, at_revision
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.etcdlab import ETCD, etcd_server
+from ipward_lab.simcluster import SimFileSource, write_sim_state
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -690,7 +690,6 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
     from ipward import gc
     from ipward.controller import Controller, Election, Metrics
     from ipward.ledger import ADD_GRACE
-    from ipward.liveness import SimFileSource
 
     samples: dict[int, dict[str, list[float]]] = {s.records: {} for s in stores}
     sessions = []

@@ -1,67 +1,17 @@
-"""A simulated Kubernetes-like cluster that drives the real ipward plugin.
-
-Why it exists: garbage collection is only as good as the lifecycles it is tested against,
-and the ones that make IPAMs leak or hand out an address twice are the kubelet's and the
-runtime's, not a test's idea of them: DEL sent twice (stop, then remove), a DEL that never
-comes, a Job's pod that completes and keeps its sandbox (and address) until the pod is
-deleted, a StatefulSet pod coming back under the same name with a new UID, an unreachable
-node whose pods stay in the API, a liveness source that lags or fails. This module plays
-those lifecycles with real plugin processes talking to real agents, and publishes what a
-runtime and the orchestrator would answer, for `ipward.liveness.SimFileSource` readers
-(agents and controllers in other processes).
-
-Model
-  * Nodes, each with a runtime (its pod sandboxes) and a kubelet (a small thread pool that
-    execs the plugin; never under the model's lock while a subprocess runs).
-  * Pods: Pending until a sandbox's ADD succeeds, then Running; Job pods become Succeeded
-    after their duration; a restarted pod (`restart_pod`) may be Failed, then Pending,
-    before its new sandbox runs. A sandbox is listed by the runtime only once its ADD
-    succeeded; a failed ADD is followed by a DEL of that sandbox and, `retry_delay` later,
-    a new sandbox. Deletion: after the grace (or at once when the containers exit, see
-    `exit_after`), StopPodSandbox (listed not ready, CNI DEL), RemovePodSandbox (CNI DEL
-    again, then not listed), then the pod leaves the API. A CNI DEL that fails is retried
-    after `retry_delay`, as the kubelet retries the stop or remove.
-  * Owners: Deployments (surge: new pods first, old ones deleted as new ones get ready),
-    StatefulSets (OrderedReady or Parallel), Jobs (completions, parallelism, TTL).
-  * Scheduling: the least-loaded node that is up, or the owner's fixed node.
-  * Annotations: a pod's own (`create_pod`, `annotate_pod`) or its owner's template's
-    (every pod of the owner gets a copy); a namespace's (`set_namespace`).
-
-Time: every decision of the model compares against `clock()` (default `time.time`), so a
-test can hold or move time. The driver itself runs in real time: the background thread
-ticks every `TICK` seconds and whenever something changed, and CNI calls are real
-subprocesses. Without `start()`, call `tick()` (or `wait_until`, which ticks).
-
-Publishing: after every change and at least every `publish_interval` seconds while the
-background thread runs, `publish()` writes the state in `SimFileSource`'s format:
-`as_of` is the clock time of the state; nodes that are down have no runtime entry. The
-cluster part holds the pods (with their annotations), the nodes, the StatefulSets'
-replicas and the annotations of the namespaces given to `set_namespace`; all of it is one
-snapshot, so `lag_cluster` lags namespaces and annotations as it lags pods.
-
-Faults, each a method: `lag_cluster`, `lag_runtime` (a part published from the history of
-snapshots), `fail_cluster`, `fail_runtime`, `stall_runtime`, `clear_faults`; they change
-what is published, never the model. The file has one `as_of`, so with a lagging part it
-carries the oldest `as_of` of the parts shown (a newer part under an older `as_of` is a
-conservative claim: readers stay correct). `drop_del`, `delay_del` and `drop_del_rate`
-change what the kubelet sends: a sandbox removed with no DEL, or with both DELs late.
-
-Not modelled: eviction of the pods of an unreachable node (delete them, or the node);
-the kubelet's exponential backoff (a fixed `retry_delay`); terminally Failed pods (Failed
-is only a restart's passing phase); more than one interface per pod. A deleted node's
-calls already running still end and are logged.
+"""The simulated cluster's model: nodes with their runtimes' sandboxes, pods, owners and
+namespaces, under one lock, and what every other part reads and changes it with (see the
+package docstring for the lifecycles). `ClusterModel` holds the whole state; the parts
+(`workloads`, `kubelet`, `faults`, `publishing`) are mixins over it, put together by
+`cluster.SimCluster`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import string
-import subprocess
 import threading
 import time
-import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -70,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipward.liveness import TERMINAL_PHASES, Pod, Sandbox, write_sim_state
+from ipward.liveness import TERMINAL_PHASES, Pod, Sandbox
 
 PENDING = "Pending"
 RUNNING = "Running"
@@ -106,7 +56,7 @@ class CniCall:
 
 
 @dataclass
-class _SimPod:
+class SimPod:
     uid: str
     namespace: str
     name: str
@@ -158,7 +108,7 @@ class _SimPod:
 
 
 @dataclass
-class _SimSandbox:
+class SimSandbox:
     id: str
     pod_uid: str
     namespace: str
@@ -184,17 +134,17 @@ class _SimSandbox:
         )
 
 
-class _SimNode:
+class SimNode:
     def __init__(self, name: str, agent_socket: str, workers: int) -> None:
         self.name = name
         self.agent_socket = agent_socket
         self.up = True
-        self.sandboxes: dict[str, _SimSandbox] = {}
+        self.sandboxes: dict[str, SimSandbox] = {}
         self.kubelet = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kubelet-{name}")
 
 
 @dataclass
-class _Deployment:
+class Deployment:
     namespace: str
     name: str
     replicas: int
@@ -205,7 +155,7 @@ class _Deployment:
 
 
 @dataclass
-class _StatefulSet:
+class StatefulSet:
     namespace: str
     name: str
     replicas: int
@@ -216,7 +166,7 @@ class _StatefulSet:
 
 
 @dataclass
-class _Job:
+class Job:
     namespace: str
     name: str
     completions: int
@@ -230,30 +180,31 @@ class _Job:
     annotations: dict[str, str] = field(default_factory=dict)  # the pod template's
 
 
-_Owner = _Deployment | _StatefulSet | _Job
-_OWNER_KINDS: dict[type, str] = {
-    _Deployment: "Deployment",
-    _StatefulSet: "StatefulSet",
-    _Job: "Job",
+Owner = Deployment | StatefulSet | Job
+OWNER_KINDS: dict[type, str] = {
+    Deployment: "Deployment",
+    StatefulSet: "StatefulSet",
+    Job: "Job",
 }
 
 
 @dataclass
-class _Snapshot:
+class Snapshot:
     as_of: float
     cluster: dict[str, Any]
     runtimes: dict[str, dict[str, Any]]  # nodes that are up
 
 
 @dataclass
-class _DelayedDel:
+class DelayedDel:
     due: float
     node: str
-    sandbox: _SimSandbox
+    sandbox: SimSandbox
 
 
-class SimCluster:
-    """The simulated cluster; see the module docstring. Thread-safe."""
+class ClusterModel:
+    """The state of the simulated cluster and the operations on its nodes, namespaces
+    and pods. Thread-safe; abstract: `cluster.SimCluster` adds the other parts."""
 
     def __init__(
         self,
@@ -298,21 +249,21 @@ class SimCluster:
         self.publish_interval = publish_interval
         self.history_seconds = history_seconds
         self.cni_timeout = cni_timeout
-        self._cni_exec: CniExec = cni_exec or self.exec_plugin
+        self._cni_exec: CniExec | None = cni_exec  # None: the kubelet execs the plugin
         self._cni_path = os.path.dirname(plugin_path) if plugin_path else ""
         self._rng = random.Random(seed)
         # One reentrant lock for the whole model, so `wait_until` predicates may call
         # `pods()` and friends while holding it.
         self._cond = threading.Condition(threading.RLock())
         self._publish_lock = threading.Lock()  # order: _publish_lock, then _cond
-        self._nodes: dict[str, _SimNode] = {}
-        self._pods: dict[str, _SimPod] = {}
-        self._owners: dict[str, _Owner] = {}  # by "namespace/name"
+        self._nodes: dict[str, SimNode] = {}
+        self._pods: dict[str, SimPod] = {}
+        self._owners: dict[str, Owner] = {}  # by "namespace/name"
         self._namespaces: dict[str, dict[str, str]] = {}  # annotations, by name
-        self._delayed: list[_DelayedDel] = []
+        self._delayed: list[DelayedDel] = []
         self._seq = 0
         self._version = 0  # bumped by every change of the model
-        self._history: deque[_Snapshot] = deque()
+        self._history: deque[Snapshot] = deque()
         self._snapshot_version = -1
         self._published_version = -1
         self._interned: dict[str, Pod | Sandbox] = {}  # the last snapshot's, by uid or id
@@ -328,91 +279,7 @@ class SimCluster:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._last_publish = 0.0
-        self.publish()
-
-    # -- driver ----------------------------------------------------------------------
-
-    def start(self) -> SimCluster:
-        """Run `tick` in a background thread, and publish at least every
-        `publish_interval` seconds, so `as_of` advances while nothing changes."""
-        if self._thread is not None or self._closed:
-            raise RuntimeError("simulated cluster already started or stopped")
-        self._thread = threading.Thread(target=self._run, name="simcluster", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop the background thread, let the kubelets finish the calls they have (no
-        new ones start), and publish the final state. The cluster cannot be restarted."""
-        self._stopping.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-        with self._cond:
-            self._closed = True
-            kubelets = [n.kubelet for n in self._nodes.values()]
-        for kubelet in kubelets:
-            kubelet.shutdown(wait=True)
-        self.publish()
-
-    def __enter__(self) -> SimCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._wake.clear()
-            try:
-                self.tick()
-                if time.monotonic() - self._last_publish >= self.publish_interval:
-                    self.publish()
-            except Exception:  # the loop must survive a bug; the event log shows it
-                with self._cond:
-                    self._event("error", traceback.format_exc())
-            self._wake.wait(TICK)
-
-    def tick(self) -> None:
-        """Advance every lifecycle to `clock()`: owners' replicas, scheduling, delayed
-        DELs, and each live node's kubelet (terminations past grace, Job completions,
-        sandbox starts and retries, teardowns). CNI calls are handed to the kubelets'
-        threads; this returns without waiting for them."""
-        with self._cond:
-            if self._closed:
-                return
-            now = self.clock()
-            changed = self._reconcile_owners(now)
-            changed |= self._schedule()
-            changed |= self._run_delayed_dels(now)
-            for node in self._nodes.values():
-                if node.up:
-                    changed |= self._sync_kubelet(node, now)
-            version = self._bump() if changed else None
-        if version is not None:
-            self._publish(version)
-
-    def wait_until(
-        self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = ""
-    ) -> None:
-        """Wait (real time) until `predicate()` holds, ticking when no background thread
-        runs; then publish, so the file is at least as new as what the predicate saw.
-        The predicate runs under the model's lock: it sees one consistent state."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._thread is None:
-                self.tick()
-            with self._cond:
-                if predicate():
-                    seen = self._version
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(
-                        f"simulated cluster: {what or 'condition'} not met in {timeout:g}s"
-                    )
-                self._cond.wait(min(remaining, TICK))
-        self._publish(seen)
+        self._publish(None)  # readers find a state from the start
 
     # -- nodes -----------------------------------------------------------------------
 
@@ -422,7 +289,7 @@ class SimCluster:
         with self._mutate():
             if name in self._nodes:
                 raise ValueError(f"node {name} exists")
-            self._nodes[name] = _SimNode(name, agent_socket, self.kubelet_workers)
+            self._nodes[name] = SimNode(name, agent_socket, self.kubelet_workers)
             self._event("node", f"added {name}")
 
     def node_down(self, name: str) -> None:
@@ -463,7 +330,7 @@ class SimCluster:
         Published in the cluster part as "namespaces": {name: annotations}
         (`ClusterView.namespaces`), every namespace given here, even with no annotations;
         namespaces that only have pods are not published. Pods need no namespace set."""
-        copied = _annotations(annotations)
+        copied = checked_annotations(annotations)
         with self._mutate():
             self._namespaces[name] = copied
             self._event("namespace", f"set {name} {copied}")
@@ -480,7 +347,7 @@ class SimCluster:
     ) -> Pod:
         """A pod with no owner, on `node` or the least-loaded live node, with a copy of
         `annotations` (published as `Pod.annotations`)."""
-        copied = _annotations(annotations)
+        copied = checked_annotations(annotations)
         with self._mutate():
             if self._named(namespace, name) is not None:
                 raise ValueError(f"pod {namespace}/{name} exists")
@@ -492,7 +359,7 @@ class SimCluster:
         merge: pass `{**sim.pod(ref).annotations, key: value}` to add one). Any pod in the
         API may be annotated, terminating or finished ones too; its owner's template is
         unchanged (pods created later get the template's)."""
-        copied = _annotations(annotations)
+        copied = checked_annotations(annotations)
         with self._mutate():
             pod = self._resolve(ref)
             pod.annotations = copied
@@ -549,204 +416,6 @@ class SimCluster:
                 pod.failed_until = None
             phases = f" (Failed {failed_for:g}s, then Pending {pending_for:g}s)"
             self._event("pod", f"sandbox died {pod.key} {pod.uid}{phases}")
-
-    # -- owners ----------------------------------------------------------------------
-
-    def create_deployment(
-        self,
-        namespace: str,
-        name: str,
-        replicas: int,
-        node: str | None = None,
-        grace: float | None = None,
-        annotations: dict[str, str] | None = None,
-    ) -> None:
-        """Pods named `<name>-<5 random letters>`, kept at `replicas`; `annotations`: the
-        pod template's, a copy for every pod of the Deployment."""
-        self._add_owner(
-            _Deployment(
-                namespace,
-                name,
-                replicas,
-                node or "",
-                self._grace(grace),
-                annotations=_annotations(annotations),
-            )
-        )
-
-    def create_statefulset(
-        self,
-        namespace: str,
-        name: str,
-        replicas: int,
-        ordered: bool = True,
-        node: str | None = None,
-        grace: float | None = None,
-        annotations: dict[str, str] | None = None,
-    ) -> None:
-        """Pods named `<name>-<ordinal>`. `ordered` (OrderedReady): one pod at a time, up
-        from the lowest missing ordinal once the lower ones are ready, down from the
-        highest once no pod of the set is terminating. Otherwise (Parallel): all at once.
-        A pod gone from the API is recreated under its name with a new UID. Pods are
-        published with `owner_kind` "StatefulSet" and `owner_name` `name`, the set as
-        "statefulsets": {"namespace/name": replicas} (following `scale`, gone with
-        `delete_statefulset`). `annotations`: the pod template's, a copy for every pod."""
-        self._add_owner(
-            _StatefulSet(
-                namespace,
-                name,
-                replicas,
-                ordered,
-                node or "",
-                self._grace(grace),
-                annotations=_annotations(annotations),
-            )
-        )
-
-    def create_job(
-        self,
-        namespace: str,
-        name: str,
-        completions: int = 1,
-        parallelism: int = 1,
-        duration: float = 1.0,
-        ttl_after_finished: float | None = None,
-        node: str | None = None,
-        grace: float | None = None,
-        annotations: dict[str, str] | None = None,
-    ) -> None:
-        """Pods run `duration` seconds, then are Succeeded (their sandbox stopped, listed
-        not ready, no DEL: the address stays allocated, as with a real completed pod);
-        `ttl_after_finished` seconds after the last completion the pods are deleted
-        (None: kept). `annotations`: the pod template's, a copy for every pod."""
-        self._add_owner(
-            _Job(
-                namespace,
-                name,
-                completions,
-                parallelism,
-                duration,
-                ttl_after_finished,
-                node or "",
-                self._grace(grace),
-                annotations=_annotations(annotations),
-            )
-        )
-
-    def scale(self, namespace: str, name: str, replicas: int) -> None:
-        """Set a Deployment's or StatefulSet's replicas."""
-        if replicas < 0:
-            raise ValueError("replicas must be >= 0")
-        with self._mutate():
-            owner = self._owner(namespace, name)
-            if isinstance(owner, _Job):
-                raise ValueError(f"{namespace}/{name} is a Job")
-            owner.replicas = replicas
-            self._event("owner", f"scaled {namespace}/{name} to {replicas}")
-
-    def rolling_restart(self, namespace: str, name: str) -> None:
-        """Replace every pod of a Deployment: new pods first, each old one deleted as a
-        new one is ready."""
-        with self._mutate():
-            owner = self._owner(namespace, name)
-            if not isinstance(owner, _Deployment):
-                raise ValueError(f"{namespace}/{name} is not a Deployment")
-            owner.generation += 1
-            self._event("owner", f"rolling restart {namespace}/{name}")
-
-    def delete_statefulset(self, namespace: str, name: str) -> None:
-        """The set leaves the API (and the published `statefulsets`); its pods are
-        deleted, all at once, with their grace."""
-        self._delete_owner(namespace, name, _StatefulSet)
-
-    def delete_deployment(self, namespace: str, name: str) -> None:
-        """The Deployment leaves the API; its pods are deleted, all at once."""
-        self._delete_owner(namespace, name, _Deployment)
-
-    def delete_job(self, namespace: str, name: str) -> None:
-        """The Job leaves the API; its pods, running or finished, are deleted."""
-        self._delete_owner(namespace, name, _Job)
-
-    def _delete_owner(self, namespace: str, name: str, kind: type) -> None:
-        with self._mutate():
-            owner = self._owner(namespace, name)
-            if not isinstance(owner, kind):
-                raise ValueError(f"{namespace}/{name} is not a {kind.__name__.lstrip('_')}")
-            del self._owners[f"{namespace}/{name}"]
-            now = self.clock()
-            for pod in self._owned(owner):
-                self._delete(pod, now)
-            self._event("owner", f"deleted {kind.__name__.lstrip('_')} {namespace}/{name}")
-
-    # -- faults ----------------------------------------------------------------------
-
-    def lag_cluster(self, seconds: float) -> None:
-        """Publish the cluster part as it was `seconds` ago (the newest snapshot at least
-        that old, else the oldest kept), with that snapshot's `as_of` for the whole file."""
-        with self._mutate():
-            self._cluster_lag = seconds
-            self._event("fault", f"cluster lags {seconds:g}s")
-
-    def lag_runtime(self, node: str, seconds: float) -> None:
-        """Publish `node`'s runtime as it was `seconds` ago (absent if the node was down
-        then), with that snapshot's `as_of` for the whole file."""
-        with self._mutate():
-            self._node(node)
-            self._runtime_lag[node] = seconds
-            self._event("fault", f"runtime of {node} lags {seconds:g}s")
-
-    def fail_cluster(self, msg: str) -> None:
-        """The orchestrator answers with an error: readers get LivenessUnavailable(msg)."""
-        with self._mutate():
-            self._cluster_fail = msg
-            self._event("fault", f"cluster fails: {msg}")
-
-    def fail_runtime(self, node: str, msg: str) -> None:
-        """`node`'s runtime answers with an error (while the node is up)."""
-        with self._mutate():
-            self._node(node)
-            self._runtime_fail[node] = msg
-            self._event("fault", f"runtime of {node} fails: {msg}")
-
-    def stall_runtime(self, node: str, seconds: float) -> None:
-        """`node`'s runtime hangs for `seconds` (clock time): readers wait, at most their
-        timeout, and get LivenessUnavailable. The stall ends by itself."""
-        with self._mutate():
-            self._node(node)
-            self._runtime_stall[node] = self.clock() + seconds
-            self._event("fault", f"runtime of {node} stalls {seconds:g}s")
-
-    def clear_faults(self) -> None:
-        """End every lag, failure and stall (not drop_del/delay_del: those belong to
-        pods, and `drop_del_rate` is an attribute)."""
-        with self._mutate():
-            self._cluster_fail = None
-            self._cluster_lag = 0.0
-            self._runtime_fail.clear()
-            self._runtime_stall.clear()
-            self._runtime_lag.clear()
-            self._event("fault", "cleared")
-
-    def drop_del(self, ref: PodRef) -> None:
-        """Every teardown of this pod's sandboxes not yet started (also after a force
-        delete) sends no CNI DEL, a missed DEL: the sandbox goes away, its record stays.
-        The DEL after a failed ADD is still sent."""
-        with self._mutate():
-            pod = self._resolve(ref)
-            pod.drop_del = True
-            for sandbox in self._sandboxes_of(pod):
-                sandbox.drop_del = True
-            self._event("fault", f"DELs of {pod.key} {pod.uid} will be dropped")
-
-    def delay_del(self, ref: PodRef, seconds: float) -> None:
-        """Every teardown of this pod's sandboxes not yet started removes the sandbox at
-        once and sends both DELs `seconds` later (when the node is up by then)."""
-        with self._mutate():
-            pod = self._resolve(ref)
-            pod.del_delay = seconds
-            for sandbox in self._sandboxes_of(pod):
-                sandbox.del_delay = seconds
-            self._event("fault", f"DELs of {pod.key} {pod.uid} delayed {seconds:g}s")
 
     # -- observation -----------------------------------------------------------------
 
@@ -808,251 +477,6 @@ class SimCluster:
                 uid = ref
             return list(dict.fromkeys(c.sandbox for c in self._calls if c.uid == uid))
 
-    # -- publishing ------------------------------------------------------------------
-
-    def publish(self) -> None:
-        """Write the state (with the faults applied) for `SimFileSource` readers."""
-        self._publish(None)
-
-    def _publish(self, version: int | None) -> None:
-        """Publish, unless a publish since the model reached `version` already covered
-        it: kubelet threads finishing together then share one write instead of queueing
-        one each (a write is O(cluster))."""
-        with self._publish_lock:
-            with self._cond:
-                if version is not None and self._published_version >= version:
-                    return
-                self._published_version = self._version
-                now = self.clock()
-                self._take_snapshot(now)
-                as_of, cluster, runtimes = self._compose(now)
-            write_sim_state(self.state_path, as_of, cluster, runtimes)
-            self._last_publish = time.monotonic()
-
-    def _take_snapshot(self, now: float) -> None:
-        last = self._history[-1] if self._history else None
-        if last is not None and self._snapshot_version == self._version:
-            snap = _Snapshot(now, last.cluster, last.runtimes)  # unchanged: share the parts
-        else:
-            # Unchanged pods and sandboxes are shared with the previous snapshot, so the
-            # history costs a list of references per change, not a copy of the cluster.
-            # The file gets each object's own `vars()`: plain dicts for the C encoder,
-            # field for field what `dataclasses.asdict` would give, at no copying cost.
-            interned: dict[str, Pod | Sandbox] = {}
-
-            def share(key: str, obj: Pod | Sandbox) -> dict[str, Any]:
-                previous = self._interned.get(key)
-                interned[key] = previous if previous == obj else obj
-                return vars(interned[key])
-
-            pods = sorted(self._pods.values(), key=lambda p: p.seq)
-            cluster = {
-                "pods": [share(p.uid, p.public()) for p in pods],
-                "nodes": sorted(self._nodes),
-                "statefulsets": {
-                    key: o.replicas
-                    for key, o in self._owners.items()
-                    if isinstance(o, _StatefulSet)
-                },
-                # The annotation dicts are replaced, never mutated: shared, not copied.
-                "namespaces": dict(sorted(self._namespaces.items())),
-            }
-            runtimes = {
-                n.name: {
-                    "sandboxes": [share(s.id, s.public()) for s in n.sandboxes.values() if s.listed]
-                }
-                for n in self._nodes.values()
-                if n.up
-            }
-            self._interned = interned
-            snap = _Snapshot(now, cluster, runtimes)
-            self._snapshot_version = self._version
-        self._history.append(snap)
-        # Keep the newest snapshot older than the horizon too: a lag of exactly
-        # history_seconds still finds one.
-        while len(self._history) > 2 and self._history[1].as_of <= now - self.history_seconds:
-            self._history.popleft()
-
-    def _past(self, t: float) -> _Snapshot:
-        """The newest snapshot taken at or before `t`, else the oldest kept."""
-        for snap in reversed(self._history):
-            if snap.as_of <= t:
-                return snap
-        return self._history[0]
-
-    def _compose(self, now: float) -> tuple[float, dict[str, Any], dict[str, dict[str, Any]]]:
-        current = self._history[-1]
-        as_of = now
-        cluster: dict[str, Any]
-        if self._cluster_fail is not None:
-            cluster = {"fail": self._cluster_fail}
-        else:
-            snap = self._past(now - self._cluster_lag) if self._cluster_lag else current
-            cluster = snap.cluster
-            as_of = min(as_of, snap.as_of)
-        for node, until in list(self._runtime_stall.items()):
-            if now >= until:
-                del self._runtime_stall[node]
-                self._event("fault", f"runtime of {node} answers again (stall over)")
-        runtimes: dict[str, dict[str, Any]] = {}
-        for node in sorted(set(current.runtimes) | set(self._runtime_lag)):
-            if node in self._runtime_fail:
-                if node in current.runtimes:
-                    runtimes[node] = {"fail": self._runtime_fail[node]}
-            elif node in self._runtime_stall:
-                if node in current.runtimes:
-                    runtimes[node] = {"stall_until": self._runtime_stall[node]}
-            else:
-                lag = self._runtime_lag.get(node)
-                snap = self._past(now - lag) if lag else current
-                part = snap.runtimes.get(node)
-                if part is not None:
-                    runtimes[node] = part
-                    as_of = min(as_of, snap.as_of)
-        return as_of, cluster, runtimes
-
-    # -- the plugin ------------------------------------------------------------------
-
-    def exec_plugin(
-        self, node: str, command: str, env: dict[str, str], stdin: bytes
-    ) -> tuple[int, bytes, bytes]:
-        """The default `cni_exec`: run the installed plugin as a runtime does (CNI_*
-        environment, the network config on stdin)."""
-        assert self.plugin_path is not None
-        proc = subprocess.run(
-            [self.plugin_path],
-            input=stdin,
-            env={"PATH": os.environ.get("PATH", os.defpath), **env},
-            capture_output=True,
-            timeout=self.cni_timeout,
-        )
-        return proc.returncode, proc.stdout, proc.stderr
-
-    def _cni(
-        self, node: _SimNode, sandbox: _SimSandbox, command: str, why: str
-    ) -> tuple[int, bytes]:
-        """One plugin call for `sandbox`, logged; never called under the lock. An exec
-        that fails outright (no plugin, timeout) is a failed call, as for a runtime."""
-        args = (
-            f"IgnoreUnknown=1;K8S_POD_NAMESPACE={sandbox.namespace};K8S_POD_NAME={sandbox.name}"
-            f";K8S_POD_INFRA_CONTAINER_ID={sandbox.id};K8S_POD_UID={sandbox.pod_uid}"
-        )
-        env = {
-            "CNI_COMMAND": command,
-            "CNI_CONTAINERID": sandbox.id,
-            "CNI_IFNAME": IFNAME,
-            "CNI_NETNS": f"/var/run/netns/sim-{sandbox.id[:12]}",
-            "CNI_PATH": self._cni_path,
-            "CNI_ARGS": args,
-        }
-        # ipward exec'd directly as the IPAM, forwarding to the node's agent.
-        config = {
-            "cniVersion": "1.0.0",
-            "name": self.network,
-            "ipam": {"type": "ipward", "pool": self.pool, "agentSocket": node.agent_socket},
-        }
-        stdin = json.dumps(config).encode()
-        at = self.clock()
-        started = time.monotonic()
-        try:
-            rc, out, err = self._cni_exec(node.name, command, env, stdin)
-        except Exception as e:
-            rc, out, err = EXEC_FAILED, b"", f"{type(e).__name__}: {e}".encode()
-        elapsed_ms = (time.monotonic() - started) * 1000
-        call = CniCall(
-            at=at,
-            node=node.name,
-            command=command,
-            sandbox=sandbox.id,
-            pod=f"{sandbox.namespace}/{sandbox.name}",
-            uid=sandbox.pod_uid,
-            why=why,
-            returncode=rc,
-            stdout=out.decode(errors="replace"),
-            stderr=err.decode(errors="replace"),
-            elapsed_ms=elapsed_ms,
-        )
-        with self._cond:
-            self._calls.append(call)
-            summary = call.stdout.strip()[:200]
-            self._event(
-                command, f"{why} {call.pod} {sandbox.id[:12]} on {node.name}: rc {rc} {summary}"
-            )
-            self._cond.notify_all()
-        return rc, out
-
-    # -- kubelet tasks (kubelet threads) ---------------------------------------------
-
-    def _submit(self, node: _SimNode, task: Callable[..., None], *args: Any) -> None:
-        node.kubelet.submit(self._guarded, task, *args)
-
-    def _guarded(self, task: Callable[..., None], *args: Any) -> None:
-        try:
-            task(*args)
-        except Exception:  # a bug in a task: make it visible, keep the kubelet alive
-            with self._mutate():
-                self._event("error", traceback.format_exc())
-
-    def _task_add(self, node: _SimNode, sandbox: _SimSandbox) -> None:
-        """RunPodSandbox: ADD; on failure DEL what it may have set up, drop the sandbox,
-        and let the pod try again with a new one after `retry_delay`."""
-        # The kubelet only runs pods the API shows: the pod is published before its ADD.
-        with self._cond:
-            version = self._version
-        self._publish(version)
-        rc, out = self._cni(node, sandbox, "ADD", "add")
-        address = _address(out) if rc == 0 else None
-        if address is None:
-            self._cni(node, sandbox, "DEL", "add-failed")
-        elif self.list_delay:
-            # The rest of RunPodSandbox: the record exists, the runtime lists nothing yet.
-            time.sleep(self.list_delay)
-        with self._mutate():
-            sandbox.busy = False
-            pod = self._pods.get(sandbox.pod_uid)
-            current = pod is not None and pod.sandbox == sandbox.id
-            if address is None:
-                node.sandboxes.pop(sandbox.id, None)
-                if pod is not None and current:
-                    pod.sandbox = None
-                    pod.retry_at = self.clock() + self.retry_delay
-                return
-            sandbox.listed = sandbox.ready = True
-            if pod is not None and current:
-                pod.address = address
-                pod.running_since = self.clock()
-                if pod.phase == PENDING:
-                    pod.phase = RUNNING
-                self._event("pod", f"running {pod.key} {pod.uid} {address} on {node.name}")
-
-    def _task_teardown(self, node: _SimNode, sandbox: _SimSandbox) -> None:
-        """One step: StopPodSandbox (not ready, DEL) or RemovePodSandbox (DEL, then no
-        longer listed). A failed DEL leaves the step to be retried."""
-        step = "remove" if sandbox.stopped else "stop"
-        if step == "stop":
-            with self._mutate():
-                sandbox.ready = False
-        rc, _ = self._cni(node, sandbox, "DEL", step)
-        with self._mutate():
-            sandbox.busy = False
-            if rc != 0:
-                sandbox.retry_at = self.clock() + self.retry_delay
-            elif step == "stop":
-                sandbox.stopped = True
-            else:
-                self._remove_sandbox(node, sandbox)
-
-    def _task_delayed_dels(self, node: _SimNode, delayed: _DelayedDel) -> None:
-        """The two DELs of a sandbox removed earlier; a failure queues both again (a
-        repeated DEL changes nothing)."""
-        for _ in range(2):
-            rc, _out = self._cni(node, delayed.sandbox, "DEL", "delayed")
-            if rc != 0:
-                with self._mutate():
-                    delayed.due = self.clock() + self.retry_delay
-                    self._delayed.append(delayed)
-                return
-
     # -- the model (under the lock) ----------------------------------------------------
 
     @contextmanager
@@ -1073,7 +497,7 @@ class SimCluster:
     def _event(self, kind: str, detail: str) -> None:
         self._events.append((self.clock(), kind, detail))
 
-    def _node(self, name: str) -> _SimNode:
+    def _node(self, name: str) -> SimNode:
         try:
             return self._nodes[name]
         except KeyError:
@@ -1082,13 +506,13 @@ class SimCluster:
     def _grace(self, grace: float | None) -> float:
         return self.grace if grace is None else grace
 
-    def _named(self, namespace: str, name: str) -> _SimPod | None:
+    def _named(self, namespace: str, name: str) -> SimPod | None:
         for pod in self._pods.values():
             if pod.namespace == namespace and pod.name == name:
                 return pod
         return None
 
-    def _resolve(self, ref: PodRef) -> _SimPod:
+    def _resolve(self, ref: PodRef) -> SimPod:
         if isinstance(ref, Pod):
             found = self._pods.get(ref.uid)
         elif "/" in ref:
@@ -1100,20 +524,20 @@ class SimCluster:
             raise KeyError(f"no pod {ref} in the API")
         return found
 
-    def _sandbox_of(self, pod: _SimPod) -> _SimSandbox | None:
+    def _sandbox_of(self, pod: SimPod) -> SimSandbox | None:
         node = self._nodes.get(pod.node)
         if node is None or pod.sandbox is None:
             return None
         return node.sandboxes.get(pod.sandbox)
 
-    def _sandboxes_of(self, pod: _SimPod) -> list[_SimSandbox]:
+    def _sandboxes_of(self, pod: SimPod) -> list[SimSandbox]:
         """The pod's sandboxes whose teardown has not started."""
         node = self._nodes.get(pod.node)
         if node is None:
             return []
         return [s for s in node.sandboxes.values() if s.pod_uid == pod.uid and not s.del_mode]
 
-    def _ready(self, pod: _SimPod) -> bool:
+    def _ready(self, pod: SimPod) -> bool:
         sandbox = self._sandbox_of(pod)
         return pod.phase == RUNNING and sandbox is not None and sandbox.ready
 
@@ -1123,17 +547,17 @@ class SimCluster:
         name: str,
         node: str,
         grace: float | None,
-        owner: _Owner | None = None,
+        owner: Owner | None = None,
         **fields: Any,
-    ) -> _SimPod:
+    ) -> SimPod:
         self._seq += 1
-        pod = _SimPod(
+        pod = SimPod(
             uid=str(uuid.UUID(int=self._rng.getrandbits(128), version=4)),
             namespace=namespace,
             name=name,
             seq=self._seq,
             grace=self._grace(grace),
-            owner_kind=_OWNER_KINDS[type(owner)] if owner else "",
+            owner_kind=OWNER_KINDS[type(owner)] if owner else "",
             owner_name=owner.name if owner else "",
             fixed_node=node,
             **fields,
@@ -1150,7 +574,7 @@ class SimCluster:
             if self._named(namespace, name) is None:
                 return name
 
-    def _delete(self, pod: _SimPod, now: float, grace: float | None = None) -> None:
+    def _delete(self, pod: SimPod, now: float, grace: float | None = None) -> None:
         if pod.deleted_at is not None:
             return
         pod.deleted_at = now
@@ -1158,12 +582,12 @@ class SimCluster:
             pod.grace = grace
         self._event("pod", f"deleted {pod.key} {pod.uid}")
 
-    def _forget(self, pod: _SimPod, why: str) -> None:
+    def _forget(self, pod: SimPod, why: str) -> None:
         """The pod leaves the API."""
         del self._pods[pod.uid]
         self._event("pod", f"gone {pod.key} {pod.uid} ({why})")
 
-    def _termination_due(self, pod: _SimPod, now: float) -> bool:
+    def _termination_due(self, pod: SimPod, now: float) -> bool:
         assert pod.deleted_at is not None
         if pod.terminal or pod.sandbox is None:
             wait = 0.0  # no container left to stop
@@ -1173,282 +597,22 @@ class SimCluster:
             wait = min(pod.grace, self.exit_after)
         return now >= pod.deleted_at + wait
 
-    def _remove_sandbox(self, node: _SimNode, sandbox: _SimSandbox) -> None:
+    def _remove_sandbox(self, node: SimNode, sandbox: SimSandbox) -> None:
         node.sandboxes.pop(sandbox.id, None)
         pod = self._pods.get(sandbox.pod_uid)
         if pod is not None and pod.sandbox == sandbox.id:
             pod.sandbox = None
             pod.address = None
 
-    def _add_owner(self, owner: _Owner) -> None:
-        if isinstance(owner, _Job):
-            if owner.completions < 1 or owner.parallelism < 1 or owner.duration < 0:
-                raise ValueError("a Job needs completions, parallelism >= 1, duration >= 0")
-        elif owner.replicas < 0:
-            raise ValueError("replicas must be >= 0")
-        with self._mutate():
-            key = f"{owner.namespace}/{owner.name}"
-            if key in self._owners:
-                raise ValueError(f"{key} exists")
-            self._owners[key] = owner
-            self._event("owner", f"created {_OWNER_KINDS[type(owner)]} {key}")
-
-    def _owner(self, namespace: str, name: str) -> _Owner:
-        try:
-            return self._owners[f"{namespace}/{name}"]
-        except KeyError:
-            raise KeyError(f"no owner {namespace}/{name}") from None
-
-    def _owned(self, owner: _Owner) -> list[_SimPod]:
-        kind = _OWNER_KINDS[type(owner)]
-        return sorted(
-            (
-                p
-                for p in self._pods.values()
-                if p.owner_kind == kind
-                and p.owner_name == owner.name
-                and p.namespace == owner.namespace
-            ),
-            key=lambda p: p.seq,
-        )
-
-    def _reconcile_owners(self, now: float) -> bool:
-        changed = False
-        for owner in list(self._owners.values()):
-            pods = self._owned(owner)
-            if isinstance(owner, _Deployment):
-                changed |= self._reconcile_deployment(owner, pods, now)
-            elif isinstance(owner, _StatefulSet):
-                changed |= self._reconcile_statefulset(owner, pods, now)
-            else:
-                changed |= self._reconcile_job(owner, pods, now)
-        return changed
-
-    def _reconcile_deployment(self, d: _Deployment, pods: list[_SimPod], now: float) -> bool:
-        live = [p for p in pods if p.deleted_at is None]
-        current = [p for p in live if p.generation == d.generation]
-        old = [p for p in live if p.generation != d.generation]
-        missing = d.replicas - len(current)
-        for _ in range(missing):
-            name = self._random_name(d.namespace, d.name)
-            self._new_pod(d.namespace, name, d.node, d.grace, d, generation=d.generation)
-        surplus = sorted(current, key=self._deletion_order)[: max(-missing, 0)]
-        # Old pods go only as new ones are ready: never fewer ready than replicas.
-        ready_new = min(sum(self._ready(p) for p in current), d.replicas)
-        retired = sorted(old, key=self._deletion_order)[: max(len(old) + ready_new - d.replicas, 0)]
-        for pod in surplus + retired:
-            self._delete(pod, now)
-        return bool(missing > 0 or surplus or retired)
-
-    def _deletion_order(self, pod: _SimPod) -> tuple[bool, int]:
-        """As a ReplicaSet picks pods to delete: not ready before ready, newest first."""
-        return self._ready(pod), -pod.seq
-
-    def _reconcile_statefulset(self, s: _StatefulSet, pods: list[_SimPod], now: float) -> bool:
-        by_ordinal = {p.ordinal: p for p in pods}  # terminating ones too: names are taken
-        condemned = sorted((o for o in by_ordinal if o >= s.replicas), reverse=True)
-        if s.ordered:
-            if any(p.deleted_at is not None for p in pods):
-                return False  # wait for it to leave the API
-            if condemned:
-                self._delete(by_ordinal[condemned[0]], now)
-                return True
-            for ordinal in range(s.replicas):
-                pod = by_ordinal.get(ordinal)
-                if pod is None:
-                    self._new_statefulset_pod(s, ordinal)
-                    return True
-                if not self._ready(pod):
-                    return False
-            return False
-        changed = False
-        for ordinal in condemned:
-            if by_ordinal[ordinal].deleted_at is None:
-                self._delete(by_ordinal[ordinal], now)
-                changed = True
-        for ordinal in range(s.replicas):
-            if ordinal not in by_ordinal:
-                self._new_statefulset_pod(s, ordinal)
-                changed = True
-        return changed
-
-    def _new_statefulset_pod(self, s: _StatefulSet, ordinal: int) -> None:
-        self._new_pod(s.namespace, f"{s.name}-{ordinal}", s.node, s.grace, s, ordinal=ordinal)
-
-    def _reconcile_job(self, j: _Job, pods: list[_SimPod], now: float) -> bool:
-        if j.finished_at is None:
-            if j.succeeded >= j.completions:
-                j.finished_at = now
-                self._event("owner", f"Job {j.namespace}/{j.name} complete")
-                return True
-            active = sum(1 for p in pods if p.deleted_at is None and not p.terminal)
-            wanted = min(j.parallelism, j.completions - j.succeeded) - active
-            for _ in range(wanted):
-                name = self._random_name(j.namespace, j.name)
-                self._new_pod(j.namespace, name, j.node, j.grace, j, duration=j.duration)
-            return wanted > 0
-        if j.ttl_after_finished is not None and now >= j.finished_at + j.ttl_after_finished:
-            del self._owners[f"{j.namespace}/{j.name}"]
-            for pod in pods:
-                self._delete(pod, now)
-            self._event("owner", f"Job {j.namespace}/{j.name} deleted after its TTL")
-            return True
-        return False
-
-    def _schedule(self) -> bool:
-        """Bind unscheduled pods: the fixed node if it is in the cluster, else the live
-        node with the fewest pods. An unscheduled pod that is deleted just goes."""
-        changed = False
-        load = {n.name: 0 for n in self._nodes.values() if n.up}
-        for pod in self._pods.values():
-            if pod.node in load and pod.deleted_at is None:
-                load[pod.node] += 1
-        for pod in sorted(self._pods.values(), key=lambda p: p.seq):
-            if pod.node:
-                continue
-            if pod.deleted_at is not None:
-                self._forget(pod, "deleted before it was scheduled")
-                changed = True
-            elif pod.fixed_node:
-                if pod.fixed_node in self._nodes:
-                    pod.node = pod.fixed_node
-                    changed = True
-            elif load:
-                pod.node = min(load, key=lambda n: (load[n], n))
-                load[pod.node] += 1
-                changed = True
-        return changed
-
-    def _run_delayed_dels(self, now: float) -> bool:
-        due = [
-            d
-            for d in self._delayed
-            if d.due <= now and d.node in self._nodes and self._nodes[d.node].up
-        ]
-        for delayed in due:
-            self._delayed.remove(delayed)
-            self._submit(
-                self._nodes[delayed.node],
-                self._task_delayed_dels,
-                self._nodes[delayed.node],
-                delayed,
-            )
-        return bool(due)
-
-    def _sync_kubelet(self, node: _SimNode, now: float) -> bool:
-        """What the node's kubelet does now: finish Job pods, start sandboxes, tear down
-        the ones no pod wants, let terminated pods leave the API."""
-        changed = False
-        sandboxes: dict[str, list[_SimSandbox]] = {}
-        for sandbox in node.sandboxes.values():
-            sandboxes.setdefault(sandbox.pod_uid, []).append(sandbox)
-        for pod in [p for p in self._pods.values() if p.node == node.name]:
-            mine = sandboxes.get(pod.uid, [])
-            if pod.deleted_at is not None:
-                if not mine and self._termination_due(pod, now):
-                    self._forget(pod, "terminated")
-                    changed = True
-                continue
-            if pod.failed_until is not None and now >= pod.failed_until:
-                # A restart's Failed phase is over: Pending until the new sandbox runs.
-                pod.phase = PENDING
-                pod.failed_until = None
-                self._event("pod", f"pending {pod.key} {pod.uid} (restarting)")
-                changed = True
-            if (
-                pod.duration is not None
-                and pod.phase == RUNNING
-                and pod.running_since is not None
-                and now >= pod.running_since + pod.duration
-            ):
-                changed |= self._complete(pod, now)
-            elif (
-                pod.sandbox is None
-                and pod.phase in (PENDING, RUNNING)
-                and now >= pod.retry_at
-                and all(s.stopped for s in mine)
-            ):
-                # The kubelet starts a new sandbox once the pod's old ones are stopped.
-                sandbox = _SimSandbox(
-                    id=f"{self._rng.getrandbits(256):064x}",
-                    pod_uid=pod.uid,
-                    namespace=pod.namespace,
-                    name=pod.name,
-                    created_at=now,
-                    busy=True,
-                    drop_del=pod.drop_del,
-                    del_delay=pod.del_delay,
-                )
-                node.sandboxes[sandbox.id] = sandbox
-                pod.sandbox = sandbox.id
-                self._submit(node, self._task_add, node, sandbox)
-                changed = True
-        for sandbox in list(node.sandboxes.values()):
-            if sandbox.busy or now < sandbox.retry_at:
-                continue
-            owner = self._pods.get(sandbox.pod_uid)
-            wanted = (
-                owner is not None
-                and owner.sandbox == sandbox.id
-                and (owner.deleted_at is None or not self._termination_due(owner, now))
-            )
-            if not wanted:
-                self._teardown(node, sandbox)
-                changed = True
-        return changed
-
-    def _complete(self, pod: _SimPod, now: float) -> bool:
-        """A Job's pod is done: Succeeded, its sandbox stopped without a DEL."""
-        pod.phase = SUCCEEDED
-        pod.finished_at = now
-        sandbox = self._sandbox_of(pod)
-        if sandbox is not None:
-            sandbox.ready = False
-        owner = self._owners.get(f"{pod.namespace}/{pod.owner_name}")
-        if isinstance(owner, _Job) and pod.owner_kind == "Job":
-            owner.succeeded += 1
-        self._event("pod", f"succeeded {pod.key} {pod.uid}")
-        return True
-
-    def _teardown(self, node: _SimNode, sandbox: _SimSandbox) -> None:
-        """Take down a sandbox no pod wants: stop and remove with their DELs (one step
-        per kubelet task), or at once with the DELs dropped or delayed."""
-        if not sandbox.del_mode:
-            if sandbox.drop_del or self._rng.random() < self.drop_del_rate:
-                sandbox.del_mode = "drop"
-            elif sandbox.del_delay is not None:
-                sandbox.del_mode = "delay"
-            else:
-                sandbox.del_mode = "del"
-        if sandbox.del_mode == "del":
-            sandbox.busy = True
-            self._submit(node, self._task_teardown, node, sandbox)
-            return
-        # No DEL now: the sandbox goes at once.
-        sandbox.ready = False
-        self._remove_sandbox(node, sandbox)
-        what = f"{sandbox.namespace}/{sandbox.name} {sandbox.id[:12]} on {node.name}"
-        if sandbox.del_mode == "drop":
-            self._event("fault", f"DEL dropped: {what} removed without a DEL")
-        else:
-            delay = sandbox.del_delay or 0.0
-            self._delayed.append(_DelayedDel(self.clock() + delay, node.name, sandbox))
-            self._event("fault", f"DELs delayed {delay:g}s: {what} removed")
+    def _publish(self, version: int | None) -> None:
+        """Publish the state (`publishing.Publishing`) unless one since `version` did."""
+        raise NotImplementedError
 
 
-def _annotations(annotations: dict[str, str] | None) -> dict[str, str]:
+def checked_annotations(annotations: dict[str, str] | None) -> dict[str, str]:
     """A copy of `annotations`, checked: the published format has strings only."""
     copied = dict(annotations or {})
     for key, value in copied.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"annotation {key!r}: {value!r}: keys and values must be str")
     return copied
-
-
-def _address(stdout: bytes) -> str | None:
-    """`ips[0].address` of a CNI result, without its prefix length; None if absent."""
-    try:
-        result = json.loads(stdout)
-        return str(result["ips"][0]["address"]).split("/")[0]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
