@@ -252,7 +252,7 @@ def test_other_users_are_refused_by_the_peer_check(plugin, sqlite_url, start_age
     # The other user runs a plugin whose package it can read, wherever this checkout
     # lives (a clone in a 0700 directory would make its import fail, not the peer check).
     import ipward
-    from ipward.cli import LAUNCHER
+    from ipward.install import LAUNCHER
 
     lib = open_dir / "lib"
     shutil.copytree(Path(ipward.__file__).parent, lib / "ipward")

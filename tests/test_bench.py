@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from ipward.check import check
+from ipward.install import write_launcher
 from ipward.ledger import Ledger
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
@@ -39,7 +40,6 @@ from ipward_lab.bench import (
     run,
     run_cluster,
     run_growth,
-    write_launcher,
     write_report,
 )
 from ipward_lab.report import PNG_MAGIC, Page, Panel, line_plot, line_plots, save_png
@@ -72,8 +72,10 @@ def test_raw_cas_and_ledger_rates_on_sqlite(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not os.access(PLUGIN_PYTHON, os.X_OK), reason=f"no {PLUGIN_PYTHON}")
-def test_fallback_launcher_runs_the_plugin(tmp_path: Path) -> None:
-    launcher = tmp_path / "ipward"
+def test_the_launcher_the_bench_installs_runs_the_plugin(tmp_path: Path) -> None:
+    """The bench installs the plugin with the product's one launcher writer (that of
+    `ipward install-cni`), into a directory it makes."""
+    launcher = tmp_path / "bin" / "ipward"
     write_launcher(launcher)
     done = subprocess.run(
         [str(launcher)],

@@ -708,15 +708,6 @@ def status_command(c: Context) -> None:
 
 # -- install ----------------------------------------------------------------------------
 
-LAUNCHER = """#!/usr/bin/python3 -IS
-# ipward CNI IPAM plugin, installed by 'ipward install-cni'. -I -S (one shebang word):
-# isolated, no site: fast start; the package is found at the path below.
-import sys
-sys.path.insert(0, {path!r})
-from ipward.plugin import main
-main()
-"""
-
 
 @cli.command("install-cni")
 @click.option(
@@ -728,15 +719,10 @@ main()
 @click.option("--name", default="ipward", show_default=True, help="Executable name.")
 def install_cni(bin_dir: str, name: str) -> None:
     """Install the plugin executable into a CNI bin dir."""
-    import ipward
+    from ipward.install import write_launcher
 
-    package_root = str(Path(ipward.__file__).resolve().parent.parent)
     target = Path(bin_dir) / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{name}.tmp{os.getpid()}")
-    tmp.write_text(LAUNCHER.format(path=package_root))
-    tmp.chmod(0o755)
-    tmp.replace(target)  # atomic: a runtime never execs a half-written plugin
+    write_launcher(target)
     click.echo(f"installed {target}")
 
 

@@ -48,9 +48,9 @@ from pathlib import Path
 
 import click
 
-import ipward
 from ipward import records as rec
 from ipward.addr import Block
+from ipward.install import write_launcher
 from ipward.ledger import Ledger
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
@@ -199,43 +199,6 @@ def _etcd(root: Path) -> Iterator[str]:
 # -- 2. plugin exec -----------------------------------------------------------------------
 
 
-def _install_plugin(bin_dir: Path) -> str:
-    """Put the plugin at bin_dir/ipward: with `ipward install-cni` when the CLI has it,
-    else the same launcher written here. Returns how it was installed."""
-    target = bin_dir / "ipward"
-    try:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import sys; from ipward.cli import main; sys.argv[0] = 'ipward'; main()",
-                "install-cni",
-                "--bin-dir",
-                str(bin_dir),
-            ],
-            capture_output=True,
-            timeout=60,
-        )
-        if done.returncode == 0 and os.access(target, os.X_OK):
-            return "ipward install-cni"
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    write_launcher(target)
-    return "bench launcher (ipward install-cni not available)"
-
-
-def write_launcher(target: Path) -> None:
-    """The plugin launcher `ipward install-cni` writes: the system interpreter with -I -S
-    (one shebang word: Linux passes everything after the interpreter as one argument),
-    then the package's own directory on sys.path."""
-    src = os.path.dirname(os.path.dirname(os.path.abspath(ipward.__file__)))
-    target.write_text(
-        f"#!{PLUGIN_PYTHON} -IS\nimport sys\nsys.path.insert(0, {src!r})\n"
-        "from ipward.cni import main\nmain()\n"
-    )
-    target.chmod(0o755)
-
-
 def _ipam_config(ipam: dict) -> bytes:
     return json.dumps({"cniVersion": "1.0.0", "name": "benchnet", "ipam": ipam}).encode()
 
@@ -266,14 +229,14 @@ class _Exec:
         return elapsed
 
 
-def _exec_kinds(tmp: Path, ipward_cfg: bytes) -> tuple[str, dict[str, _Exec]]:
-    """Install the plugin in tmp/bin; the bare interpreter, the plugin with `ipward_cfg`
-    and host-local (when installed), in that order, and how the plugin was installed."""
+def _exec_kinds(tmp: Path, ipward_cfg: bytes) -> dict[str, _Exec]:
+    """Install the plugin in tmp/bin as `ipward install-cni` does; the bare interpreter,
+    the plugin with `ipward_cfg` and host-local (when installed), in that order."""
     if not os.access(PLUGIN_PYTHON, os.X_OK):
         raise BenchError(f"{PLUGIN_PYTHON} is missing: the plugin's interpreter")
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    installed = _install_plugin(bin_dir)
+    write_launcher(bin_dir / "ipward")
     cni_path = f"{bin_dir}:{CNI_BIN_DIR}"
     host_local_cfg = _ipam_config(
         {
@@ -288,10 +251,10 @@ def _exec_kinds(tmp: Path, ipward_cfg: bytes) -> tuple[str, dict[str, _Exec]]:
     }
     if os.access(HOST_LOCAL, os.X_OK):
         kinds["host_local"] = _Exec([HOST_LOCAL], host_local_cfg, cni_path)
-    return installed, kinds
+    return kinds
 
 
-def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float | str]:
+def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float]:
     """ADD exec latency of the installed plugin, of a bare interpreter and of host-local,
     interleaved run by run; DEL of every ADD afterwards (not timed)."""
     ipward_cfg = _ipam_config(
@@ -301,10 +264,7 @@ def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float | str
             "ranges": [[{"subnet": "10.10.0.0/16"}]],
         }
     )
-    installed, kinds = _exec_kinds(tmp, ipward_cfg)
-    out: dict[str, float | str] = {"installed": installed}
-    out.update(_interleaved_adds(kinds, runs, warmup))
-    return out
+    return _interleaved_adds(_exec_kinds(tmp, ipward_cfg), runs, warmup)
 
 
 def _interleaved_adds(kinds: dict[str, _Exec], runs: int, warmup: int) -> dict[str, float]:
@@ -1158,7 +1118,6 @@ def run(
         exec_dir = tmp / "exec"
         exec_dir.mkdir()
         ex = exec_latency(exec_dir, runs)
-        notes["plugin_installed_by"] = str(ex.pop("installed"))
         for key, value in ex.items():
             figures[f"exec.{key}"] = float(value)
         diff = figures["exec.ipward.median_ms"] - figures["exec.python.median_ms"]
@@ -1256,7 +1215,6 @@ def run(
         out("")
         _table(table, out)
     out("")
-    out(f"  plugin installed by: {notes['plugin_installed_by']}")
     out("  1: allocs/s times the allocate calls of the pairs loop; a pair is one allocate and")
     out("     one release, each its own durable transaction, so pairs/s is bounded by half the")
     out("     CAS rate; raw CAS is get + txn(compare mod_revision, put) on one key; same run.")
@@ -1578,15 +1536,12 @@ class _Counted:
         return elapsed
 
 
-def agent_exec_latency(tmp: Path, socket_path: str, runs: int, warmup: int = 5) -> dict:
+def agent_exec_latency(tmp: Path, socket_path: str, runs: int, warmup: int = 5) -> dict[str, float]:
     """ADD exec latency of the installed plugin forwarding to the agent at `socket_path`
     (`agentSocket` in its config), of a bare interpreter and of host-local, interleaved
     run by run; DEL of every ADD afterwards (not timed)."""
     ipward_cfg = _ipam_config({"type": "ipward", "agentSocket": socket_path, "pool": CLUSTER_POOL})
-    installed, kinds = _exec_kinds(tmp, ipward_cfg)
-    out: dict[str, float | str] = {"installed": installed}
-    out.update(_interleaved_adds(kinds, runs, warmup))
-    return out
+    return _interleaved_adds(_exec_kinds(tmp, ipward_cfg), runs, warmup)
 
 
 def _plural(n: int, word: str) -> str:
@@ -1749,7 +1704,6 @@ def run_cluster(
         exec_dir = tmp / "exec"
         exec_dir.mkdir()
         ex = agent_exec_latency(exec_dir, procs[0].socket, exec_runs)
-        notes["plugin_installed_by"] = str(ex.pop("installed"))
         for key, value in ex.items():
             figures[f"exec.{key}"] = float(value)
         diff = figures["exec.ipward.median_ms"] - figures["exec.python.median_ms"]
@@ -1850,7 +1804,6 @@ def run_cluster(
     out("")
     _table(exec_rows, out)
     out("")
-    out(f"  plugin installed by: {notes['plugin_installed_by']}")
     out("  1: client threads call their agent through forward() (the plugin's own socket")
     out("     call); per s = successful calls over the wall time of the rounds. Each round:")
     out("     ADD+DEL loop, raw CAS (get + txn(compare mod_revision, put) on a key per thread),")
@@ -2301,6 +2254,5 @@ __all__ = [
     "run_growth",
     "run_report",
     "throughput",
-    "write_launcher",
     "write_report",
 ]
