@@ -1,26 +1,7 @@
-"""`ipward sim`: the chaos soak. The whole system under churn and faults, checked all
-along, in numbers and pictures.
-
-What runs, all real: a store (SQLite by default; one etcd; or a three-member etcd on
-loopback), one `ipward agent` per simulated node and two `ipward controller`s (leader
-election), the installed plugin executable, and the simulated cluster
-(`ipward_lab.simcluster`) as the runtime and orchestrator both: Deployments scaling and
-rolling, StatefulSets scaled down and up fast (sticky addresses), Jobs completing, pods
-deleted and restarted, at `--rate` actions per second, for `--duration` seconds.
-
-Faults, at random times (seeded), each enabled kind at least once: SIGKILL an agent (it
-comes back after a few seconds), SIGKILL the leading controller (a new one starts),
-SIGKILL an etcd member (three-member etcd only; restarted), stall a node's runtime,
-drop a pod's DELs, delay a pod's DELs past the GC grace.
-
-Checked all along, every 0.1 s: no address is held by two ready pods; no ready pod's
-address record is gone or owned by another sandbox (what GC must never do), confirmed
-by reading the cluster before and after the store. At the end: faults cleared and every
-process back, then convergence (exactly the running pods' addresses recorded, every pod
-running), `ipward check`, then everything deleted and the pool empty, `ipward check`
-again. Any violation makes the exit status 1, with the history of the address (every
-version of its record, with revisions).
-"""
+"""The soak's driver: the store, agents and controllers (real processes), the
+simulated cluster, the workload's random actions and the faults at their seeded times,
+for the run's duration; then the end (faults off, convergence, teardown), each checked
+by `checker.Checker`."""
 
 from __future__ import annotations
 
@@ -28,97 +9,28 @@ import contextlib
 import random
 import re
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 
 from ipward import records as rec
-from ipward.check import check
+from ipward.install import write_launcher
 from ipward.liveness import Pod
 from ipward.pool import PoolSpec
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Put, absent
 from ipward_lab import fleet
 from ipward_lab.etcdlab import EtcdCluster, EtcdServer
+from ipward_lab.sim.checker import Checker
+from ipward_lab.sim.result import GC_REASONS, NETWORK, NS, POOL, Options, Result, Sample, Violation
+from ipward_lab.sim.view import live_view
 from ipward_lab.simcluster import SimCluster
-
-FAULTS = ("kill-agent", "kill-leader", "kill-etcd", "stall-runtime", "drop-del", "delay-del")
-BACKENDS = ("sqlite", "etcd", "etcd-cluster")
-NS = "soak"
-NETWORK = "soaknet"
-POOL = "soak"
-GC_REASONS = re.compile(
-    r"(sandbox-gone|pod-gone|pod-terminal|node-gone|statefulset-deleted"
-    r"|ordinal-out-of-range|ttl-expired)"
-)
-
-
-@dataclass
-class Options:
-    nodes: int = 3
-    pods: int = 30
-    rate: float = 4.0  # workload actions per second
-    duration: float = 60.0
-    seed: int = 1
-    faults: tuple[str, ...] = FAULTS
-    backend: str = "sqlite"
-    grace: float = 3.0  # ADD grace of agents and controllers
-    gc_interval: float = 0.5
-    settle: float = 120.0  # longest wait for convergence at the end
-
-
-@dataclass
-class Violation:
-    at: float
-    kind: str  # shared-address, live-loss, not-converged, check, leak
-    address: str
-    detail: str
-    history: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Sample:
-    """One second of the run, for the live view and the report."""
-
-    at: float
-    pods: int
-    running: int
-    records: int
-    adds: int  # successful ADDs ended in this second
-    add_ms: list[float]
-
-
-@dataclass
-class Result:
-    options: Options
-    started: float = 0.0
-    violations: list[Violation] = field(default_factory=list)
-    samples: list[Sample] = field(default_factory=list)
-    faults: list[tuple[float, str, str]] = field(default_factory=list)  # (t, kind, detail)
-    gc_frees: Counter[str] = field(default_factory=Counter)
-    actions: Counter[str] = field(default_factory=Counter)
-    checks: int = 0
-    converged_after: float | None = None
-    emptied_after: float | None = None
-    add_calls: int = 0
-    add_failures: Counter[str] = field(default_factory=Counter)  # by CNI error code
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
 
 
 class Soak:
@@ -141,7 +53,13 @@ class Soak:
         self._restarts: list[tuple[float, str, Any]] = []  # (due, what, arg)
         self._ctl_seq = 0
         self._seen_calls = 0
+        self._checker: Checker | None = None
         self.run_dir = Path(tempfile.mkdtemp(prefix="ipw-sim-"))  # short socket paths
+
+    @property
+    def checker(self) -> Checker:
+        assert self._checker is not None, "start() first"
+        return self._checker
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -150,12 +68,7 @@ class Soak:
         self.url = self._start_store()
         self.store = open_store(self.url)
         bin_dir = self.workdir / "bin"
-        bin_dir.mkdir(exist_ok=True)
-        subprocess.run(
-            [*fleet.IPWARD, "install-cni", "--bin-dir", str(bin_dir)],
-            check=True,
-            capture_output=True,
-        )
+        write_launcher(bin_dir / "ipward")  # as `ipward install-cni` does
         # Room for the churn (cooldowns, reservations, leaks until GC) in small blocks,
         # so every node gets some and none hoards a pool it cannot use.
         prefix = 32 - max(8, (8 * self.o.pods - 1).bit_length())
@@ -180,6 +93,7 @@ class Soak:
             retry_delay=0.5,
             seed=self.o.seed,
         )
+        self._checker = Checker(self.sim, self.store, self.result)
         for i in range(1, self.o.nodes + 1):
             node = f"n{i}"
             agent = self._start_agent(node)
@@ -382,82 +296,6 @@ class Soak:
                 assert isinstance(self.etcd, EtcdCluster)
                 self.etcd.restart(arg)
 
-    # -- checking --------------------------------------------------------------------
-
-    def check_once(self) -> list[Violation]:
-        """One look: cluster, store, cluster again. A ready pod's address must be
-        recorded for its sandbox when the pod was ready both before and after the store
-        was read; no two ready pods may share an address."""
-        assert self.sim is not None and self.store is not None
-        before = self._ready()
-        try:
-            kvs, _ = self.store.range(f"ips/{POOL}/")
-        except StoreError:
-            return []  # the store is down (a fault): nothing to compare against
-        after = self._ready()
-        records = {kv.key.rsplit("/", 1)[1]: rec.decode(kv.value) for kv in kvs}
-        found = []
-        now = time.time()
-        for ip, holders in after.items():
-            if len(holders) > 1:
-                found.append(Violation(now, "shared-address", ip, f"ready pods {sorted(holders)}"))
-                continue
-            ((sandbox, name),) = holders.items()
-            if before.get(ip, {}).get(sandbox) != name:
-                continue  # not ready all along: no claim on the store's state
-            record = records.get(ip)
-            if record is None or record.get("container") != sandbox:
-                owner = "nothing" if record is None else f"sandbox {record.get('container')!r}"
-                found.append(
-                    Violation(
-                        now, "live-loss", ip, f"{name} ({sandbox[:12]}) ready, record of {owner}"
-                    )
-                )
-        self.result.checks += 1
-        return found
-
-    def _ready(self) -> dict[str, dict[str, str]]:
-        """address -> {sandbox: pod name} of the pods ready now."""
-        assert self.sim is not None
-        out: dict[str, dict[str, str]] = {}
-        for ip, pods in self.sim.ready_addresses().items():
-            for pod in pods:
-                sandboxes = self.sim.sandboxes_of(pod)
-                if sandboxes:
-                    out.setdefault(ip, {})[sandboxes[-1]] = pod.name
-        return out
-
-    def history(self, ip: str, wait: float = 3.0) -> list[str]:
-        """Every version of the address's record, with its revision."""
-        assert self.store is not None
-        key = rec.ip_key(POOL, ip)
-        end = self.store.revision()
-        watch = self.store.watch(key, 1)
-        timer = threading.Timer(wait, watch.cancel)
-        timer.start()
-        lines = []
-        try:
-            for event in watch:
-                if event.kv.key == key:
-                    value = event.kv.value.decode(errors="replace") or "(deleted)"
-                    lines.append(f"rev {event.kv.mod_revision} {event.kind}: {value}")
-                if event.kv.mod_revision >= end:
-                    break
-        except StoreError as e:
-            lines.append(f"(history cut short: {e})")
-        finally:
-            timer.cancel()
-            watch.cancel()
-        return lines
-
-    def _record(self, found: list[Violation]) -> None:
-        known = {(v.kind, v.address) for v in self.result.violations}
-        for v in found:
-            if (v.kind, v.address) not in known:
-                v.history = self.history(v.address)
-                self.result.violations.append(v)
-                known.add((v.kind, v.address))
-
     # -- sampling --------------------------------------------------------------------
 
     def sample(self) -> Sample:
@@ -520,9 +358,14 @@ class Soak:
         began = time.monotonic()
         next_action = began
         next_sample = began + 1.0
-        checker = threading.Thread(target=self._check_loop, daemon=True)
-        checker.start()
-        view = Live(self._view(), console=self.console, refresh_per_second=2, transient=True)
+        checking = threading.Thread(target=self._check_loop, daemon=True)
+        checking.start()
+        view = Live(
+            live_view(self.result, self.o),
+            console=self.console,
+            refresh_per_second=2,
+            transient=True,
+        )
         with view if live else contextlib.nullcontext():
             while (elapsed := time.monotonic() - began) < self.o.duration:
                 if schedule and elapsed >= schedule[0][0]:
@@ -537,17 +380,17 @@ class Soak:
                     self.sample()
                     next_sample += 1.0
                     if live:
-                        view.update(self._view())
+                        view.update(live_view(self.result, self.o))
                 time.sleep(0.02)
         self._stop.set()
-        checker.join()
+        checking.join()
 
     def _check_loop(self) -> None:
         while not self._stop.wait(0.1):
             try:
-                self._record(self.check_once())
+                self.checker.record(self.checker.check_once())
             except Exception as e:  # the checker must not die silently
-                self._record([Violation(time.time(), "checker-error", "-", repr(e))])
+                self.checker.record([Violation(time.time(), "checker-error", "-", repr(e))])
 
     def _finish(self) -> None:
         """Faults off, everything back, then convergence, check, teardown, check."""
@@ -556,12 +399,14 @@ class Soak:
         self.sim.drop_del_rate = 0.0
         self._due_restarts(final=True)
         started = time.monotonic()
-        converged = self._wait(self._converged, self.o.settle)
+        converged = self._wait(self.checker.converged, self.o.settle)
         if converged:
             self.result.converged_after = time.monotonic() - started
         else:
-            self._record([Violation(time.time(), "not-converged", "-", self._why_not())])
-        self._record(self._store_problems())
+            self.checker.record(
+                [Violation(time.time(), "not-converged", "-", self.checker.why_not())]
+            )
+        self.checker.record(self.checker.store_problems())
         for name in self.deployments:
             self.sim.delete_deployment(NS, name)
         for name in self.statefulsets:
@@ -570,13 +415,15 @@ class Soak:
             with contextlib.suppress(KeyError):
                 self.sim.delete_pod(pod)
         started = time.monotonic()
-        if self._wait(self._empty, self.o.settle):
+        if self._wait(self.checker.empty, self.o.settle):
             self.result.emptied_after = time.monotonic() - started
         else:
             left = [kv.key for kv in self.store.range(f"ips/{POOL}/")[0]]
             left += [kv.key for kv in self.store.range("sticky/")[0]]
-            self._record([Violation(time.time(), "leak", "-", f"left after teardown: {left[:20]}")])
-        self._record(self._store_problems())
+            self.checker.record(
+                [Violation(time.time(), "leak", "-", f"left after teardown: {left[:20]}")]
+            )
+        self.checker.record(self.checker.store_problems())
         self.result.gc_frees = self.gc_frees()
 
     def _wait(self, condition: Any, timeout: float) -> bool:
@@ -587,45 +434,6 @@ class Soak:
                     return True
             time.sleep(0.25)
         return False
-
-    def _converged(self) -> bool:
-        waiting, held, bound = self._state()
-        return not waiting and held == bound
-
-    def _why_not(self) -> str:
-        waiting, held, bound = self._state()
-        return (
-            f"pods not running: {waiting[:10]}; recorded, no pod: {sorted(bound - held)[:10]};"
-            f" pods without record: {sorted(held - bound)[:10]}"
-        )
-
-    def _state(self) -> tuple[list[str], set[str], set[str]]:
-        """(pods not running, addresses the pods hold, addresses recorded for a sandbox:
-        detached sticky records aside)."""
-        assert self.sim is not None and self.store is not None
-        pods = self.sim.pods(NS)
-        waiting = [f"{p.name}:{p.phase}" for p in pods if p.phase != "Running" and not p.terminal]
-        held = {a for p in pods if (a := self.sim.address_of(p)) is not None}
-        bound = {
-            kv.key.rsplit("/", 1)[1]
-            for kv in self.store.range(f"ips/{POOL}/")[0]
-            if not rec.is_detached(rec.decode(kv.value))
-        }
-        return waiting, held, bound
-
-    def _empty(self) -> bool:
-        assert self.sim is not None and self.store is not None
-        return (
-            not self.sim.pods(NS)
-            and not self.store.range(f"ips/{POOL}/")[0]
-            and not self.store.range("sticky/")[0]
-        )
-
-    def _store_problems(self) -> list[Violation]:
-        assert self.store is not None
-        problems, _ = check(self.store)
-        self.result.checks += 1
-        return [Violation(time.time(), "check", p.key, f"{p.kind}: {p.detail}") for p in problems]
 
     def close(self) -> None:
         self._stop.set()
@@ -638,227 +446,3 @@ class Soak:
         if self.etcd is not None:
             self.etcd.stop()
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-    # -- the view --------------------------------------------------------------------
-
-    def _view(self) -> Group:
-        r = self.result
-        last = r.samples[-1] if r.samples else None
-        window = r.samples[-5:]
-        latencies = [ms for s in window for ms in s.add_ms]
-        table = Table(title=f"ipward sim ({self.o.backend}, seed {self.o.seed})", show_header=False)
-        table.add_row("elapsed", f"{last.at:.0f}s of {self.o.duration:g}s" if last else "-")
-        table.add_row("pods", f"{last.running} running of {last.pods}" if last else "-")
-        table.add_row("records", str(last.records) if last else "-")
-        rate = sum(s.adds for s in window) / max(1, len(window))
-        table.add_row("allocations/s", f"{rate:.1f}")
-        if latencies:
-            table.add_row(
-                "ADD p50 / p99", f"{_pct(latencies, 50):.0f} / {_pct(latencies, 99):.0f} ms"
-            )
-        table.add_row("faults", f"{len(r.faults)}: {r.faults[-1][2] if r.faults else '-'}")
-        table.add_row("violations", str(len(r.violations)))
-        return Group(table)
-
-
-def _pct(values: list[float], q: int) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
-
-
-def summary_rows(result: Result) -> list[tuple[str, str]]:
-    o = result.options
-    faults = Counter(f[1] for f in result.faults)
-    failed = ", ".join(f"code {k}: {v}" for k, v in sorted(result.add_failures.items()))
-    rows = [
-        ("store", o.backend),
-        (
-            "nodes / pods / rate / duration",
-            f"{o.nodes} / {o.pods} / {o.rate:g}/s / {o.duration:g}s",
-        ),
-        ("actions", ", ".join(f"{k} {v}" for k, v in sorted(result.actions.items()))),
-        ("faults", ", ".join(f"{k} {v}" for k, v in sorted(faults.items()))),
-        ("ADD calls", f"{result.add_calls}; failed and retried: {failed or 'none'}"),
-    ]
-    latencies = [ms for s in result.samples for ms in s.add_ms]
-    if latencies:
-        p50, p99 = statistics.median(latencies), _pct(latencies, 99)
-        rows.append(("ADD latency p50 / p99", f"{p50:.1f} / {p99:.1f} ms"))
-    frees = ", ".join(f"{k} {v}" for k, v in sorted(result.gc_frees.items()))
-    rows += [
-        ("GC frees", frees or "-"),
-        ("invariant checks", str(result.checks)),
-        ("converged after", _secs(result.converged_after)),
-        ("pool empty after teardown", _secs(result.emptied_after)),
-        ("violations", str(len(result.violations))),
-    ]
-    return rows
-
-
-def summary(result: Result) -> Table:
-    table = Table(title="ipward sim: summary")
-    table.add_column("")
-    table.add_column("")
-    for name, value in summary_rows(result):
-        table.add_row(name, value)
-    return table
-
-
-def _secs(value: float | None) -> str:
-    return "never" if value is None else f"{value:.1f}s"
-
-
-def write_report(result: Result, directory: Path) -> Path:
-    """The self-contained HTML report: pool use over time, ADD latency percentiles over
-    time with fault markers, GC frees by reason, the summary, the violations."""
-    from ipward_lab.report import Page, line_plot
-
-    directory.mkdir(parents=True, exist_ok=True)
-    markers = [(t, kind) for t, kind, _ in result.faults]
-    samples = result.samples
-    page = Page(f"ipward sim: {result.options.backend}, seed {result.options.seed}")
-    page.heading("Summary")
-    page.table(["", ""], [list(row) for row in summary_rows(result)])
-    page.figure(
-        line_plot(
-            {
-                "records": [(s.at, s.records) for s in samples],
-                "pods running": [(s.at, s.running) for s in samples],
-            },
-            "seconds",
-            "count",
-            "Pool use over time",
-            markers=markers,
-        ),
-        "Allocation records and running pods; vertical lines are faults.",
-    )
-    windows = [(s.at, s.add_ms) for s in samples if s.add_ms]
-    page.figure(
-        line_plot(
-            {
-                "p50": [(t, _pct(ms, 50)) for t, ms in windows],
-                "p99": [(t, _pct(ms, 99)) for t, ms in windows],
-            },
-            "seconds",
-            "ms",
-            "ADD latency (plugin exec through the agent), per second",
-            markers=markers,
-        ),
-        "ADD latency percentiles per second; vertical lines are faults.",
-    )
-    page.heading("Garbage collection frees by reason")
-    page.table(["reason", "addresses"], [[k, str(v)] for k, v in sorted(result.gc_frees.items())])
-    page.heading("Faults")
-    page.table(["at", "fault", "what"], [[f"{t:.1f}s", k, d] for t, k, d in result.faults])
-    page.heading("Violations")
-    if result.violations:
-        for v in result.violations:
-            page.paragraph(f"{v.kind} {v.address}: {v.detail}")
-            if v.history:
-                page.table(["history"], [[line] for line in v.history])
-    else:
-        page.paragraph("None.")
-    path = directory / "report.html"
-    page.write(path)
-    return path
-
-
-@contextlib.contextmanager
-def _workdir(path: str | None, keep: bool) -> Iterator[Path]:
-    if path:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        yield Path(path)
-        return
-    tmp = Path(tempfile.mkdtemp(prefix="ipward-sim-"))
-    try:
-        yield tmp
-    finally:
-        if not keep:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _faults(text: str) -> tuple[str, ...]:
-    if text == "all":
-        return FAULTS
-    if text == "none":
-        return ()
-    chosen = tuple(t.strip() for t in text.split(",") if t.strip())
-    unknown = [t for t in chosen if t not in FAULTS]
-    if unknown:
-        raise click.BadParameter(f"unknown fault {unknown[0]!r}; choose from {', '.join(FAULTS)}")
-    return chosen
-
-
-@click.command("sim")
-@click.option("--nodes", type=click.IntRange(1, 20), default=3, show_default=True)
-@click.option("--pods", type=click.IntRange(4, 2000), default=30, show_default=True)
-@click.option(
-    "--rate",
-    type=click.FloatRange(0.1, 100),
-    default=4.0,
-    show_default=True,
-    help="Workload actions per second (scale, roll, restart, delete, new Job).",
-)
-@click.option(
-    "--duration",
-    type=click.FloatRange(5),
-    default=60.0,
-    show_default=True,
-    help="Seconds of churn.",
-)
-@click.option("--seed", type=int, default=1, show_default=True)
-@click.option(
-    "--faults",
-    "faults_text",
-    default="all",
-    show_default=True,
-    help=f"all, none, or a comma list of: {', '.join(FAULTS)}.",
-)
-@click.option(
-    "--store",
-    "backend",
-    type=click.Choice(BACKENDS),
-    default="sqlite",
-    show_default=True,
-    help="A fresh store: SQLite, one etcd, or a three-member etcd on loopback.",
-)
-@click.option(
-    "--report", "report_dir", type=click.Path(file_okay=False), help="Write report.html here."
-)
-@click.option("--workdir", type=click.Path(file_okay=False), help="Keep logs and state here.")
-@click.option("--no-live", is_flag=True, help="No live view (for logs and CI).")
-def sim_command(
-    nodes: int,
-    pods: int,
-    rate: float,
-    duration: float,
-    seed: int,
-    faults_text: str,
-    backend: str,
-    report_dir: str | None,
-    workdir: str | None,
-    no_live: bool,
-) -> None:
-    """Chaos soak: real agents, controllers and plugin on a real store, driven by the
-    simulated cluster with faults; exit status 1 on any violation."""
-    options = Options(
-        nodes=nodes,
-        pods=pods,
-        rate=rate,
-        duration=duration,
-        seed=seed,
-        faults=_faults(faults_text),
-        backend=backend,
-    )
-    console = Console(stderr=True)
-    with _workdir(workdir, keep=False) as where:
-        result = Soak(options, where, console).run(live=not no_live and console.is_terminal)
-        out = Console()
-        out.print(summary(result))
-        for v in result.violations:
-            out.print(f"[red]VIOLATION[/] {v.kind} {v.address}: {v.detail}")
-            for line in v.history:
-                out.print(f"    {line}")
-        if report_dir:
-            out.print(f"report: {write_report(result, Path(report_dir))}")
-    sys.exit(0 if result.ok else 1)
