@@ -25,6 +25,11 @@ temporary etcd, C client threads per agent looping ADD then DEL through the plug
 socket call, next to raw etcd CAS by as many threads in the same run (the two loads take
 turns in rounds); then plugin exec ADD through an agent next to the bare interpreter and
 host-local.
+
+Modules, one a figure: `throughput` (1), `plugin_exec` (2), `latency` (3, 4, 5), `fill`
+(pools filled in bulk for them), `gc_memory` (6, 7), `cluster` (--cluster), `report`
+(--report), `run` (the default run and the growth part, section by section), `command`,
+and `common` (what they share, `Results` among it).
 """
 
 from ipward_lab.bench.cluster import agent_exec_latency, run_cluster
