@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything ipward needs on a fresh Debian bookworm machine: system packages,
 # a virtualenv on Debian's /usr/bin/python3 (the interpreter the CNI plugin runs under),
-# and the package with its test extras. Safe to run again; skips what is already there.
+# and both distributions editable: the product `ipward` (root pyproject.toml, with its test
+# extras) and the labs `ipward-lab` (lab/pyproject.toml: demo, sim, bench, test servers).
+# Safe to run again; skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,8 +24,8 @@ if [ ! -x .venv/bin/python ]; then
   /usr/bin/python3 -m venv .venv
 fi
 stamp=.venv/.ipward-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ lab/pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null
-  .venv/bin/pip install -q -e '.[test]'
+  .venv/bin/pip install -q -e '.[test]' -e ./lab
   touch "$stamp"
 fi

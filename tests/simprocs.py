@@ -12,10 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import run_cli, wait_for
-from ipward import fleet
 from ipward import records as rec
-from ipward.simcluster import SimCluster
 from ipward.store import open_store
+from ipward_lab import fleet
+from ipward_lab.simcluster import SimCluster
 
 
 @contextmanager

@@ -26,13 +26,14 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import blocks, fleet
+from ipward import blocks
 from ipward import records as rec
 from ipward.agent import MAX_READING_PER_PROCESS
-from ipward.etcdlab import etcd_server
 from ipward.pool import PoolSpec
 from ipward.store import open_store
 from ipward.wire import REQUEST_MAGIC, encode_request, read_answer
+from ipward_lab import fleet
+from ipward_lab.etcdlab import etcd_server
 
 NODE = "agent-node"
 SETPRIV = "/usr/bin/setpriv"
@@ -42,7 +43,7 @@ READY_TIMEOUT = 30.0
 
 
 class AgentProcess(fleet.Agent):
-    """One `ipward agent` process (`ipward.fleet`), metrics off unless asked for."""
+    """One `ipward agent` process (`ipward_lab.fleet`), metrics off unless asked for."""
 
     def __init__(
         self,
@@ -232,7 +233,7 @@ def public_plugin(directory: Path) -> Path:
     """A copy of the plugin another user can run: its package readable by all, wherever
     this checkout lives (a clone in a 0700 directory would make the import fail)."""
     import ipward
-    from ipward.cli import LAUNCHER
+    from ipward.install import LAUNCHER
 
     lib = directory / "lib"
     shutil.copytree(Path(ipward.__file__).parent, lib / "ipward")

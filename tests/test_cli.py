@@ -10,9 +10,9 @@ import pytest
 
 from conftest import exec_plugin, run_cli
 from ipward import records as rec
-from ipward.etcdlab import etcd_server
 from ipward.store import open_backend, open_store
 from ipward.store.base import Put
+from ipward_lab.etcdlab import etcd_server
 
 ADD_CONFIG = {"cniVersion": "1.0.0", "name": "net", "ipam": {"type": "ipward", "pool": "web"}}
 

@@ -16,9 +16,9 @@ import pytest
 
 from conftest import IPWARD, run_cli, wait_for
 from ipward import records as rec
-from ipward.etcdlab import etcd_server
-from ipward.netlab import NetLab, Pod, bridge_network_config, skip_reason
 from ipward.store import open_store
+from ipward_lab.etcdlab import etcd_server
+from ipward_lab.netlab import NetLab, Pod, bridge_network_config, skip_reason
 from test_agent import AgentProcess
 
 pytestmark = [

@@ -35,10 +35,10 @@ import pytest
 from conftest import IPWARD, run_cli, wait_for
 from ipward import blocks, log, testpoints
 from ipward import records as rec
-from ipward.etcdlab import EtcdCluster, etcd_cluster, etcd_server
 from ipward.pool import PoolSpec
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT, Delete, Put
+from ipward_lab.etcdlab import EtcdCluster, etcd_cluster, etcd_server
 from test_agent import AgentProcess
 
 # The plugin blocks in read(0) until its config arrives: how we line up racing execs.

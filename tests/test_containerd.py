@@ -30,10 +30,11 @@ import pytest
 import containerd_lab
 from conftest import exec_plugin, run_cli
 from containerd_lab import ContainerdLab, LabError, machine_state
-from ipward import cri, fleet
+from ipward import cri
 from ipward.cri import CriClient, CriError, CriSource
 from ipward.liveness import LivenessUnavailable, NotCovered, Sandbox, open_source
 from ipward.store import open_store
+from ipward_lab import fleet
 
 NETWORK = "ipward-cri"
 SUBNET = "10.77.0.0/24"

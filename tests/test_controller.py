@@ -21,16 +21,17 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, wait_for
-from ipward import blocks, fleet
+from ipward import blocks
 from ipward import records as rec
 from ipward.controller import LEADER_KEY, Controller, Election, Metrics
 from ipward.errors import IpwardError, TryAgainLater
-from ipward.etcdlab import etcd_server
 from ipward.ledger import Ledger
 from ipward.pool import PoolSpec
 from ipward.records import Attachment, PodInfo
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Delete, Put, at_revision
+from ipward_lab import fleet
+from ipward_lab.etcdlab import etcd_server
 
 TTL = 2  # etcd's floor
 INTERVAL = 0.2
@@ -45,7 +46,7 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 class Ctl(fleet.Controller):
-    """One `ipward controller` process (`ipward.fleet`) with this file's timings."""
+    """One `ipward controller` process (`ipward_lab.fleet`) with this file's timings."""
 
     def __init__(self, url: str, ident: str, tmp: Path, ready_delay: float = 0.3) -> None:
         timings = ("--interval", str(INTERVAL), "--lease-ttl", str(TTL))

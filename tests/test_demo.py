@@ -22,8 +22,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import exec_plugin, run_cli
-from ipward import demo
-from ipward.netlab import (
+from ipward_lab import demo
+from ipward_lab.netlab import (
     CNI_BIN_DIR,
     NETNS_DIR,
     NetLab,
@@ -81,7 +81,7 @@ def test_demo_end_to_end_as_a_subprocess(tmp_path: Path) -> None:
 
     args = ["--pods", "4", "--subnet", DEMO_SUBNET, "--state-dir", str(state)]
     proc = subprocess.run(
-        [sys.executable, "-m", "ipward.demo", *args],
+        [sys.executable, "-m", "ipward_lab.demo", *args],
         capture_output=True,
         text=True,
         timeout=240,

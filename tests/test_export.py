@@ -16,9 +16,9 @@ import pytest
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
 from ipward import records as rec
 from ipward import schema
-from ipward.etcdlab import etcd_server
 from ipward.store import open_backend, open_store
 from ipward.store.base import Put, StoreMissing
+from ipward_lab.etcdlab import etcd_server
 
 INCOMPATIBLE = 106
 KINDS = {"pools", "ips", "attach", "blocks", "affinity", "fill", "blockcursor", "free", "freeq",

@@ -20,11 +20,10 @@ from ipward.liveness import (
     NodeView,
     Pod,
     Sandbox,
-    SimFileSource,
-    write_sim_state,
 )
 from ipward.pool import PoolSpec
 from ipward.store.base import Put
+from ipward_lab.simcluster import SimFileSource, write_sim_state
 
 GRACE = 10.0
 T0 = 1_000_000.0  # the ADD of every record below

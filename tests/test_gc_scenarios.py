@@ -1,6 +1,6 @@
 """Garbage-collection scenarios (issue 4, DESIGN 7), each on a real store with real
 `ipward agent` and `ipward controller` processes, driven by the simulated cluster
-(`ipward.simcluster`) through the real plugin. Every scenario ends with the invariants
+(`ipward_lab.simcluster`) through the real plugin. Every scenario ends with the invariants
 of DESIGN section 4 (`ipward check`, no address on two ready pods, every running pod's
 address recorded for its sandbox) plus its own expectation.
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, run_cli, wait_for
-from ipward import fleet
 from ipward import records as rec
-from ipward.etcdlab import etcd_server
+from ipward_lab import fleet
+from ipward_lab.etcdlab import etcd_server
 from simprocs import GRACE, INTERVAL, NS, World
 
 

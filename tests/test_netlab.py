@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ipward.netlab import (
+from ipward_lab.netlab import (
     BRIDGE_PLUGIN,
     CNI_BIN_DIR,
     NETNS_DIR,

@@ -25,11 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import PluginResult, wait_for
-from ipward import fleet, wire
 from ipward import records as rec
+from ipward import wire
 from ipward.errors import CODES
 from ipward.plugin import forward
 from ipward.store import open_store
+from ipward_lab import fleet
 
 DOCUMENTED = set(CODES)  # README's table; 999 (a bug) is not among them
 COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
-from ipward import fleet, schema
 from ipward import records as rec
-from ipward.etcdlab import etcd_server
+from ipward import schema
 from ipward.ledger import Ledger
 from ipward.records import Attachment, PodInfo
 from ipward.store import open_backend, open_store
 from ipward.store.base import Delete, Put
+from ipward_lab import fleet
+from ipward_lab.etcdlab import etcd_server
 
 INCOMPATIBLE = 106
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import fleet
 from ipward import records as rec
-from ipward.liveness import Pod, write_sim_state
+from ipward.liveness import Pod
 from ipward.store import open_store
+from ipward_lab import fleet
+from ipward_lab.simcluster import write_sim_state
 
 NODE = "n1"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from conftest import IPWARD, wait_for
 from ipward import records as rec
-from ipward.sim import FAULTS, NS, POOL, Options, Soak
 from ipward.store.base import Delete, at_revision
+from ipward_lab.sim import FAULTS, NS, POOL, Options, Soak
 
 
 def soak(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -73,14 +73,14 @@ def test_the_checker_catches_a_lost_live_address(tmp_path: Path) -> None:
         assert s.sim is not None and s.store is not None
         s.sim.create_deployment(NS, "web", 2)
         wait_for(lambda: len(s.sim.ready_addresses()) == 2, "2 pods ready")  # type: ignore[union-attr]
-        assert s.check_once() == []
+        assert s.checker.check_once() == []
         ip = sorted(s.sim.ready_addresses())[0]
         kv = s.store.get(rec.ip_key(POOL, ip))
         assert kv is not None
         s.store.txn([at_revision(kv.key, kv.mod_revision)], [Delete(kv.key)])
-        found = s.check_once()
+        found = s.checker.check_once()
         assert [(v.kind, v.address) for v in found] == [("live-loss", ip)]
-        s._record(found)
+        s.checker.record(found)
         (violation,) = s.result.violations
         assert any("put" in line for line in violation.history)
         assert violation.history[-1].endswith("(deleted)")

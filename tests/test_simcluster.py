@@ -1,4 +1,4 @@
-"""The simulated cluster (`ipward.simcluster`) with the real plugin and real agents on
+"""The simulated cluster (`ipward_lab.simcluster`) with the real plugin and real agents on
 SQLite: what its lifecycles send to the plugin (ADD, DEL at stop, DEL at remove, none
 for a completed Job, none when dropped, late when delayed), what the store then holds,
 and what it publishes, read back the way agents and controllers read it
@@ -21,9 +21,9 @@ import pytest
 
 from conftest import run_cli
 from ipward import records as rec
-from ipward.liveness import LivenessUnavailable, Pod, SimFileSource
-from ipward.simcluster import SimCluster
+from ipward.liveness import LivenessUnavailable, Pod
 from ipward.store import open_store
+from ipward_lab.simcluster import SimCluster, SimFileSource
 from simprocs import ManualClock, agents
 
 NODES = ["node-a", "node-b", "node-c"]

@@ -22,7 +22,6 @@ from typing import TypeVar
 
 import pytest
 
-from ipward.etcdlab import EtcdServer, etcd_cluster, etcd_server
 from ipward.store import open_backend, sqlite
 from ipward.store.base import (
     DELETE,
@@ -40,6 +39,7 @@ from ipward.store.base import (
     absent,
     at_revision,
 )
+from ipward_lab.etcdlab import EtcdServer, etcd_cluster, etcd_server
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,9 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, PluginResult, exec_plugin, wait_for
-from ipward import fleet, wire
 from ipward import records as rec
+from ipward import wire
 from ipward.store import open_store
+from ipward_lab import fleet
 from test_agent import exec_as, public_plugin
 
 NOBODY = 65534

@@ -17,9 +17,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ipward import extensions, schema, transfer
 from ipward import gc as gc_rules
 from ipward import records as rec
-from ipward import schema, transfer
 from ipward.addr import format_ip, parse_cidr, parse_ip
 from ipward.config import DEFAULT_STORE
 from ipward.errors import InvalidConfig, IpwardError
@@ -122,7 +122,19 @@ pass_ctx_may_create = _uses_store(create=True)
 
 
 class IpwardGroup(click.Group):
-    """Turns our errors into one clear line instead of a traceback."""
+    """Turns our errors into one clear line instead of a traceback. Also offers the commands
+    other installed distributions declare (`extensions.COMMANDS`: the labs' demo, sim,
+    bench); without them, they are simply not there."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *extensions.added(extensions.COMMANDS)})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None:
+            entry = extensions.added(extensions.COMMANDS).get(name)
+            command = entry.load() if entry is not None else None
+        return command
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -871,15 +883,6 @@ def import_command(c: Context, file: str, batch_keys: int) -> None:
 
 # -- install ----------------------------------------------------------------------------
 
-LAUNCHER = """#!/usr/bin/python3 -IS
-# ipward CNI IPAM plugin, installed by 'ipward install-cni'. -I -S (one shebang word):
-# isolated, no site: fast start; the package is found at the path below.
-import sys
-sys.path.insert(0, {path!r})
-from ipward.plugin import main
-main()
-"""
-
 
 @cli.command("install-cni")
 @click.option(
@@ -891,30 +894,19 @@ main()
 @click.option("--name", default="ipward", show_default=True, help="Executable name.")
 def install_cni(bin_dir: str, name: str) -> None:
     """Install the plugin executable into a CNI bin dir."""
-    import ipward
+    from ipward.install import write_launcher
 
-    package_root = str(Path(ipward.__file__).resolve().parent.parent)
     target = Path(bin_dir) / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{name}.tmp{os.getpid()}")
-    tmp.write_text(LAUNCHER.format(path=package_root))
-    tmp.chmod(0o755)
-    tmp.replace(target)  # atomic: a runtime never execs a half-written plugin
+    write_launcher(target)
     click.echo(f"installed {target}")
 
 
 def _attach_commands() -> None:
     from ipward.agent import agent_command
-    from ipward.bench import bench_command
     from ipward.controller import controller_command
-    from ipward.demo import demo_command
-    from ipward.sim import sim_command
 
     cli.add_command(agent_command, "agent")
-    cli.add_command(bench_command, "bench")
     cli.add_command(controller_command, "controller")
-    cli.add_command(demo_command, "demo")
-    cli.add_command(sim_command, "sim")
 
 
 _attach_commands()

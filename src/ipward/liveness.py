@@ -15,22 +15,20 @@ creation plus the ADD grace, so a lagging source (an old `as_of`) frees nothing.
 
 Sources by URL (`open_source`):
   * `cri:///run/containerd/containerd.sock`: containerd's CRI over its socket (ipward.cri);
-  * `sim:///path/state.json`: the simulated cluster's published state (ipward.simcluster
-    writes it; the format is `SimFileSource`'s docstring);
   * `k8s://` (in a pod) or `k8s://?kubeconfig=PATH&context=NAME`: the Kubernetes API
-    (ipward.cluster.k8s; with a node, that node's pods only).
+    (ipward.cluster.k8s; with a node, that node's pods only);
+  * any scheme an installed distribution adds (`extensions.LIVENESS_SOURCES`): the labs
+    add `sim:///path/state.json`, the simulated cluster's published state
+    (`ipward_lab.simcluster.source`).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import threading
-import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
+from ipward import extensions
 from ipward.errors import InvalidConfig
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -100,11 +98,12 @@ class Pod:
             finished_at=_float_or_none(d.get("finished_at")),
             owner_kind=str(d.get("owner_kind", "")),
             owner_name=str(d.get("owner_name", "")),
-            annotations=_strings(d.get("annotations", {})),
+            annotations=string_dict(d.get("annotations", {})),
         )
 
 
-def _strings(value: object) -> dict[str, str]:
+def string_dict(value: object) -> dict[str, str]:
+    """A JSON object's entries as strings (annotations); anything else gives none."""
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
@@ -153,108 +152,25 @@ class LivenessSource(ABC):
         pass
 
 
-class SimFileSource(LivenessSource):
-    """Reads the state the simulated cluster publishes (atomically, by rename) as JSON:
-
-        {"as_of": <time the state reflects>,
-         "cluster": {"pods": [Pod...], "nodes": [name...], "statefulsets": {"ns/n": 3},
-                     "namespaces": {"ns": {annotation: value}}}
-                    | {"fail": "why"} | {"stall_until": <time>},
-         "runtimes": {"<node>": {"sandboxes": [Sandbox...]} | {"fail": "why"}
-                                | {"stall_until": <time>}}}
-
-    A node missing from `runtimes` is a runtime that cannot be reached (node down). A
-    stall makes the call wait (at most `timeout`) and then fail, as a hung runtime does.
-    """
-
-    def __init__(self, path: str, timeout: float = 2.0) -> None:
-        self.path = path
-        self.timeout = timeout
-        # The file is replaced by rename, so (inode, mtime, size) names one version:
-        # a pass asking for N nodes and the cluster parses it once, not N + 1 times.
-        self._parsed: tuple[tuple[int, int, int], dict[str, Any]] | None = None
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                version = (st.st_ino, st.st_mtime_ns, st.st_size)
-                if self._parsed is not None and self._parsed[0] == version:
-                    return self._parsed[1]
-                state = json.loads(f.read())
-        except (OSError, ValueError) as e:
-            raise LivenessUnavailable(f"simulated cluster state {self.path}: {e}") from e
-        if not isinstance(state, dict) or "as_of" not in state:
-            raise LivenessUnavailable(f"simulated cluster state {self.path}: no as_of")
-        self._parsed = (version, state)
-        return state
-
-    def _answer(self, part: object, what: str) -> dict[str, Any]:
-        if not isinstance(part, dict):
-            raise LivenessUnavailable(f"{what}: unreachable")
-        if "fail" in part:
-            raise LivenessUnavailable(f"{what}: {part['fail']}")
-        stall_until = part.get("stall_until")
-        if stall_until is not None:
-            wait = min(float(stall_until) - time.time(), self.timeout)
-            if wait > 0:
-                time.sleep(wait)
-            raise LivenessUnavailable(f"{what}: no answer within {self.timeout:g}s")
-        return part
-
-    def node_view(self, node: str) -> NodeView:
-        state = self._read()
-        part = self._answer(state.get("runtimes", {}).get(node), f"runtime of node {node}")
-        sandboxes = [Sandbox.from_dict(d) for d in part.get("sandboxes", [])]
-        return NodeView(node, float(state["as_of"]), {s.id: s for s in sandboxes})
-
-    def cluster_view(self) -> ClusterView:
-        state = self._read()
-        part = self._answer(state.get("cluster"), "cluster")
-        pods = [Pod.from_dict(d) for d in part.get("pods", [])]
-        return ClusterView(
-            as_of=float(state["as_of"]),
-            pods={p.uid: p for p in pods},
-            nodes=frozenset(str(n) for n in part.get("nodes", [])),
-            statefulsets={str(k): int(v) for k, v in part.get("statefulsets", {}).items()},
-            namespaces={str(k): _strings(v) for k, v in part.get("namespaces", {}).items()},
-        )
-
-
-def write_sim_state(
-    path: str,
-    as_of: float,
-    cluster: dict[str, Any],
-    runtimes: dict[str, dict[str, Any]],
-) -> None:
-    """Publish a simulated state for `SimFileSource` readers: write aside, then rename,
-    so a reader sees the old state or the new one, never half of one."""
-    body = {"as_of": as_of, "cluster": cluster, "runtimes": runtimes}
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(body, default=_encode))  # one write: json.dump writes in chunks
-    os.replace(tmp, path)
-
-
-def _encode(obj: object) -> object:
-    if isinstance(obj, Sandbox | Pod):
-        return asdict(obj)
-    raise TypeError(f"cannot encode {type(obj).__name__}")
-
-
 def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSource:
-    """A source from its URL; `node` is the node a runtime socket belongs to."""
+    """A source from its URL; `node` is the node a runtime socket belongs to. `cri://` and
+    `k8s://` are the product's own; other schemes are those installed distributions add
+    (`extensions.LIVENESS_SOURCES`: the labs' `sim://`)."""
     scheme, sep, rest = url.partition("://")
     if sep and scheme == "k8s":
         from ipward.cluster.k8s.source import open_k8s  # urllib3 and yaml only when used
 
         return open_k8s(url, node=node, timeout=timeout)
-    if not sep or not rest:
-        raise InvalidConfig(f"liveness source {url!r}: expected cri:///PATH, sim:///PATH or k8s://")
-    if scheme == "sim":
-        return SimFileSource(rest, timeout)
-    if scheme == "cri":
+    if sep and scheme == "cri":
+        if not rest:
+            raise InvalidConfig(f"liveness source {url!r}: expected cri:///PATH")
         from ipward.cri import CriSource  # grpc stays out of everything else's imports
 
         return CriSource(rest, node=node, timeout=timeout)
-    raise InvalidConfig(f"liveness source {url!r}: unknown scheme {scheme!r} (cri, sim, k8s)")
+    added = extensions.added(extensions.LIVENESS_SOURCES)
+    if sep and scheme in added:
+        opened: LivenessSource = added[scheme].load()(url, node=node, timeout=timeout)
+        return opened
+    known = ", ".join(f"{name}://" for name in sorted({"cri", "k8s", *added}))
+    what = f"unknown scheme {scheme!r}" if sep else "not a URL"
+    raise InvalidConfig(f"liveness source {url!r}: {what} (known: {known})")

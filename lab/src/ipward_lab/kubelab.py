@@ -1,4 +1,4 @@
-"""A real kube-apiserver on loopback for tests: a throwaway etcd (`ipward.etcdlab`), then
+"""A real kube-apiserver on loopback for tests: a throwaway etcd (`ipward_lab.etcdlab`), then
 `$KUBE_APISERVER` with a self-signed serving certificate, a static token file, a client
 CA (`ipward_lab.pki`) and service-account keys made with `openssl`; ready when `/readyz`
 answers; a kubeconfig written for it. Everything is stopped and removed when the
@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from ipward.etcdlab import etcd_server, free_port
+from ipward_lab.etcdlab import etcd_server, free_port
 from ipward_lab.pki import ClientPki, client_pki, openssl
 
 READY_TIMEOUT = 90.0

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ipward.etcdlab import free_port
+from ipward_lab.etcdlab import free_port
 from ipward_lab.pki import CLIENT_USER, client_pki, serving_cert
 
 

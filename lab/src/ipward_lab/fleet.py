@@ -33,7 +33,12 @@ class Process:
     started_msg = ""
 
     def __init__(
-        self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        log_level: str = "debug",
     ) -> None:
         self.name = name
         self.args = args
@@ -43,7 +48,7 @@ class Process:
         self.stderr_path = log_dir / f"{name}-{stamp}.stderr"
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [*IPWARD, *args, "--log-file", str(self.log_path), "--log-level", "debug"],
+                [*IPWARD, *args, "--log-file", str(self.log_path), "--log-level", log_level],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
@@ -163,7 +168,9 @@ class Agent(Process):
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         metrics: bool = True,
+        log_level: str = "debug",
     ) -> None:
+        """`log_level` info leaves out a line per request (the bench's agents)."""
         self.node = node
         self.socket = socket_path
         args = [
@@ -178,7 +185,7 @@ class Agent(Process):
             "127.0.0.1:0" if metrics else "off",
             *extra,
         ]
-        super().__init__(f"agent-{node}", args, log_dir, env)
+        super().__init__(f"agent-{node}", args, log_dir, env, log_level)
 
     def wait_ready(self, timeout: float = 30.0) -> Agent:
         """Until a VERSION call through its socket is answered and its start is logged

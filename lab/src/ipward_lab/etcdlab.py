@@ -21,6 +21,10 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.store.etcd import EtcdStore
+
 ETCD = "/usr/bin/etcd"
 ETCDCTL = "/usr/bin/etcdctl"
 READY_TIMEOUT = 30.0
@@ -189,6 +193,20 @@ def etcd_server(
     finally:
         server.resume()  # a paused process does not act on SIGTERM until continued
         server.stop()
+
+
+@contextlib.contextmanager
+def etcd_store(tmp_dir: Path) -> Iterator[EtcdStore]:
+    """A store client on a one-member etcd of its own (`etcd_server`); closed, then the
+    member stopped, on exit."""
+    from ipward.store.etcd import EtcdStore  # grpc: only when a client is wanted
+
+    with etcd_server(tmp_dir) as server:
+        store = EtcdStore.from_url(server.url)
+        try:
+            yield store
+        finally:
+            store.close()
 
 
 class EtcdCluster:

@@ -39,7 +39,7 @@ from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
 
-from ipward.netlab import (
+from ipward_lab.netlab import (
     CNI_BIN_DIR,
     NETNS_DIR,
     CniOutcome,

@@ -1,0 +1,93 @@
+"""The `ipward bench` command."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ipward_lab.bench.cluster import run_cluster
+from ipward_lab.bench.common import (
+    BenchError,
+)
+from ipward_lab.bench.report import run_report
+from ipward_lab.bench.run import run
+
+
+@click.command("bench")
+@click.option(
+    "--quick", is_flag=True, help="Fewer runs, a /20 instead of a /16 (~10 s instead of ~30 s)."
+)
+@click.option("--no-etcd", "no_etcd", is_flag=True, help="Skip the etcd measurements.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the figures as JSON (the report goes to stderr)."
+)
+@click.option(
+    "--cluster",
+    is_flag=True,
+    help="Instead: agents on one temporary etcd under concurrent ADD/DEL, next to raw etcd"
+    " CAS at the same concurrency, and plugin exec through an agent.",
+)
+@click.option(
+    "--agents",
+    type=click.IntRange(1, 64),
+    help="--cluster: agent processes (default 3).",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 256),
+    help="--cluster: concurrent ADD/DEL client threads per agent (default 8).",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(0.1),
+    help="--cluster: seconds of each load in all (default 20, --quick 4).",
+)
+@click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(file_okay=False),
+    help="Also measure how cost grows (ADD vs pool size and fill, GC pass and agent memory"
+    " vs records) and run the cluster part (unless --no-etcd); write DIR/report.html,"
+    " DIR/report.json and the plots as PNG in DIR (~2 min with --quick, ~5 min without).",
+)
+def bench_command(
+    quick: bool,
+    no_etcd: bool,
+    as_json: bool,
+    cluster: bool,
+    agents: int | None,
+    concurrency: int | None,
+    duration: float | None,
+    report_dir: str | None,
+) -> None:
+    """Measure allocation throughput and latency against references from the same run."""
+
+    def report(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    if not cluster and (agents, concurrency, duration) != (None, None, None):
+        raise click.UsageError("--agents, --concurrency and --duration go with --cluster")
+    if cluster and no_etcd:
+        raise click.UsageError("--cluster measures agents on etcd: it does not go with --no-etcd")
+    if cluster and report_dir:
+        raise click.UsageError(
+            "--report runs the cluster part itself (unless --no-etcd): drop --cluster"
+        )
+    try:
+        if report_dir:
+            result = run_report(report_dir, quick=quick, etcd=not no_etcd, out=report)
+        elif cluster:
+            result = run_cluster(
+                agents=3 if agents is None else agents,
+                concurrency=8 if concurrency is None else concurrency,
+                duration=duration,
+                quick=quick,
+                out=report,
+            )
+        else:
+            result = run(quick=quick, etcd=not no_etcd, out=report)
+    except BenchError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))

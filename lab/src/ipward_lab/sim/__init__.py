@@ -1,0 +1,29 @@
+"""`ipward sim`: the chaos soak. The whole system under churn and faults, checked all
+along, in numbers and pictures.
+
+What runs, all real: a store (SQLite by default; one etcd; or a three-member etcd on
+loopback), one `ipward agent` per simulated node and two `ipward controller`s (leader
+election), the installed plugin executable, and the simulated cluster
+(`ipward_lab.simcluster`) as the runtime and orchestrator both: Deployments scaling and
+rolling, StatefulSets scaled down and up fast (sticky addresses), Jobs completing, pods
+deleted and restarted, at `--rate` actions per second, for `--duration` seconds.
+
+Faults, at random times (seeded), each enabled kind at least once: SIGKILL an agent (it
+comes back after a few seconds), SIGKILL the leading controller (a new one starts),
+SIGKILL an etcd member (three-member etcd only; restarted), stall a node's runtime,
+drop a pod's DELs, delay a pod's DELs past the GC grace.
+
+Checked all along, every 0.1 s: no address is held by two ready pods; no ready pod's
+address record is gone or owned by another sandbox (what GC must never do), confirmed
+by reading the cluster before and after the store. At the end: faults cleared and every
+process back, then convergence (exactly the running pods' addresses recorded, every pod
+running), `ipward check`, then everything deleted and the pool empty, `ipward check`
+again. Any violation makes the exit status 1, with the history of the address (every
+version of its record, with revisions).
+"""
+
+from ipward_lab.sim.command import sim_command
+from ipward_lab.sim.result import FAULTS, NS, POOL, Options, Result, Violation
+from ipward_lab.sim.soak import Soak
+
+__all__ = ["FAULTS", "NS", "POOL", "Options", "Result", "Soak", "Violation", "sim_command"]

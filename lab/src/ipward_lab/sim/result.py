@@ -1,0 +1,73 @@
+"""What a soak run is asked (`Options`) and what it found (`Result`: violations,
+per-second samples, faults, GC frees), with the names it works under."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+FAULTS = ("kill-agent", "kill-leader", "kill-etcd", "stall-runtime", "drop-del", "delay-del")
+BACKENDS = ("sqlite", "etcd", "etcd-cluster")
+NS = "soak"
+NETWORK = "soaknet"
+POOL = "soak"
+GC_REASONS = re.compile(
+    r"(sandbox-gone|pod-gone|pod-terminal|node-gone|statefulset-deleted"
+    r"|ordinal-out-of-range|ttl-expired)"
+)
+
+
+@dataclass
+class Options:
+    nodes: int = 3
+    pods: int = 30
+    rate: float = 4.0  # workload actions per second
+    duration: float = 60.0
+    seed: int = 1
+    faults: tuple[str, ...] = FAULTS
+    backend: str = "sqlite"
+    grace: float = 3.0  # ADD grace of agents and controllers
+    gc_interval: float = 0.5
+    settle: float = 120.0  # longest wait for convergence at the end
+
+
+@dataclass
+class Violation:
+    at: float
+    kind: str  # shared-address, live-loss, not-converged, check, leak
+    address: str
+    detail: str
+    history: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Sample:
+    """One second of the run, for the live view and the report."""
+
+    at: float
+    pods: int
+    running: int
+    records: int
+    adds: int  # successful ADDs ended in this second
+    add_ms: list[float]
+
+
+@dataclass
+class Result:
+    options: Options
+    started: float = 0.0
+    violations: list[Violation] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    faults: list[tuple[float, str, str]] = field(default_factory=list)  # (t, kind, detail)
+    gc_frees: Counter[str] = field(default_factory=Counter)
+    actions: Counter[str] = field(default_factory=Counter)
+    checks: int = 0
+    converged_after: float | None = None
+    emptied_after: float | None = None
+    add_calls: int = 0
+    add_failures: Counter[str] = field(default_factory=Counter)  # by CNI error code
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations

@@ -1,0 +1,61 @@
+"""The layer contracts of pyproject.toml's [tool.importlinter], checked by `lint-imports`:
+the product (`ipward`) never imports the labs (`ipward_lab`). Shown to bite: the same
+check on a copy of the tree with one forbidden import added fails, naming it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+LINT_IMPORTS = str(Path(sys.executable).parent / "lint-imports")
+
+
+def lint_imports(cwd: Path, pythonpath: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run(
+        [LINT_IMPORTS, "--no-cache", "--config", str(cwd / "pyproject.toml")],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_product_never_imports_the_labs() -> None:
+    done = lint_imports(REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the product never imports the labs KEPT" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "leak",
+    [
+        "from ipward_lab import fleet\n",
+        # Imported only when called, as cli.py once imported the lab's commands.
+        "def command():\n    from ipward_lab.fleet import Agent\n\n    return Agent\n",
+    ],
+    ids=["module-level", "inside-a-function"],
+)
+def test_a_product_import_of_the_labs_breaks_the_contract(tmp_path: Path, leak: str) -> None:
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "src" / "ipward", tmp_path / "src" / "ipward", ignore=skip)
+    shutil.copytree(
+        REPO / "lab" / "src" / "ipward_lab", tmp_path / "lab" / "src" / "ipward_lab", ignore=skip
+    )
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "src" / "ipward" / "leak.py").write_text(leak)
+    # The copy comes first on the path, before the installed (editable) packages.
+    done = lint_imports(tmp_path, f"{tmp_path / 'src'}:{tmp_path / 'lab' / 'src'}")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the product never imports the labs BROKEN" in done.stdout
+    assert "ipward.leak -> ipward_lab.fleet" in done.stdout
