@@ -34,27 +34,17 @@ def fault_counts(stdout: str) -> dict[str, int]:
     return {kind: int(n) for kind, n in re.findall(r"(" + "|".join(FAULTS) + r") (\d+)", flat)}
 
 
-def possible(backend: str) -> set[str]:
-    """The faults a run on `backend` without an API server can make."""
-    return {k for k in FAULTS if fault_unavailable(k, backend, "none") is None}
+def possible(backend: str, api: str = "none") -> set[str]:
+    """The faults a run on `backend` and `api` can make."""
+    return {k for k in FAULTS if fault_unavailable(k, backend, api) is None}
+
+
+# The CI soak's size: 100 s, every fault the run can make.
+CI_RUN = ("--nodes", "3", "--pods", "24", "--duration", "100", "--seed", "7", "--faults", "all")
 
 
 def test_soak_three_member_etcd_every_fault(tmp_path: Path) -> None:
-    run = soak(
-        tmp_path,
-        "--store",
-        "etcd-cluster",
-        "--nodes",
-        "3",
-        "--pods",
-        "24",
-        "--duration",
-        "100",
-        "--seed",
-        "7",
-        "--faults",
-        "all",
-    )
+    run = soak(tmp_path, "--store", "etcd-cluster", *CI_RUN)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     counts = fault_counts(run.stdout)
     assert set(counts) == possible("etcd-cluster") and min(counts.values()) >= 1, counts
