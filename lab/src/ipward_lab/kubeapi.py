@@ -9,8 +9,11 @@ reads one snapshot; a token older than the history window gets 410 with a fresh 
 `fieldSelector=spec.nodeName=X` for pods; metadata-only answers
 (`Accept: ...;as=PartialObjectMetadataList` / `PartialObjectMetadata`); watches as
 chunked streams, one JSON event per line, with BOOKMARK events every
-`bookmark_interval` when asked, an ERROR event with a 410 Status when the requested
-resourceVersion is older than the history window, and a clean end at `timeoutSeconds`;
+`bookmark_interval` when asked (on every watch, unlike the real 1.26 server, which sends
+none on a watch of a resource that has not changed: `tests/test_kube_sim.py`,
+`test_a_quiet_resource_stays_current_on_the_real_server`), an ERROR event with a 410
+Status when the requested resourceVersion is older than the history window, and a clean
+end at `timeoutSeconds`;
 writes (POST, PUT of `/status`, merge PATCH, DELETE with `gracePeriodSeconds` and a UID
 precondition: a pod's graceful delete only sets `deletionTimestamp`, as without a
 kubelet); Status bodies for 401, 403, 404, 409, 410.
