@@ -343,7 +343,8 @@ def test_soak_through_the_real_kube_apiserver(tmp_path: Path) -> None:
     test_a_quiet_resource_stays_current_on_the_real_server); until it does, a leak or
     no convergence is reported here, not failed."""
     faults = ("kill-agent", "kill-leader", "drop-del", "delay-del", "api-down")
-    s = Soak(Options(nodes=2, pods=12, duration=40, seed=5, faults=faults, api="real"), tmp_path)
+    options = Options(nodes=2, pods=12, duration=40, seed=5, faults=faults, api="real", settle=60)
+    s = Soak(options, tmp_path)
     result = s.run(live=False)
     kinds = {v.kind for v in result.violations}
     assert not kinds - {"leak", "not-converged"}, result.violations
