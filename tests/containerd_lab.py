@@ -28,6 +28,7 @@ Missing binaries raise `LabError` with what to install: the caller fails, never 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import hashlib
 import io
@@ -54,6 +55,9 @@ NETNS_DIR = Path("/var/run/netns")
 CNI_CACHE_DIR = Path("/var/lib/cni")
 RUN_CONTAINERD = Path("/run/containerd")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# containerd 1.6 writes to machine-wide paths (above) that a lab cleans up when it stops:
+# labs of parallel test workers or checkouts take turns on this lock.
+MACHINE_LOCK = Path("/run/ipward-containerd-lab.lock")
 K8S_NAMESPACE = "k8s.io"  # containerd namespace of the CRI plugin
 IMAGE_NAME = "ipward.test/pause:lab"
 CNI_VERSION = "1.0.0"  # Debian's bridge 1.1.1 refuses 1.1.0
@@ -442,6 +446,7 @@ class ContainerdLab:
         self.leftovers: list[str] = []  # what teardown could not undo
         self._made_netns = False
         self._existed: dict[Path, bool] = {}
+        self._lock: io.TextIOWrapper | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -463,6 +468,8 @@ class ContainerdLab:
                 "a containerd lab needs: " + ", ".join(missing) + " (scripts/setup.sh installs"
                 " the packages)"
             )
+        self._lock = open(MACHINE_LOCK, "a")  # noqa: SIM115 (held until stop)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         if not os.access(self.ipward_plugin, os.X_OK):
             raise LabError(f"the ipward plugin {self.ipward_plugin} is not executable")
         if len(f"{self.address}.ttrpc") > 100:
@@ -692,6 +699,9 @@ class ContainerdLab:
                 step()
             except Exception as e:  # one failed step must not stop the others
                 self.leftovers.append(f"{step.__name__}: {e!r}")
+        if self._lock is not None:
+            self._lock.close()  # releases the machine lock
+            self._lock = None
 
     def _known_sandbox_ids(self) -> set[str]:
         ids = set(self.sandbox_ids)
