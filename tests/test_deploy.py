@@ -116,7 +116,7 @@ def test_etcd_certificates_from_the_script_work_with_a_real_etcd(tmp_path: Path)
     """`deploy/make-etcd-certs.sh` makes a CA, a member certificate and a client
     certificate; a real etcd started with the component's TLS flags accepts ipward's
     store client with the client Secret's files, and refuses it without them."""
-    from ipward.etcdlab import etcd_server
+    from ipward_lab.etcdlab import etcd_server
     from ipward.store import StoreUnavailable, open_store
 
     out = subprocess.run(
@@ -148,5 +148,5 @@ def test_etcd_certificates_from_the_script_work_with_a_real_etcd(tmp_path: Path)
         tls = f"?ca={client['ca.crt']}&timeout=2"
         with open_store(f"{etcd.url}{tls}&cert={client['tls.crt']}&key={client['tls.key']}") as s:
             assert s.revision() >= 1
-        with open_store(etcd.url + tls) as s, pytest.raises(StoreUnavailable):
-            s.revision()
+        with pytest.raises(StoreUnavailable):  # opening it checks the store's schema
+            open_store(etcd.url + tls)
