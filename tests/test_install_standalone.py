@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import install
+from ipward import install, standalone_build
 from ipward.store import open_store
 from ipward.wire import MAX_CONFIG
 from ipward_lab import fleet
@@ -28,7 +28,9 @@ from ipward_lab import fleet
 RANGES = {"ranges": [[{"subnet": "10.91.0.0/24"}]]}
 # Beyond the interpreter's own start, the standalone plugin may import these and nothing
 # else, on any path (the C modules under jsonc, plugin's socket and posix calls).
-ALLOWED_IMPORTS = {f"ipward.{m}" for m in install.STANDALONE_MODULES if m != "__init__"} | {
+ALLOWED_IMPORTS = {
+    f"ipward.{m}" for m in standalone_build.STANDALONE_MODULES if m != "__init__"
+} | {
     "ipward",
     "__future__",
     "_json",
@@ -155,7 +157,7 @@ def test_standalone_plugin_holds_and_imports_only_the_forwarding_path(
     its refused path, imports anything beyond them and the C modules they use."""
     with zipfile.ZipFile(standalone) as archive:
         names = set(archive.namelist())
-    modules = [f"ipward/{m}" for m in install.STANDALONE_MODULES] + ["__main__"]
+    modules = [f"ipward/{m}" for m in standalone_build.STANDALONE_MODULES] + ["__main__"]
     assert names == {f"{m}{ext}" for m in modules for ext in (".py", ".pyc")}
 
     config = agent_config(agent.socket)
@@ -185,7 +187,9 @@ def test_shebang_fits_the_kernels_line_and_modules_parse_at_the_oldest_python(
     with zipfile.ZipFile(standalone) as archive:
         for name in archive.namelist():
             if name.endswith(".py"):
-                ast.parse(archive.read(name), name, feature_version=install.MIN_HOST_PYTHON)
+                ast.parse(
+                    archive.read(name), name, feature_version=standalone_build.MIN_HOST_PYTHON
+                )
 
 
 def test_a_host_python_of_another_version_runs_the_sources(
@@ -213,7 +217,7 @@ def test_a_host_python_of_another_version_runs_the_sources(
 
 def loaded_from(plugin: Path) -> set[str]:
     """The suffixes of the files the plugin's modules were imported from."""
-    modules = [f"ipward.{m}" for m in install.STANDALONE_MODULES if m != "__init__"]
+    modules = [f"ipward.{m}" for m in standalone_build.STANDALONE_MODULES if m != "__init__"]
     code = (
         f"import sys; sys.path.insert(0, {str(plugin)!r}); import {', '.join(modules)};"
         " print(' '.join(m.__file__ for n, m in sys.modules.items() if n.startswith('ipward')))"
@@ -325,12 +329,12 @@ def test_a_host_python_that_can_run_it_is_accepted(
     root = host(tmp_path / "host", python, libraries)
     done = build(tmp_path / "bin", "--host-root", str(root))
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "bin" / "ipward").read_bytes() == install.standalone_plugin()
+    assert (tmp_path / "bin" / "ipward").read_bytes() == standalone_build.standalone_plugin()
 
 
 def test_this_machines_python_passes_the_check_it_runs_the_plugin_with() -> None:
     """The default host root is /: the interpreter the tests exec the plugin with."""
-    assert install.host_python_problem(Path("/")) is None
+    assert standalone_build.host_python_problem(Path("/")) is None
 
 
 # -- reinstall while the runtime execs --------------------------------------------------
@@ -340,7 +344,7 @@ def test_an_exec_during_a_reinstall_never_sees_a_partial_file(tmp_path: Path) ->
     """A runtime execs the plugin while an upgrade rewrites it again and again: every
     exec runs a whole plugin (the old or the new one), and no rewrite fails."""
     target = tmp_path / "bin" / "ipward"
-    plugin_bytes = install.standalone_plugin()
+    plugin_bytes = standalone_build.standalone_plugin()
     install.write_executable(target, plugin_bytes)
     execs: list[PluginResult] = []
     rewrites: list[int] = []

@@ -907,16 +907,16 @@ def import_command(c: Context, file: str, batch_keys: int) -> None:
 )
 def install_cni(bin_dir: str, name: str, standalone: bool, host_root: str) -> None:
     """Install the plugin executable into a CNI bin dir."""
-    from ipward import install
+    from ipward import install, standalone_build
 
     target = Path(bin_dir) / name
     if not standalone:
         install.write_launcher(target)
     else:
-        problem = install.host_python_problem(Path(host_root))
+        problem = standalone_build.host_python_problem(Path(host_root))
         if problem:
             raise click.BadParameter(problem, param_hint="--host-root")
-        install.write_executable(target, install.standalone_plugin())
+        install.write_executable(target, standalone_build.standalone_plugin())
     click.echo(f"installed {target}")
 
 
