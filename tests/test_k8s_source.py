@@ -40,6 +40,17 @@ def wait_view(source: Any, condition: Any, what: str) -> ClusterView:
     return wait_for(check, what)  # type: ignore[no-any-return]
 
 
+def wait_watching(kube_server: KubeApi, source: Any) -> None:
+    """Until the test server has the watch of every resource of `source` (a stream cut
+    from then on reaches each)."""
+
+    def watched() -> set[str]:
+        return {p.split("?")[0] for _, p, _ in kube_server.server.requests if "watch=1" in p}
+
+    paths = {r.resource.path for r in source.reflectors}
+    wait_for(lambda: paths <= watched(), "a watch of every resource")
+
+
 def mine(view: ClusterView, namespace: str) -> dict[str, Any]:
     """The view's pods of one namespace, by name."""
     return {p.name: p for p in view.pods.values() if p.namespace == namespace}
@@ -213,18 +224,50 @@ def test_expired_continue_token_starts_the_list_over(kube_server: KubeApi) -> No
     assert len([p for p in firsts if "watch" not in p]) >= 2  # started over
 
 
-def test_cut_stream_relists(kube_server: KubeApi) -> None:
+@pytest.mark.parametrize("inside_a_chunk", [False, True], ids=["between-chunks", "inside-a-chunk"])
+def test_cut_stream_relists(kube_server: KubeApi, inside_a_chunk: bool) -> None:
+    """A stream cut (a dropped connection, a proxy's idle cut) is not a clean end: what
+    was in flight may be lost, so the source lists again rather than watching on."""
     api, server = kube_server.admin, kube_server.server
     api.namespace("ns")
     api.node("n1")
     source = kube_server.source()
     wait_view(source, lambda v: "n1" in v.nodes, "the first list")
+    wait_watching(kube_server, source)
     server.stall()
     uid = api.pod("ns", "while-cut", "n1")
-    server.cut_streams()  # no last chunk: a broken stream
+    server.cut_streams(inside_a_chunk)  # no last chunk: a broken stream
     server.unstall()
     view = wait_view(source, lambda v: source.pods.lists == 2, "the relist")
     assert uid in view.pods
+
+
+def test_a_quiet_resource_is_heard_at_each_clean_end(kube_server: KubeApi) -> None:
+    """Nothing changes: the server sends no bookmark (nor does the real one), but ends
+    each watch cleanly at its timeoutSeconds, which the source asks at most half its
+    staleness bound: the source stays available and its as_of moves on, with no relist."""
+    kube_server.admin.node("n1")
+    source = kube_server.source("stale=4", "margin=0")
+    listed = wait_view(source, lambda v: "n1" in v.nodes, "the first list").as_of
+
+    def moved_on() -> bool:
+        return source.cluster_view().as_of > listed + 4  # raises once unavailable
+
+    wait_for(moved_on, "the view's as_of to move past two clean ends")
+    assert all(r.lists == 1 for r in source.reflectors)
+    watches = [p for _, p, _ in kube_server.server.requests if "watch=1" in p]
+    assert watches and all("timeoutSeconds=2&" in f"{p}&" for p in watches)
+
+
+def test_a_watch_ended_before_its_timeout_is_not_heard(kube_server: KubeApi) -> None:
+    """A proxy (or a server shutting down) ends every watch cleanly after 0.3 s, not at
+    the timeoutSeconds asked: that proves nothing about what was in flight. The quiet
+    source is not heard from, goes stale, and lists again instead of watching on."""
+    kube_server.admin.node("n1")
+    kube_server.server.end_watches_after(0.3)
+    source = kube_server.source("stale=4")
+    wait_view(source, lambda v: "n1" in v.nodes, "the first list")
+    wait_for(lambda: source.nodes.lists >= 2, "a relist once the source went stale")
 
 
 @pytest.mark.parametrize(

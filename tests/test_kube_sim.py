@@ -353,18 +353,11 @@ def test_soak_through_the_real_kube_apiserver(tmp_path: Path) -> None:
         print("known product issue on the real server:", result.violations)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product (cluster/k8s/reflector.py): the real kube-apiserver 1.26 sends no"
-    " bookmark on a watch of a resource that does not change, and a watch it ends cleanly"
-    " at timeoutSeconds is not counted as heard: a quiet resource goes stale and its as_of"
-    " never moves",
-)
 def test_a_quiet_resource_stays_current_on_the_real_server(real_kube_apiserver: Any) -> None:
-    """A node list with nothing changing: the server answers every watch until its
-    timeout and ends it cleanly, so the cache is current; its as_of must move on and it
-    must stay available (else GC judges nothing newer than the list, and a source needing
-    nodes and namespaces answers unavailable for good)."""
+    """A node list with nothing changing: the real server sends no bookmark, but answers
+    every watch until its timeout and ends it cleanly, so the cache is current; its as_of
+    must move on and it must stay available (else GC judges nothing newer than the list,
+    and a source needing nodes and namespaces answers unavailable for good)."""
     client = ApiClient(from_kubeconfig(str(real_kube_apiserver.kubeconfig)))
     KubeAdmin(client).node(f"quiet-{int(time.time() * 1000)}")
     reflector = Reflector(client, NODES, watch_timeout=2, stale_after=5, margin=0)

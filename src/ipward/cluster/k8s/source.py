@@ -30,7 +30,7 @@ from ipward.cluster.k8s.objects import (
     parse_pod,
     parse_statefulset,
 )
-from ipward.cluster.k8s.reflector import Reflector, Resource
+from ipward.cluster.k8s.reflector import MIN_STALE_AFTER, Reflector, Resource
 from ipward.errors import InvalidConfig, TryAgainLater
 from ipward.liveness import (
     ClusterView,
@@ -60,7 +60,7 @@ class Settings:
     kubeconfig: str = ""
     context: str = ""
     node: str = ""
-    stale_after: float = 150.0  # a bookmark comes about once a minute
+    stale_after: float = 150.0  # a quiet resource is heard at each watch's end (60 s)
     margin: float = 5.0
     page_size: int = 500
     timeout: float = 10.0
@@ -83,6 +83,10 @@ class Settings:
                     number = kind(value)
                     if number < 0 or (number == 0 and key != "margin"):
                         raise ValueError("out of range")
+                    if key == "stale" and number < MIN_STALE_AFTER:
+                        raise ValueError(
+                            f"at least {MIN_STALE_AFTER:g} (a watch must end within half of it)"
+                        )
                     values[numbers[key]] = number
                 elif key == "timeout":
                     values["timeout"] = float(value)
