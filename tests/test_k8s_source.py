@@ -13,6 +13,7 @@ import pytest
 
 from conftest import KubeApi, wait_for
 from ipward import gc
+from ipward.cluster.k8s.reflector import BACKOFF_MAX, BACKOFF_MIN
 from ipward.errors import TryAgainLater
 from ipward.liveness import ClusterView, LivenessUnavailable, NotCovered
 
@@ -40,12 +41,13 @@ def wait_view(source: Any, condition: Any, what: str) -> ClusterView:
     return wait_for(check, what)  # type: ignore[no-any-return]
 
 
-def wait_watching(kube_server: KubeApi, source: Any) -> None:
-    """Until the test server has the watch of every resource of `source` (a stream cut
-    from then on reaches each)."""
+def wait_watching(kube_server: KubeApi, source: Any, after: int = 0) -> None:
+    """Until the test server has the watch of every resource of `source` among its
+    requests from the `after`th on (a stream cut from then on reaches each)."""
 
     def watched() -> set[str]:
-        return {p.split("?")[0] for _, p, _ in kube_server.server.requests if "watch=1" in p}
+        requests = list(kube_server.server.requests)[after:]
+        return {p.split("?")[0] for _, p, _ in requests if "watch=1" in p}
 
     paths = {r.resource.path for r in source.reflectors}
     wait_for(lambda: paths <= watched(), "a watch of every resource")
@@ -313,6 +315,38 @@ def test_server_down_is_unavailable_and_frees_nothing_then_relists(kube_server: 
     server.come_back()
     view = wait_view(source, lambda v: deleted not in v.pods, "the relist after the server is back")
     assert source.pods.lists >= 2 and "n1" in view.nodes
+
+
+def test_backoff_starts_over_once_the_server_works_again(kube_server: KubeApi) -> None:
+    """Down, the server is asked less and less often (the delay doubles up to
+    BACKOFF_MAX); back, a list and the watch after it started: the next failure is
+    retried after BACKOFF_MIN again, not after the longest delay reached while it was
+    down. The resource is quiet: no event or bookmark marks the recovery."""
+    server = kube_server.server
+    kube_server.admin.node("n1")
+    source = kube_server.source()
+    nodes = source.nodes
+    wait_for(lambda: nodes.available, "the first list")
+    server.go_down()
+    wait_for(lambda: nodes.retry_delay == BACKOFF_MAX, "the longest delay", timeout=120)
+    lists, requests = nodes.lists, len(server.requests)
+    server.come_back()
+    wait_for(lambda: nodes.lists > lists, "the list once the server is back")
+    wait_watching(kube_server, source, requests)  # every resource watched again
+    server.cut_streams()
+    wait_for(lambda: nodes.lists > lists + 1, "the relist after the cut")
+    assert nodes.retry_delay == BACKOFF_MIN
+
+
+def test_a_watch_refused_at_once_does_not_start_the_backoff_over(kube_server: KubeApi) -> None:
+    """Lists answered, every watch refused in its first line (ERROR 410): the list and
+    watch did not start, so the server is asked less and less often, not relisted in a
+    tight loop."""
+    kube_server.admin.node("n1")
+    kube_server.server.refuse_watches()
+    source = kube_server.source()
+    wait_for(lambda: source.nodes.retry_delay == BACKOFF_MAX, "the longest delay", timeout=120)
+    assert source.nodes.lists >= 5  # each list answered, each watch refused
 
 
 def test_stale_when_nothing_arrives(kube_server: KubeApi) -> None:

@@ -21,8 +21,9 @@ kubelet); Status bodies for 401, 403, 404, 409, 410.
 Faults, on demand: `expire_history` (every open watch and the next watch from before now
 get 410, continue tokens too), `cut_streams` (open watches end without their last
 chunk, or inside a chunk), `end_watches_after` (a proxy ending watches cleanly before
-their timeout), `inject` (a raw line on every open watch), `go_down`/`come_back` (connections
-refused, then served again on the same port), `stall`/`unstall` (watches send nothing,
+their timeout), `refuse_watches` (ERROR 410 at once, lists served), `inject` (a raw line
+on every open watch), `go_down`/`come_back` (connections refused, then served again on
+the same port, like a restarted server), `stall`/`unstall` (watches send nothing,
 not even bookmarks), `slow` (every answer delayed).
 
 Not served (ipward does not use it): label selectors, other field selectors,
@@ -595,8 +596,8 @@ class _Handler(BaseHTTPRequestHandler):
                         store.cond.wait(0.1)
                         continue
                     oldest = max(store.compacted, lab.started_rv)
-                    if position < oldest:
-                        events, expired = [], oldest
+                    if position < oldest or lab.refusing_watches:
+                        events, expired = [], max(oldest, position + 1)
                         break
                     events, expired = store.events_after(position), 0
                     now = time.monotonic()
@@ -711,6 +712,7 @@ class KubeApiServer:
         self.generation = 0  # bumped to cut every open stream
         self.cut_inside_chunk = False  # a cut sends half a chunk first
         self.proxy_end: float | None = None  # seconds after which a watch ends cleanly
+        self.refusing_watches = False  # every watch answered with ERROR 410 at once
         self.started_rv = self.store.rv  # a watch from before the server started gets 410
         self.lock = threading.Lock()
         self.connections: set[socket.socket] = set()
@@ -781,6 +783,13 @@ class KubeApiServer:
         with self.store.cond:
             self.cut_inside_chunk = inside_a_chunk
             self.generation += 1
+            self.store.cond.notify_all()
+
+    def refuse_watches(self, refusing: bool = True) -> None:
+        """Answer every watch with ERROR 410 in its first line (lists are served), as a
+        server answers a watch from before its history or its restart."""
+        with self.store.cond:
+            self.refusing_watches = refusing
             self.store.cond.notify_all()
 
     def end_watches_after(self, seconds: float | None) -> None:

@@ -26,6 +26,11 @@ Otherwise `LivenessUnavailable`: "could not list" is never "empty".
 no resourceVersion, so the list holds everything that existed then), later the time of
 the last event, bookmark or clean end minus `margin` (what the server's watch may still
 be behind).
+
+After a failure the next list waits `retry_delay`: doubled from `BACKOFF_MIN` up to
+`BACKOFF_MAX` while the server keeps failing, back to `BACKOFF_MIN` once a list completed
+and the watch after it started (answered, and not refused in its first line by an ERROR
+event: a server that lists but refuses every watch is not relisted in a tight loop).
 """
 
 from __future__ import annotations
@@ -95,7 +100,8 @@ class Reflector(Generic[V]):
         self._heard = 0.0  # time.monotonic() it was last heard (see the module's docstring)
         self._rv = ""
         self.lists = 0  # lists completed (tests wait for a relist by this)
-        self._progressed = False  # an event applied since the last failure
+        self.retry_delay = BACKOFF_MIN  # the wait before the list after a failure
+        self._started = False  # since the last failure, a list and the watch after it started
         self._stop = threading.Event()
         self._stream: WatchStream | None = None
         self._thread = threading.Thread(target=self._run, name=f"k8s-{resource.name}", daemon=True)
@@ -152,8 +158,8 @@ class Reflector(Generic[V]):
             self._why = why
 
     def _run(self) -> None:
-        backoff = BACKOFF_MIN
         while not self._stop.is_set():
+            self._started = False
             try:
                 self._list()
                 self._watch()
@@ -166,11 +172,12 @@ class Reflector(Generic[V]):
             except Exception as e:  # never let the thread die: unavailable, then retry
                 self._unavailable(f"failed: {type(e).__name__}: {e}")
                 log.error("k8s reflector failed", resource=self.resource.name, error=repr(e))
-            # A watch that delivered something starts the backoff over; a server failing
-            # at once again and again is asked less and less often.
-            backoff = BACKOFF_MIN if self._progressed else min(backoff * 2, BACKOFF_MAX)
-            self._progressed = False
-            self._stop.wait(backoff)
+            # A list and its watch that started: the server works again, the next failure
+            # is retried soon; a server failing before that is asked less and less often.
+            self.retry_delay = (
+                BACKOFF_MIN if self._started else min(self.retry_delay * 2, BACKOFF_MAX)
+            )
+            self._stop.wait(self.retry_delay)
 
     def _query(self) -> dict[str, str]:
         selector = self.resource.field_selector
@@ -222,6 +229,7 @@ class Reflector(Generic[V]):
     def _watch(self) -> None:
         """Follow events until the watch cannot go on (raises _Relist) or we stop."""
         accept = METADATA if self.resource.metadata_only else JSON
+        starting = True  # the watch from the list's resourceVersion: has it started?
         while not self._stop.is_set():
             quiet = self._quiet()
             if quiet > self.stale_after:
@@ -245,14 +253,19 @@ class Reflector(Generic[V]):
             if self._stop.is_set():  # stop() came before the stream was there to close
                 stream.close()
                 return
+            self._started = True
             try:
                 for event in stream:
+                    if starting and event.get("type") == "ERROR":
+                        self._started = False  # refused in its first line: not started
+                    starting = False
                     self._apply(event)
             except ApiUnreachable as e:
                 raise _Relist(str(e)) from e
             finally:
                 self._stream = None
                 stream.close()
+            starting = False
             # A clean end: heard if at the server's timeout (it had nothing newer then),
             # not if earlier. Watch again from the last resourceVersion.
             if time.monotonic() - opened >= self.watch_timeout:
@@ -300,4 +313,3 @@ class Reflector(Generic[V]):
                 raise _Relist(f"unknown event type {kind!r}")
             self._rv = rv
         self._hear()
-        self._progressed = True
