@@ -5,13 +5,15 @@ Scopes:
     StatefulSets; `cluster_view()` answers from these caches.
   * agent (a node): that node's pods (`fieldSelector=spec.nodeName=NODE`) and
     namespaces; `cluster_view()` raises `NotCovered` (it would miss every other node's
-    pods, and a missing pod reads as a gone one). The agent uses `meta` and `listed`.
+    pods, and a missing pod reads as a gone one); it answers as a `PodDirectory` (`meta`,
+    `listed`). `ipward agent --cluster` does not use this scope yet: it opens the source
+    without a node and reads its cluster view (`agent.ClusterDirectory`).
 `node_view()` always raises `NotCovered`: the API lists no sandboxes; the runtime does.
 
 Direct reads bypass the caches where an answer must be current: `meta` and `listed`
 for an ADD (a pod not cached yet is read once before the answer is "try again"), and
-the `confirm_*` methods, which the controller calls before it frees anything on the
-cluster's word.
+the `confirm_*` methods, for the controller to call before it frees anything on the
+cluster's word (nothing calls them yet: garbage collection judges on the cached view).
 """
 
 from __future__ import annotations
