@@ -100,7 +100,9 @@ def _annotated(meta: PodMeta | None) -> list[str]:
 
 def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> list[PoolSpec]:
     """The chosen pools when they hold every requested address; else, per address, the
-    pool that holds it."""
+    pool that holds it. A chosen pool is judged as chosen only: its stored spec may be
+    an earlier version of it (an inline network whose ranges changed), whose addresses
+    new pods no longer get."""
 
     def holds(pool: PoolSpec, text: str) -> bool:
         family, value = parse_ip(text)
@@ -110,7 +112,9 @@ def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> lis
     if all(any(holds(p, ip) for p in pools) for ip in requested):
         return pools
     found: list[PoolSpec] = []
-    others = [ledger.get_pool(kv.key[len("pools/") :]) for kv in ledger.store_range("pools/")[0]]
+    chosen = {p.name for p in pools}
+    names = [kv.key[len("pools/") :] for kv in ledger.store_range("pools/")[0]]
+    others = [ledger.get_pool(n) for n in names if n not in chosen]
     for ip in requested:
         pool = next((p for p in [*pools, *others] if holds(p, ip)), None)
         if pool is None:
