@@ -70,9 +70,13 @@ class PodDirectory:
 
 
 def choose(
-    ledger: Ledger, config: IpamConfig, call: Call, directory: PodDirectory | None
-) -> tuple[list[PoolSpec], list[str], Sticky | None]:
-    """(pools, requested addresses, sticky identity or None) for an ADD."""
+    ledger: Ledger,
+    config: IpamConfig,
+    call: Call,
+    requested: list[str],
+    directory: PodDirectory | None,
+) -> tuple[list[PoolSpec], Sticky | None]:
+    """(pools, sticky identity or None) for an ADD of the `requested` addresses."""
     pod = call.pod
     meta = directory.meta(pod.namespace, pod.name, pod.uid) if directory and pod.name else None
     names = _annotated(meta)
@@ -82,13 +86,12 @@ def choose(
         pools = [config.inline_pool]  # stored by the allocating transaction itself
     else:
         pools = [ledger.get_pool(n) for n in config.pool_names]
-    requested = config.requested_ips(call.args)
     if requested:
         pools = _holding(ledger, pools, requested)
     check_one_per_family(pools)
     for pool in pools:
         pool.check_allowed(pod.namespace, ledger.node)
-    return pools, requested, _sticky(config, call, meta, directory)
+    return pools, _sticky(config, call, meta, directory)
 
 
 def _annotated(meta: PodMeta | None) -> list[str]:
