@@ -30,8 +30,7 @@ Invariants after every step: the allocations (`alloc list --json`) are exactly t
 model's, no address is held twice, `ipward check --json` is clean; and a call the model
 says writes nothing leaves the store's revision and every key as they were.
 
-Findings the machine made are reproduced by the `xfail(strict=True)` tests at the end;
-`KNOWN_FINDINGS` keeps the machine from driving them until they are fixed.
+Findings the machine made are reproduced by the named regression tests at the end.
 """
 
 from __future__ import annotations
@@ -87,13 +86,6 @@ IFNAMES = ("eth0", "net1")
 COOLDOWNS = (0, 3600)  # none, or longer than any run: cooling addresses are predictable
 VERSIONS = ("0.4.0", "1.0.0", "1.1.0")
 POOLS_PER_EXAMPLE, NETS_PER_EXAMPLE = 5, 4
-
-# Findings not fixed yet (each reproduced by an xfail test below): the machine skips the
-# calls that would run into them, so that it goes on finding others. Remove an entry
-# once its fix is in.
-KNOWN_FINDINGS = {
-    "agent-remembers-specs": "test_the_agent_refuses_only_on_the_pools_as_stored",
-}
 
 
 # -- addresses and layouts -------------------------------------------------------------------
@@ -595,13 +587,11 @@ BAD_POOL_CREATES: list[tuple[str, ...]] = [
 class Model:
     """Who holds which address, as the README says it must be."""
 
-    def __init__(self, agent: bool) -> None:
-        self.agent = agent  # calls go through an agent, a long-lived ledger
+    def __init__(self) -> None:
         self.pools: dict[str, Pool] = {}
         self.nets: dict[str, Net] = {}
         self.attachments: dict[Att, Held] = {}
         self.freed: dict[str, dict[IP, int]] = {}  # pool -> address -> step it was freed
-        self.deleted: set[str] = set()  # pools deleted in this example
         self.step = 0
 
     def holder(self, a: IP) -> Att | None:
@@ -665,21 +655,6 @@ class Model:
         if len(families) != len(set(families)):
             return 7
         return chosen
-
-    def known_finding(self, call: Call) -> str | None:
-        """Which of KNOWN_FINDINGS this call would run into, if any."""
-        if not isinstance(call, Add):
-            return None
-        if (
-            "agent-remembers-specs" in KNOWN_FINDINGS
-            and self.agent
-            and (  # a name deleted here, named by the config or created again
-                (call.requested and self.deleted & {*self.pools, *call.net.pools})
-                or (len(call.net.pools) > 1 and self.deleted & set(call.net.pools))
-            )
-        ):
-            return "agent-remembers-specs"
-        return None
 
     def add(self, call: Add, outcome: Outcome) -> str:
         held = self.attachments.get(call.att)
@@ -841,7 +816,6 @@ class Model:
             raise Mismatch(f"pool delete of an empty pool must succeed, got {outcome}")
         del self.pools[call.name]
         self.freed.pop(call.name, None)
-        self.deleted.add(call.name)
         return WRITES
 
     def remove_orphans(self, call: RemoveOrphans, outcome: Outcome) -> str:
@@ -970,7 +944,7 @@ class ModelMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.env = self.backend.example()
-        self.model = Model(agent=isinstance(self.backend, AgentBackend))
+        self.model = Model()
         self.answers: dict[Att, dict[str, Any]] = {}  # every ADD result, kept after DEL
         self.verified: int | None = None  # the revision the invariants last held at
 
@@ -980,10 +954,6 @@ class ModelMachine(RuleBasedStateMachine):
     # -- running calls ----------------------------------------------------------------------
 
     def do(self, call: Call) -> None:
-        finding = self.model.known_finding(call)
-        if finding:
-            event(f"skipped: {finding}")
-            return
         self.model.step += 1
         before = self.env.snapshot()
         outcome = call.run(self.env)
@@ -1002,10 +972,6 @@ class ModelMachine(RuleBasedStateMachine):
         assert SAME_KEYS in effects or revision == before[0], f"{what} wrote to the store"
 
     def do_at_once(self, calls: list[Call]) -> None:
-        findings = [f for f in map(self.model.known_finding, calls) if f]
-        if findings:
-            event(f"skipped: {findings[0]}")
-            return
         self.model.step += 1
         before = self.env.snapshot()
         barrier = threading.Barrier(len(calls))
@@ -1388,17 +1354,12 @@ def test_a_retried_add_answers_its_addresses_after_a_range_change(
     assert whole_store(sqlite_url) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding (model test, on etcd through an agent): the agent's ledger refuses from"
-    " pool specs it remembers, not as stored: after 'pool delete p' and 'pool create p'"
-    " with other ranges, an ADD requesting an address of the new ranges is refused with"
-    " 102 (until an ADD without a request refreshes the memory), and a pool list naming a"
-    " deleted pool gets 7 (two pools of one family, from the old spec) instead of 103;"
-    " docs/architecture.md: a refusal is only given after the memory is dropped and"
-    " everything read again. selection.choose/_holding use ledger.get_pool (remembered).",
-)
 def test_the_agent_refuses_only_on_the_pools_as_stored(on_etcd: AgentBackend) -> None:
+    """Finding of the model test (on etcd through an agent): the agent's ledger refused
+    from pool specs it remembered: after `pool delete` and `pool create` of a name with
+    other ranges, an ADD requesting an address of the new ranges got 102, and a pool
+    list naming a deleted pool got 7 (two pools of one family, from the old spec)
+    instead of 103. A refusal is only given on the pools as stored."""
     plugin, url = on_etcd.plugin, on_etcd.url
     ipam = {"type": "ipward", "agentSocket": str(on_etcd.socket)}
     config = {"cniVersion": "1.1.0", "name": "net", "ipam": {**ipam, "pool": "fp"}}

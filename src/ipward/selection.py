@@ -24,7 +24,7 @@ with code 11: a pod is never put in a pool it did not ask for.
 from __future__ import annotations
 
 from ipward.addr import parse_ip
-from ipward.errors import AddressOutsidePool, InvalidEnvironment
+from ipward.errors import AddressOutsidePool, InvalidEnvironment, IpwardError, TryAgainLater
 from ipward.pool import check_one_per_family
 from ipward.records import Sticky
 
@@ -79,19 +79,40 @@ def choose(
     """(pools, sticky identity or None) for an ADD of the `requested` addresses."""
     pod = call.pod
     meta = directory.meta(pod.namespace, pod.name, pod.uid) if directory and pod.name else None
-    names = _annotated(meta)
-    if names:
-        pools = [ledger.get_pool(n) for n in names]
+    annotated = _annotated(meta)
+    try:
+        pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=False)
+    except TryAgainLater:
+        raise
+    except IpwardError:
+        # Maybe judged on pool specs a long-lived ledger remembers (an agent's): a
+        # refusal is only given on the pools as stored now.
+        pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=True)
+    return pools, _sticky(config, call, meta, directory)
+
+
+def _pools(
+    ledger: Ledger,
+    config: IpamConfig,
+    annotated: list[str],
+    requested: list[str],
+    namespace: str,
+    fresh: bool,
+) -> list[PoolSpec]:
+    """The pools annotated, else the config's; then those holding the requested
+    addresses; one per family, each allowed here."""
+    if annotated:
+        pools = [ledger.get_pool(n, fresh) for n in annotated]
     elif config.inline_pool is not None:
         pools = [config.inline_pool]  # stored by the allocating transaction itself
     else:
-        pools = [ledger.get_pool(n) for n in config.pool_names]
+        pools = [ledger.get_pool(n, fresh) for n in config.pool_names]
     if requested:
         pools = _holding(ledger, pools, requested)
     check_one_per_family(pools)
     for pool in pools:
-        pool.check_allowed(pod.namespace, ledger.node)
-    return pools, _sticky(config, call, meta, directory)
+        pool.check_allowed(namespace, ledger.node)
+    return pools
 
 
 def _annotated(meta: PodMeta | None) -> list[str]:
@@ -116,8 +137,7 @@ def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> lis
         return pools
     found: list[PoolSpec] = []
     chosen = {p.name for p in pools}
-    names = [kv.key[len("pools/") :] for kv in ledger.store_range("pools/")[0]]
-    others = [ledger.get_pool(n) for n in names if n not in chosen]
+    others = [p for p in ledger.stored_pools() if p.name not in chosen]
     for ip in requested:
         pool = next((p for p in [*pools, *others] if holds(p, ip)), None)
         if pool is None:
