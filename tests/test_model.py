@@ -80,6 +80,9 @@ def budget(examples: int, steps: int) -> settings:
 # Each step execs the plugin (~15-30 ms) and, after a write, the CLI twice (~0.3 s on
 # SQLite, ~0.6 s on etcd): the default run stays within about a minute per backend.
 SHORT, LONG = budget(4, 25), budget(40, 60)
+# The long run (and its shrinking, after a failure) takes many minutes: past the
+# suite's per-test timeout of 300 s, which stopped it half-way.
+LONG_TIMEOUT = 3600
 
 CONTAINERS = ("c0", "c1", "c2", "c3", "c4", "c5")
 IFNAMES = ("eth0", "net1")
@@ -1295,11 +1298,13 @@ def test_model_on_etcd_through_an_agent(on_etcd: AgentBackend) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_TIMEOUT)
 def test_model_on_sqlite_long(on_sqlite: SqliteBackend) -> None:
     run_state_machine_as_test(machine_on(on_sqlite), settings=LONG)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_TIMEOUT)
 def test_model_on_etcd_through_an_agent_long(on_etcd: AgentBackend) -> None:
     run_state_machine_as_test(machine_on(on_etcd), settings=LONG)
 
