@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from ipward.check import check
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
 from ipward.install import write_launcher
 from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench import (
     ETCD,

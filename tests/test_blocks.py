@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from ipward import blocks
-from ipward import records as rec
 from ipward.check import check
-from ipward.errors import PoolExhausted
+from ipward.core import records as rec
+from ipward.core.errors import PoolExhausted
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
 from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
 
 
 class Clock:

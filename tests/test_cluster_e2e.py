@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, run_cli, wait_for
-from ipward import records as rec
+from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab.etcdlab import etcd_server
 from ipward_lab.netlab import NetLab, Pod, bridge_network_config, skip_reason

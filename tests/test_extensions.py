@@ -14,7 +14,7 @@ import click
 import pytest
 
 from conftest import IPWARD, REPO
-from ipward.errors import InvalidConfig
+from ipward.core.errors import InvalidConfig
 from ipward.liveness import open_source
 from ipward_lab.simcluster import SimFileSource
 

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import run_cli
 from ipward import gc
-from ipward import records as rec
+from ipward.core import records as rec
+from ipward.core.pool import PoolSpec
 from ipward.ledger import Ledger
 from ipward.liveness import (
     ClusterView,
@@ -21,7 +22,6 @@ from ipward.liveness import (
     Pod,
     Sandbox,
 )
-from ipward.pool import PoolSpec
 from ipward.store.base import Put
 from ipward_lab.simcluster import SimFileSource, write_sim_state
 

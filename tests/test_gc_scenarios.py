@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, run_cli, wait_for
-from ipward import records as rec
+from ipward.core import records as rec
 from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server
 from simprocs import GRACE, INTERVAL, NS, World

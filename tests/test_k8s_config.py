@@ -16,7 +16,7 @@ from conftest import KubeApi, wait_for
 from ipward.cluster.k8s.client import ApiClient, ApiError, ApiUnreachable
 from ipward.cluster.k8s.config import from_kubeconfig, in_cluster
 from ipward.cluster.k8s.source import Settings
-from ipward.errors import InvalidConfig
+from ipward.core.errors import InvalidConfig
 from ipward.liveness import LivenessUnavailable, open_source
 
 

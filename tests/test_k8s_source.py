@@ -13,7 +13,7 @@ import pytest
 
 from conftest import KubeApi, wait_for
 from ipward import gc
-from ipward.errors import TryAgainLater
+from ipward.core.errors import TryAgainLater
 from ipward.liveness import ClusterView, LivenessUnavailable, NotCovered
 
 

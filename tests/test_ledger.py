@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from ipward import records as rec
 from ipward.check import check
-from ipward.errors import (
+from ipward.core import records as rec
+from ipward.core.errors import (
     AddressOutsidePool,
     AddressTaken,
     InvalidConfig,
     OwnerChanged,
     PoolExhausted,
 )
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
 from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
 from ipward.store.base import Put
 
 
@@ -317,7 +317,7 @@ class TestMemory:
     def test_a_pool_deleted_behind_a_long_lived_ledger_is_unknown_not_busy(
         self, ledger, sqlite_store
     ):
-        from ipward.errors import UnknownPool
+        from ipward.core.errors import UnknownPool
         from ipward.store.base import Delete
 
         sqlite_store.txn([], [Put("pools/p", rec.encode(pool().to_dict()))])

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import PluginResult, wait_for
-from ipward import records as rec
 from ipward import wire
-from ipward.errors import CODES
+from ipward.core import records as rec
+from ipward.core.errors import CODES
 from ipward.plugin import forward
 from ipward.store import open_store
 from ipward_lab import fleet

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
-from ipward import records as rec
+from ipward.core import records as rec
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
 from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
 from ipward.store import open_store
 from ipward.store.base import Delete, Put
 
@@ -373,7 +373,7 @@ def test_a_crashed_delete_is_reported_and_finished_by_running_it_again(
 
 def churn(url: str, node: str, tag: str, stop: threading.Event, errors: list) -> None:
     """ADD then DEL, over and over, in pool `p`, as a node's agent would."""
-    from ipward.errors import IpwardError
+    from ipward.core.errors import IpwardError
 
     with open_store(url) as store:
         ledger = Ledger(store, node)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import records as rec
+from ipward.core import records as rec
 from ipward.liveness import Pod
 from ipward.store import open_store
 from ipward_lab import fleet

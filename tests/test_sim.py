@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import IPWARD, wait_for
-from ipward import records as rec
+from ipward.core import records as rec
 from ipward.store.base import Delete, at_revision
 from ipward_lab.sim import FAULTS, NS, POOL, Options, Soak
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import run_cli
-from ipward import records as rec
+from ipward.core import records as rec
 from ipward.liveness import LivenessUnavailable, Pod
 from ipward.store import open_store
 from ipward_lab.simcluster import SimCluster, SimFileSource

@@ -11,12 +11,12 @@ import pytest
 
 from conftest import run_cli
 from ipward import gc
-from ipward import records as rec
 from ipward.check import check
-from ipward.errors import OwnerChanged, TryAgainLater
+from ipward.core import records as rec
+from ipward.core.errors import OwnerChanged, TryAgainLater
+from ipward.core.pool import PoolSpec
 from ipward.ledger import Ledger
 from ipward.liveness import ClusterView, Pod
-from ipward.pool import PoolSpec
 from ipward.store.base import Put
 
 NET = "net"

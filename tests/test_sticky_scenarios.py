@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, wait_for
-from ipward import records as rec
+from ipward.core import records as rec
 from simprocs import INTERVAL, NS, World
 
 

@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, PluginResult, exec_plugin, wait_for
-from ipward import records as rec
 from ipward import wire
+from ipward.core import records as rec
 from ipward.store import open_backend, open_store
 from ipward_lab import fleet
 from test_agent import exec_as, public_plugin

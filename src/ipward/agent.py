@@ -67,10 +67,11 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from ipward import blocks, cni, gc, jsonc, log, wire
-from ipward import records as rec
+from ipward import blocks, cni, gc, wire
 from ipward.config import check_node_name
-from ipward.errors import (
+from ipward.core import jsonc, log
+from ipward.core import records as rec
+from ipward.core.errors import (
     DecodeFailure,
     InputTooLarge,
     InvalidConfig,
@@ -78,6 +79,7 @@ from ipward.errors import (
     IpwardError,
     TryAgainLater,
 )
+from ipward.core.pool import PoolSpec
 from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import (
     ClusterView,
@@ -86,7 +88,6 @@ from ipward.liveness import (
     NodeView,
     open_source,
 )
-from ipward.pool import PoolSpec
 from ipward.selection import PodDirectory, PodMeta
 from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store_waiting

@@ -18,17 +18,17 @@ free entries were already cleaned are found again as fresh.
 
 from __future__ import annotations
 
-from ipward import log, testpoints
-from ipward import records as rec
-from ipward.addr import family_of
-from ipward.pool import MAX_RELEASABLE_BLOCK, PoolSpec
+from ipward.core import log, testpoints
+from ipward.core import records as rec
+from ipward.core.addr import family_of
+from ipward.core.pool import MAX_RELEASABLE_BLOCK, PoolSpec
 from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
-    from ipward.addr import Block, RangeSet
+    from ipward.core.addr import Block, RangeSet
     from ipward.store.base import Compare
 
 CLEANUP_CHUNK = 40  # free entries deleted per transaction (two keys each; etcd caps ops)

@@ -27,11 +27,11 @@ the whole store is read with one `range`.
 
 from __future__ import annotations
 
-from ipward import records as rec
-from ipward.addr import parse_ip
-from ipward.errors import IpwardError
+from ipward.core import records as rec
+from ipward.core.addr import parse_ip
+from ipward.core.errors import IpwardError
+from ipward.core.pool import PoolSpec
 from ipward.lifecycle import pool_of, stale_state
-from ipward.pool import PoolSpec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

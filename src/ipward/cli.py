@@ -17,14 +17,14 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ipward import extensions, schema, transfer
 from ipward import gc as gc_rules
-from ipward import records as rec
-from ipward.addr import format_ip, parse_cidr, parse_ip
+from ipward import schema, transfer
 from ipward.config import DEFAULT_STORE
-from ipward.errors import InvalidConfig, IpwardError
-from ipward.ledger import Ledger
-from ipward.pool import (
+from ipward.core import extensions
+from ipward.core import records as rec
+from ipward.core.addr import format_ip, parse_cidr, parse_ip
+from ipward.core.errors import InvalidConfig, IpwardError
+from ipward.core.pool import (
     DEFAULT_COOLDOWN,
     DEFAULT_RELEASE_DELAY,
     DEFAULT_WARM,
@@ -32,6 +32,7 @@ from ipward.pool import (
     check_routes,
     default_gateway,
 )
+from ipward.ledger import Ledger
 from ipward.serving import add_grace_option, redact
 from ipward.store import Store, StoreError, open_backend, open_store, store_location
 

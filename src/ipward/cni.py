@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import sys
 
-from ipward import jsonc, log
-from ipward.addr import format_ip, parse_cidr, parse_ip
 from ipward.config import (
     SUPPORTED_VERSIONS,
     Call,
@@ -25,7 +23,9 @@ from ipward.config import (
     container_id_problem,
     ifname_problem,
 )
-from ipward.errors import (
+from ipward.core import jsonc, log
+from ipward.core.addr import format_ip, parse_cidr, parse_ip
+from ipward.core.errors import (
     DecodeFailure,
     IncompatibleStore,
     IncompatibleVersion,
@@ -41,8 +41,8 @@ from ipward.wire import MAX_CONFIG, environment
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from ipward.core.pool import PoolSpec
     from ipward.ledger import Allocation, Ledger
-    from ipward.pool import PoolSpec
     from ipward.selection import PodDirectory
 
 COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")

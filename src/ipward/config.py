@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 
-from ipward.addr import family_of, format_cidr, format_ip, parse_cidr, parse_ip
-from ipward.errors import InvalidConfig, InvalidEnvironment, IpwardError
+from ipward.core.addr import family_of, format_cidr, format_ip, parse_cidr, parse_ip
+from ipward.core.errors import InvalidConfig, InvalidEnvironment, IpwardError
+from ipward.core.log import LEVELS
+from ipward.core.pool import DEFAULT_COOLDOWN, PoolSpec, check_name, check_routes, default_gateway
+from ipward.core.records import Attachment, PodInfo
 from ipward.ledger import ADD_GRACE, STICKY_TTL
-from ipward.log import LEVELS
-from ipward.pool import DEFAULT_COOLDOWN, PoolSpec, check_name, check_routes, default_gateway
-from ipward.records import Attachment, PodInfo
 from ipward.wire import agent_socket, socket_path_problem
 
 DEFAULT_STORE = "sqlite:///var/lib/ipward/ipward.db"

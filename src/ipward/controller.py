@@ -73,13 +73,14 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ipward import blocks, gc, lifecycle, log
-from ipward import records as rec
+from ipward import blocks, gc, lifecycle
 from ipward.config import node_name_problem
-from ipward.errors import InvalidConfig, IpwardError
+from ipward.core import log
+from ipward.core import records as rec
+from ipward.core.errors import InvalidConfig, IpwardError
+from ipward.core.pool import PoolSpec
 from ipward.ledger import ADD_GRACE, Ledger
 from ipward.liveness import ClusterView, LivenessSource, NodeView, open_source
-from ipward.pool import PoolSpec
 from ipward.serving import add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
@@ -87,7 +88,7 @@ from ipward.store.base import VALUE, Compare, Delete, Put, absent
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from ipward.addr import Block
+    from ipward.core.addr import Block
     from ipward.store.base import KeyValue
 
 LEADER_KEY = "controller/leader"

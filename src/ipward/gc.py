@@ -37,10 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from ipward import log, testpoints
-from ipward import records as rec
 from ipward.config import node_name_problem
-from ipward.errors import OwnerChanged
+from ipward.core import log, testpoints
+from ipward.core import records as rec
+from ipward.core.errors import OwnerChanged
 from ipward.liveness import ClusterView, LivenessSource, LivenessUnavailable, NodeView
 
 TYPE_CHECKING = False

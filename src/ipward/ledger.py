@@ -29,11 +29,12 @@ from __future__ import annotations
 import _thread
 import time
 
-from ipward import blocks, log, testpoints
-from ipward import records as rec
-from ipward.addr import family_of, format_ip, parse_ip
+from ipward import blocks
 from ipward.blocks import cidr_of
-from ipward.errors import (
+from ipward.core import log, testpoints
+from ipward.core import records as rec
+from ipward.core.addr import family_of, format_ip, parse_ip
+from ipward.core.errors import (
     AddressOutsidePool,
     AddressTaken,
     InputTooLarge,
@@ -45,7 +46,7 @@ from ipward.errors import (
     TryAgainLater,
     UnknownPool,
 )
-from ipward.pool import PoolSpec
+from ipward.core.pool import PoolSpec
 from ipward.store.base import (
     Delete,
     KeyValue,
@@ -60,8 +61,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ipward.addr import Block, RangeSet
-    from ipward.records import Attachment, PodInfo, Sticky
+    from ipward.core.addr import Block, RangeSet
+    from ipward.core.records import Attachment, PodInfo, Sticky
     from ipward.store.base import Compare, Store
 
 MAX_ATTEMPTS = 100

@@ -28,8 +28,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipward import extensions
-from ipward.errors import InvalidConfig
+from ipward.core import extensions
+from ipward.core.errors import InvalidConfig
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 

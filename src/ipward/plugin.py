@@ -21,7 +21,7 @@ from __future__ import annotations
 import posix
 import sys
 
-from ipward import jsonc
+from ipward.core import jsonc
 from ipward.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, agent_socket
 
 TYPE_CHECKING = False
@@ -109,7 +109,7 @@ def _connect(sock: _socket.socket, path: str, timeout: float) -> None:
 def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exception) -> bytes:
     """The error object when the agent gave no answer (never success: nothing was done)."""
     from ipward.cni import error_output
-    from ipward.errors import IoFailure, IpwardError, NotAvailable, TryAgainLater
+    from ipward.core.errors import IoFailure, IpwardError, NotAvailable, TryAgainLater
 
     reason = f"{type(error).__name__}: {error}"
     answer: IpwardError

@@ -22,7 +22,7 @@ On the plugin's start path (one `get` per exec): standard library only.
 
 from __future__ import annotations
 
-from ipward import records as rec
+from ipward.core import records as rec
 from ipward.store.base import (
     Put,
     StoreIncompatible,

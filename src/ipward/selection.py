@@ -23,16 +23,16 @@ with code 11: a pod is never put in a pool it did not ask for.
 
 from __future__ import annotations
 
-from ipward.addr import parse_ip
-from ipward.errors import AddressOutsidePool, InvalidEnvironment
-from ipward.pool import check_one_per_family
-from ipward.records import Sticky
+from ipward.core.addr import parse_ip
+from ipward.core.errors import AddressOutsidePool, InvalidEnvironment
+from ipward.core.pool import check_one_per_family
+from ipward.core.records import Sticky
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.config import Call, IpamConfig
+    from ipward.core.pool import PoolSpec
     from ipward.ledger import Ledger
-    from ipward.pool import PoolSpec
 
 POOL_ANNOTATION = "ipward.io/pool"
 STICKY_ANNOTATION = "ipward.io/sticky"

@@ -15,8 +15,8 @@ import click
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ipward import log
-from ipward.errors import InvalidConfig
+from ipward.core import log
+from ipward.core.errors import InvalidConfig
 from ipward.ledger import ADD_GRACE
 from ipward.store import Store
 

@@ -55,7 +55,7 @@ def open_store_waiting(url: str, stop: Event) -> Store | None:
     serve: retried while the store cannot be reached (after 1 s, doubling up to 30 s,
     each wait logged), until `stop` is set (then None). A store that is not usable
     (StoreIncompatible) raises at once."""
-    from ipward import log
+    from ipward.core import log
 
     delay = 1.0
     while True:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ipward import schema
-from ipward.pool import PoolSpec
-from ipward.records import PodInfo
+from ipward.core.pool import PoolSpec
+from ipward.core.records import PodInfo
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (
     AGENT_READY_TIMEOUT,

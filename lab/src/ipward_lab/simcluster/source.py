@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from ipward.errors import InvalidConfig
+from ipward.core.errors import InvalidConfig
 from ipward.liveness import (
     ClusterView,
     LivenessSource,

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from ipward import log
 from ipward.cluster.k8s.client import (
     JSON,
     METADATA,
@@ -36,6 +35,7 @@ from ipward.cluster.k8s.client import (
     ApiUnreachable,
     WatchStream,
 )
+from ipward.core import log
 from ipward.liveness import LivenessUnavailable
 
 V = TypeVar("V")

@@ -31,7 +31,7 @@ from ipward.cluster.k8s.objects import (
     parse_statefulset,
 )
 from ipward.cluster.k8s.reflector import Reflector, Resource
-from ipward.errors import InvalidConfig, TryAgainLater
+from ipward.core.errors import InvalidConfig, TryAgainLater
 from ipward.liveness import (
     ClusterView,
     LivenessSource,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ipward import jsonc
+from ipward.core import jsonc
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 _threshold = LEVELS["warning"]

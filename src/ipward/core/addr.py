@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import _socket
 
-from ipward.errors import InvalidConfig
+from ipward.core.errors import InvalidConfig
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ retired layouts (`overlap`).
 
 from __future__ import annotations
 
-from ipward.addr import (
+from ipward.core.addr import (
     BITS,
     DEFAULT_BLOCK_PREFIX,
     V4,
@@ -26,7 +26,7 @@ from ipward.addr import (
     parse_cidr,
     parse_ip,
 )
-from ipward.errors import InvalidConfig, PoolNotAllowed
+from ipward.core.errors import InvalidConfig, PoolNotAllowed
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ One record per fact and one key per address: nothing grows per pool.
 
 from __future__ import annotations
 
-from ipward import jsonc
+from ipward.core import jsonc
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
