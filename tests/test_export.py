@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
-from ipward import schema
 from ipward.core import records as rec
-from ipward.store import open_backend, open_store
+from ipward.store import open_backend, open_store, schema
 from ipward.store.base import Put, StoreMissing
 from ipward_lab.etcdlab import etcd_server
 

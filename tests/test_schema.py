@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
-from ipward import schema
 from ipward.core import records as rec
 from ipward.core.records import Attachment, PodInfo
 from ipward.ledger import Ledger
-from ipward.store import open_backend, open_store
+from ipward.store import open_backend, open_store, schema
 from ipward.store.base import Delete, Put
 from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ipward import gc as gc_rules
-from ipward import schema, transfer
+from ipward import transfer
 from ipward.config import DEFAULT_STORE
 from ipward.core import extensions
 from ipward.core import records as rec
@@ -34,7 +34,7 @@ from ipward.core.pool import (
 )
 from ipward.ledger import Ledger
 from ipward.serving import add_grace_option, redact
-from ipward.store import Store, StoreError, open_backend, open_store, store_location
+from ipward.store import Store, StoreError, open_backend, open_store, schema, store_location
 
 # Scripts and CI pipe the output: give tables room instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 200)

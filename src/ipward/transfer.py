@@ -29,10 +29,10 @@ import os
 import time
 from typing import TextIO
 
-from ipward import schema
 from ipward.core import records as rec
 from ipward.core import testpoints
 from ipward.core.errors import InvalidConfig
+from ipward.store import schema
 from ipward.store.base import Put, Store, StoreError, StoreIncompatible, absent, at_revision
 
 FORMAT = "ipward-export"

@@ -1,6 +1,6 @@
 """Store keys and record encodings: the one place that knows how facts are laid out.
 
-    meta/schema                                   {version[, import]}: see ipward.schema
+    meta/schema                                   {version[, import]}: see ipward.store.schema
     meta/poolcoverage                             {generation, pool}: rewritten by every write
                                                   that adds addresses to a pool (lifecycle)
     pools/<pool>                                  pool spec (pool.PoolSpec)
@@ -47,7 +47,7 @@ def decode(raw: bytes) -> dict:
     return value
 
 
-# Store-wide facts, under `meta/`: the schema version (`ipward.schema`), and the key that
+# Store-wide facts, under `meta/`: the schema version (`ipward.store.schema`), and the key that
 # serialises changes of what pools cover: every transaction that stores a pool or adds
 # addresses to one compares it at the revision its overlap test read and rewrites it, so
 # two such changes cannot both pass the test on the same view.

@@ -1,6 +1,6 @@
 """Store backends behind one contract (see `base`). `open_store` picks one by URL,
 `sqlite:///path/to/file.db` or `etcd://host:port[,host:port...]?ca=&cert=&key=&user=&password=`,
-and checks that it holds a ledger this code may use (`ipward.schema`).
+and checks that it holds a ledger this code may use (`ipward.store.schema`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def open_store(url: str, *, create: bool = True) -> Store:
     """The store at `url`, checked: ipward's, at the schema version this code knows, no
     import in progress (else StoreIncompatible). `create`: a store that is not there is
     made (file, tables, schema key); without it, StoreMissing and nothing is created."""
-    from ipward import schema
+    from ipward.store import schema
 
     store = open_backend(url, create=create)
     try:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from ipward import schema
 from ipward.core import records as rec
 from ipward.core.addr import Block
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
+from ipward.store import schema
 from ipward.store.base import Put, Store
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ipward import schema
 from ipward.core.pool import PoolSpec
 from ipward.core.records import PodInfo
+from ipward.store import schema
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (
     AGENT_READY_TIMEOUT,
