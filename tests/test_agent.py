@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import blocks
 from ipward.agent import MAX_READING_PER_PROCESS
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
+from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward.wire import REQUEST_MAGIC, encode_request, read_answer
 from ipward_lab import fleet

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ipward.check import check
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
 from ipward.install import write_launcher
-from ipward.ledger import Ledger
+from ipward.ipam.check import check
+from ipward.ipam.ledger import Ledger
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench import (
     ETCD,

@@ -1,17 +1,17 @@
 """Blocks with node affinity and the release handshake, step by step on a real store:
-the ledger of two nodes, and the controller's and agent's steps from `ipward.blocks`."""
+the ledger of two nodes, and the controller's and agent's steps from `ipward.ipam.blocks`."""
 
 from __future__ import annotations
 
 import pytest
 
-from ipward import blocks
-from ipward.check import check
 from ipward.core import records as rec
 from ipward.core.errors import PoolExhausted
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
-from ipward.ledger import Ledger
+from ipward.ipam import blocks
+from ipward.ipam.check import check
+from ipward.ipam.ledger import Ledger
 
 
 class Clock:

@@ -33,10 +33,10 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, run_cli, wait_for
-from ipward import blocks
 from ipward.core import log, testpoints
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
+from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT, Delete, Put
 from ipward_lab.etcdlab import EtcdCluster, etcd_cluster, etcd_server

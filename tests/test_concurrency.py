@@ -40,11 +40,11 @@ import time
 from pathlib import Path
 
 from conftest import run_cli
-from ipward.check import check
 from ipward.core import records as rec
 from ipward.core.errors import PoolExhausted
 from ipward.core.pool import PoolSpec
-from ipward.ledger import Ledger
+from ipward.ipam.check import check
+from ipward.ipam.ledger import Ledger
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT
 

@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, wait_for
-from ipward import blocks
 from ipward.controller import LEADER_KEY, Controller, Election, Metrics
 from ipward.core import records as rec
 from ipward.core.errors import IpwardError, TryAgainLater
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
-from ipward.ledger import Ledger
+from ipward.ipam import blocks
+from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Delete, Put, at_revision
 from ipward_lab import fleet

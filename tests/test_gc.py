@@ -14,7 +14,7 @@ from conftest import run_cli
 from ipward import gc
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
-from ipward.ledger import Ledger
+from ipward.ipam.ledger import Ledger
 from ipward.liveness import (
     ClusterView,
     LivenessUnavailable,

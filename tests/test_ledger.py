@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from ipward.check import check
 from ipward.core import records as rec
 from ipward.core.errors import (
     AddressOutsidePool,
@@ -16,7 +15,8 @@ from ipward.core.errors import (
 )
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
-from ipward.ledger import Ledger
+from ipward.ipam.check import check
+from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put
 
 

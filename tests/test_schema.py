@@ -15,7 +15,7 @@ import pytest
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
 from ipward.core import records as rec
 from ipward.core.records import Attachment, PodInfo
-from ipward.ledger import Ledger
+from ipward.ipam.ledger import Ledger
 from ipward.store import open_backend, open_store, schema
 from ipward.store.base import Delete, Put
 from ipward_lab import fleet

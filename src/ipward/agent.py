@@ -67,7 +67,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from ipward import blocks, cni, gc, wire
+from ipward import cni, gc, wire
 from ipward.config import check_node_name
 from ipward.core import jsonc, log
 from ipward.core import records as rec
@@ -80,7 +80,8 @@ from ipward.core.errors import (
     TryAgainLater,
 )
 from ipward.core.pool import PoolSpec
-from ipward.ledger import ADD_GRACE, Ledger
+from ipward.ipam import blocks
+from ipward.ipam.ledger import ADD_GRACE, Ledger
 from ipward.liveness import (
     ClusterView,
     LivenessSource,

@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.table import Table
 
 from ipward import gc as gc_rules
-from ipward import transfer
 from ipward.config import DEFAULT_STORE
 from ipward.core import extensions
 from ipward.core import records as rec
@@ -32,7 +31,8 @@ from ipward.core.pool import (
     check_routes,
     default_gateway,
 )
-from ipward.ledger import Ledger
+from ipward.ipam import transfer
+from ipward.ipam.ledger import Ledger
 from ipward.serving import add_grace_option, redact
 from ipward.store import Store, StoreError, open_backend, open_store, schema, store_location
 
@@ -285,7 +285,7 @@ def pool_create(
 ) -> None:
     """Create pool NAME (refuses if it exists, or if another pool covers any of its
     addresses)."""
-    from ipward import lifecycle
+    from ipward.ipam import pools
 
     by_family: dict[int, list[dict]] = {}
     for text in ranges:
@@ -311,7 +311,7 @@ def pool_create(
         namespaces=namespaces,
         nodes=nodes,
     )
-    lifecycle.create_pool(c.store, spec)
+    pools.create_pool(c.store, spec)
     c.emit(
         spec.to_dict(), f"created pool [bold]{name}[/] ({spec.attachments_capacity():,} addresses)"
     )
@@ -450,9 +450,9 @@ def pool_show(c: Context, name: str) -> None:
 def pool_delete(c: Context, name: str) -> None:
     """Delete pool NAME and every key of it; refuses while any address of it is
     allocated. Safe against ADDs in flight; run it again to finish one interrupted."""
-    from ipward import lifecycle
+    from ipward.ipam import pools
 
-    removed = lifecycle.delete_pool(c.store, name)
+    removed = pools.delete_pool(c.store, name)
     c.emit({"deleted": name, "keys": removed}, f"deleted pool [bold]{name}[/]")
 
 
@@ -569,13 +569,13 @@ def _sticky_text(state: dict) -> str:
 @pass_ctx
 def check_command(c: Context, remove_orphans: bool) -> None:
     """Report broken invariants; exit status 1 if any."""
-    from ipward.check import check
+    from ipward.ipam.check import check
 
     removed: dict[str, Any] = {}
     if remove_orphans:
-        from ipward import lifecycle
+        from ipward.ipam import pools
 
-        keys, pruned = lifecycle.remove_orphans(c.store)
+        keys, pruned = pools.remove_orphans(c.store)
         removed = {
             "removed": keys,
             "pruned": {name: {"keys": k, "layouts": n} for name, (k, n) in pruned.items()},

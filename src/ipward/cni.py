@@ -42,7 +42,7 @@ from ipward.wire import MAX_CONFIG, environment
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.core.pool import PoolSpec
-    from ipward.ledger import Allocation, Ledger
+    from ipward.ipam.ledger import Allocation, Ledger
     from ipward.selection import PodDirectory
 
 COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")
@@ -135,7 +135,7 @@ def _ledger(config: IpamConfig) -> Ledger:
         # The executable forwards every call of such a config to the agent; this is only
         # reached when `ipward.cni` is run some other way.
         raise InvalidConfig("ipam.agentSocket: this call must go through the ipward-cni plugin")
-    from ipward.ledger import Ledger
+    from ipward.ipam.ledger import Ledger
     from ipward.store import StoreError, StoreIncompatible, StoreUnavailable, open_store
 
     if not config.store_url.startswith("sqlite://"):

@@ -19,7 +19,7 @@ from ipward.core.errors import InvalidConfig, InvalidEnvironment, IpwardError
 from ipward.core.log import LEVELS
 from ipward.core.pool import DEFAULT_COOLDOWN, PoolSpec, check_name, check_routes, default_gateway
 from ipward.core.records import Attachment, PodInfo
-from ipward.ledger import ADD_GRACE, STICKY_TTL
+from ipward.ipam.ledger import ADD_GRACE, STICKY_TTL
 from ipward.wire import agent_socket, socket_path_problem
 
 DEFAULT_STORE = "sqlite:///var/lib/ipward/ipward.db"

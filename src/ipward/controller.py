@@ -1,6 +1,6 @@
 """`ipward controller`: one active per cluster. Keeps every registered node's free
 addresses at or above its pool's warm target by assigning blocks, and asks surplus blocks
-back through the release handshake (DESIGN.md 5.3, the steps in `ipward.blocks`).
+back through the release handshake (DESIGN.md 5.3, the steps in `ipward.ipam.blocks`).
 
 Leadership: the key `controller/leader` = {id, since}, put with a lease and only when
 absent (version 0). The leader keeps the lease alive every ttl/3 and checks the key is
@@ -36,7 +36,7 @@ Blocks of nodes that are not registered under `nodes/` are left alone but counte
 the metrics, until the node is known gone (below). A pool being deleted is skipped;
 block assignments compare the spec at the revision the pass read. A pool whose ranges
 changed (retired layouts, or blocks its current layout does not use) is pruned
-(`lifecycle.prune`, fenced).
+(`ipam.pools.prune`, fenced).
 
 Garbage collection (with `--liveness`, every `--gc-interval`; the rules are `ipward.gc`'s):
 records, registrations, then liveness; a record found leaked on two passes in a row at
@@ -73,13 +73,14 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ipward import blocks, gc, lifecycle
+from ipward import gc
 from ipward.config import node_name_problem
 from ipward.core import log
 from ipward.core import records as rec
 from ipward.core.errors import InvalidConfig, IpwardError
 from ipward.core.pool import PoolSpec
-from ipward.ledger import ADD_GRACE, Ledger
+from ipward.ipam import blocks, pools
+from ipward.ipam.ledger import ADD_GRACE, Ledger
 from ipward.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.serving import add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
@@ -818,9 +819,9 @@ class Controller:
             labels = (pool, str(state.get("node", "")), str(state.get("state", "")))
             counts[labels] = counts.get(labels, 0) + 1
         # 5. After a change of the pool's ranges: what its new layout does not use, and
-        # earlier layouts no record holds any more (`lifecycle.prune`, fenced).
+        # earlier layouts no record holds any more (`ipam.pools.prune`, fenced).
         if spec.retired or any(blocks.block_of(spec, cidr) is None for cidr in states):
-            lifecycle.prune(self.store, pool, self._fence())
+            pools.prune(self.store, pool, self._fence())
 
     def _surplus(
         self,

@@ -47,7 +47,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
-    from ipward.ledger import Ledger
+    from ipward.ipam.ledger import Ledger
     from ipward.store.base import Compare, Store
 
 # Candidate reasons (metrics labels; the README explains each).

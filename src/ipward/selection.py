@@ -32,7 +32,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.config import Call, IpamConfig
     from ipward.core.pool import PoolSpec
-    from ipward.ledger import Ledger
+    from ipward.ipam.ledger import Ledger
 
 POOL_ANNOTATION = "ipward.io/pool"
 STICKY_ANNOTATION = "ipward.io/sticky"

@@ -1,13 +1,13 @@
 """A pool: named range sets (one address per set, so one set per family for dual stack),
 exclusions, routes, block size and cooldown. Stored as `pools/<name>`; built by the CLI
 or from an inline CNI config (see `config`); created, changed and deleted through
-`ipward.lifecycle`.
+`ipward.ipam.pools`.
 
 What a pool covers is its layout: the range sets, exclusions and block sizes. A layout
 has a version. An inline pool whose network config changes gets a new version; the
 earlier layouts stay in the spec as `retired` while records may still hold their
 addresses, so those records stay valid until their DEL, and nothing new is ever handed
-out from them (see `lifecycle.prune`). No two pools cover a common address, counting
+out from them (see `ipam.pools.prune`). No two pools cover a common address, counting
 retired layouts (`overlap`).
 """
 

@@ -2,7 +2,7 @@
 
     meta/schema                                   {version[, import]}: see ipward.store.schema
     meta/poolcoverage                             {generation, pool}: rewritten by every write
-                                                  that adds addresses to a pool (lifecycle)
+                                                  that adds addresses to a pool (ipam.pools)
     pools/<pool>                                  pool spec (pool.PoolSpec)
     blocks/<pool>/<cidr>                          {node, state, next[, version]}
     fill/<pool>/<family>/<node>                      {block}: the block this node fills fresh

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from ipward.core.pool import PoolSpec
-from ipward.lifecycle import create_pool
+from ipward.ipam.pools import create_pool
 from ipward.store import open_store
 from ipward.store.base import Put, Store, at_revision
 from ipward_lab.bench.common import (

@@ -104,7 +104,7 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
     nothing is confirmed). Every record must be judged alive."""
     from ipward import gc
     from ipward.controller import Controller, Election, Metrics
-    from ipward.ledger import ADD_GRACE
+    from ipward.ipam.ledger import ADD_GRACE
 
     samples: dict[int, dict[str, list[float]]] = {s.records: {} for s in stores}
     sessions = []

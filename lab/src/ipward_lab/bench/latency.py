@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
-from ipward.ledger import Ledger
+from ipward.ipam.ledger import Ledger
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (
     NODE,

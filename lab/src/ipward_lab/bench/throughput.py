@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
-from ipward.ledger import Ledger
+from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put, Store, StoreError, at_revision
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (

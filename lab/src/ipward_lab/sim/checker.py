@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
-from ipward.check import check
 from ipward.core import records as rec
+from ipward.ipam.check import check
 from ipward.store import Store, StoreError
 from ipward_lab.sim.result import NS, POOL, Result, Violation
 from ipward_lab.simcluster import SimCluster

@@ -21,7 +21,7 @@ from rich.live import Live
 
 from ipward.core.pool import PoolSpec
 from ipward.install import write_launcher
-from ipward.lifecycle import create_pool
+from ipward.ipam.pools import create_pool
 from ipward.liveness import Pod
 from ipward.store import Store, StoreError, open_store
 from ipward_lab import fleet

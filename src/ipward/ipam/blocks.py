@@ -249,7 +249,7 @@ def claims(
     for entry in released:
         block = rs.block_by_cidr(cidr_of(entry.key))
         if block is None or block.next_usable(0) is None:
-            continue  # a block of an earlier layout: `lifecycle.prune` removes the entry
+            continue  # a block of an earlier layout: `ipam.pools.prune` removes the entry
         if get(rec.block_key(spec.name, block.cidr)) is None:
             yield Claim(block, entry=entry)
     cursor = get(rec.block_cursor_key(spec.name, rs.family))

@@ -21,7 +21,7 @@
   unknown-key          a key under no prefix ipward writes (another program's, or damage)
 
 Orphans and stale keys are removed by `ipward check --remove-orphans`
-(`lifecycle.remove_orphans`); the rest need a person. Read-only, and at one revision:
+(`ipam.pools.remove_orphans`); the rest need a person. Read-only, and at one revision:
 the whole store is read with one `range`.
 """
 
@@ -31,7 +31,7 @@ from ipward.core import records as rec
 from ipward.core.addr import parse_ip
 from ipward.core.errors import IpwardError
 from ipward.core.pool import PoolSpec
-from ipward.lifecycle import pool_of, stale_state
+from ipward.ipam.pools import pool_of, stale_state
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -34,12 +34,12 @@ stored or changed): standard library only.
 
 from __future__ import annotations
 
-from ipward.blocks import block_of, cidr_of
 from ipward.core import log, testpoints
 from ipward.core import records as rec
 from ipward.core.addr import parse_ip
 from ipward.core.errors import InvalidConfig, IpwardError, TryAgainLater, UnknownPool
 from ipward.core.pool import DELETING, PoolSpec, overlap
+from ipward.ipam.blocks import block_of, cidr_of
 from ipward.store.base import Delete, Put, absent, at_revision
 
 TYPE_CHECKING = False

@@ -29,8 +29,6 @@ from __future__ import annotations
 import _thread
 import time
 
-from ipward import blocks
-from ipward.blocks import cidr_of
 from ipward.core import log, testpoints
 from ipward.core import records as rec
 from ipward.core.addr import family_of, format_ip, parse_ip
@@ -47,6 +45,8 @@ from ipward.core.errors import (
     UnknownPool,
 )
 from ipward.core.pool import PoolSpec
+from ipward.ipam import blocks
+from ipward.ipam.blocks import cidr_of
 from ipward.store.base import (
     Delete,
     KeyValue,
@@ -252,7 +252,7 @@ class Ledger:
         behind: it takes its layout version and retired layouts from the stored one; a
         new pool, or a change of its layout (a new version; the old layout is retired),
         passes the overlap test against every other pool in the same transaction
-        (`lifecycle.coverage_guard`). A plain ADD on an unchanged pool only compares."""
+        (`ipam.pools.coverage_guard`). A plain ADD on an unchanged pool only compares."""
         key = rec.pool_key(spec.name)
         if spec.revision is not None:
             _refuse_deleting(spec)
@@ -277,9 +277,9 @@ class Ledger:
                 return compares, [Put(key, rec.encode(spec.to_dict()))]  # routes, cooldown...
             spec.retired.append(stored.layout)  # records may hold its addresses
             spec.layout.version = stored.version + 1
-        from ipward import lifecycle  # only when a pool is stored or changed
+        from ipward.ipam.pools import coverage_guard  # only when a pool is stored or changed
 
-        compares, ops = lifecycle.coverage_guard(self._get, self.store_range, spec)
+        compares, ops = coverage_guard(self._get, self.store_range, spec)
         compares.append(at_revision(key, kv.mod_revision if kv else 0))
         ops.append(Put(key, rec.encode(spec.to_dict())))
         return compares, ops
