@@ -12,16 +12,16 @@ import pytest
 
 from conftest import run_cli
 from ipward import gc
-from ipward.core import records as rec
-from ipward.core.pool import PoolSpec
-from ipward.ipam.ledger import Ledger
-from ipward.liveness import (
+from ipward.cluster.liveness import (
     ClusterView,
     LivenessUnavailable,
     NodeView,
     Pod,
     Sandbox,
 )
+from ipward.core import records as rec
+from ipward.core.pool import PoolSpec
+from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put
 from ipward_lab.simcluster import SimFileSource, write_sim_state
 

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import KubeApi, wait_for
 from ipward import gc
+from ipward.cluster.liveness import ClusterView, LivenessUnavailable, NotCovered
 from ipward.core.errors import TryAgainLater
-from ipward.liveness import ClusterView, LivenessUnavailable, NotCovered
 
 
 def view_or_none(source: Any) -> ClusterView | None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
+from ipward.cluster.liveness import Pod
 from ipward.core import records as rec
-from ipward.liveness import Pod
 from ipward.store import open_store
 from ipward_lab import fleet
 from ipward_lab.simcluster import write_sim_state

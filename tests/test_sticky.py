@@ -11,12 +11,12 @@ import pytest
 
 from conftest import run_cli
 from ipward import gc
+from ipward.cluster.liveness import ClusterView, Pod
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged, TryAgainLater
 from ipward.core.pool import PoolSpec
 from ipward.ipam.check import check
 from ipward.ipam.ledger import Ledger
-from ipward.liveness import ClusterView, Pod
 from ipward.store.base import Put
 
 NET = "net"

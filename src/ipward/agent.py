@@ -68,6 +68,13 @@ from prometheus_client import (
 )
 
 from ipward import cni, gc, wire
+from ipward.cluster.liveness import (
+    ClusterView,
+    LivenessSource,
+    LivenessUnavailable,
+    NodeView,
+    open_source,
+)
 from ipward.config import check_node_name
 from ipward.core import jsonc, log
 from ipward.core import records as rec
@@ -82,13 +89,6 @@ from ipward.core.errors import (
 from ipward.core.pool import PoolSpec
 from ipward.ipam import blocks
 from ipward.ipam.ledger import ADD_GRACE, Ledger
-from ipward.liveness import (
-    ClusterView,
-    LivenessSource,
-    LivenessUnavailable,
-    NodeView,
-    open_source,
-)
 from ipward.selection import PodDirectory, PodMeta
 from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store_waiting

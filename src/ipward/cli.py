@@ -633,7 +633,7 @@ def gc_command(
     show_all: bool,
 ) -> None:
     """Garbage-collect leaked addresses with the controller's rules, once."""
-    from ipward.liveness import open_source
+    from ipward.cluster.liveness import open_source
 
     source = open_source(liveness, node=node)
     try:

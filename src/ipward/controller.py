@@ -74,6 +74,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ipward import gc
+from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.config import node_name_problem
 from ipward.core import log
 from ipward.core import records as rec
@@ -81,7 +82,6 @@ from ipward.core.errors import InvalidConfig, IpwardError
 from ipward.core.pool import PoolSpec
 from ipward.ipam import blocks, pools
 from ipward.ipam.ledger import ADD_GRACE, Ledger
-from ipward.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.serving import add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
 from ipward.store.base import VALUE, Compare, Delete, Put, absent

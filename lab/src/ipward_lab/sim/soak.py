@@ -19,10 +19,10 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
+from ipward.cluster.liveness import Pod
 from ipward.core.pool import PoolSpec
 from ipward.install import write_launcher
 from ipward.ipam.pools import create_pool
-from ipward.liveness import Pod
 from ipward.store import Store, StoreError, open_store
 from ipward_lab import fleet
 from ipward_lab.etcdlab import EtcdCluster, EtcdServer

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ipward.liveness import Pod, Sandbox
+from ipward.cluster.liveness import Pod, Sandbox
 from ipward_lab.simcluster.model import ClusterModel, Snapshot, StatefulSet
 from ipward_lab.simcluster.source import write_sim_state
 

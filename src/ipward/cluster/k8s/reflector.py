@@ -35,8 +35,8 @@ from ipward.cluster.k8s.client import (
     ApiUnreachable,
     WatchStream,
 )
+from ipward.cluster.liveness import LivenessUnavailable
 from ipward.core import log
-from ipward.liveness import LivenessUnavailable
 
 V = TypeVar("V")
 

@@ -31,8 +31,7 @@ from ipward.cluster.k8s.objects import (
     parse_statefulset,
 )
 from ipward.cluster.k8s.reflector import Reflector, Resource
-from ipward.core.errors import InvalidConfig, TryAgainLater
-from ipward.liveness import (
+from ipward.cluster.liveness import (
     ClusterView,
     LivenessSource,
     LivenessUnavailable,
@@ -40,6 +39,7 @@ from ipward.liveness import (
     NotCovered,
     Pod,
 )
+from ipward.core.errors import InvalidConfig, TryAgainLater
 from ipward.selection import PodDirectory, PodMeta
 
 NAMESPACES = Resource("namespaces", "/api/v1/namespaces", parse_namespace, metadata_only=True)

@@ -14,7 +14,7 @@ the view. A caller keeps a record whenever the view is not newer than the record
 creation plus the ADD grace, so a lagging source (an old `as_of`) frees nothing.
 
 Sources by URL (`open_source`):
-  * `cri:///run/containerd/containerd.sock`: containerd's CRI over its socket (ipward.cri);
+  * `cri:///run/containerd/containerd.sock`: containerd's CRI over its socket (ipward.cluster.cri);
   * `k8s://` (in a pod) or `k8s://?kubeconfig=PATH&context=NAME`: the Kubernetes API
     (ipward.cluster.k8s; with a node, that node's pods only);
   * any scheme an installed distribution adds (`extensions.LIVENESS_SOURCES`): the labs
@@ -164,7 +164,7 @@ def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSourc
     if sep and scheme == "cri":
         if not rest:
             raise InvalidConfig(f"liveness source {url!r}: expected cri:///PATH")
-        from ipward.cri import CriSource  # grpc stays out of everything else's imports
+        from ipward.cluster.cri import CriSource  # grpc stays out of everything else's imports
 
         return CriSource(rest, node=node, timeout=timeout)
     added = extensions.added(extensions.LIVENESS_SOURCES)

@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from ipward.liveness import (
+from ipward.cluster.liveness import (
     ClusterView,
     LivenessSource,
     LivenessUnavailable,
