@@ -27,11 +27,11 @@ import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
 from ipward.agent import MAX_READING_PER_PROCESS
+from ipward.cni.wire import REQUEST_MAGIC, encode_request, read_answer
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
 from ipward.ipam import blocks
 from ipward.store import open_store
-from ipward.wire import REQUEST_MAGIC, encode_request, read_answer
 from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server
 

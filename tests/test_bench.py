@@ -428,7 +428,7 @@ def test_plugin_and_agent_do_not_load_matplotlib() -> None:
         [
             sys.executable,
             "-c",
-            "import sys, ipward.cli, ipward.cni, ipward.plugin, ipward_lab.report;"
+            "import sys, ipward.cli, ipward.cni.verbs, ipward.cni.plugin, ipward_lab.report;"
             " print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))",
         ],
         capture_output=True,

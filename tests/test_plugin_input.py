@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import PluginResult, wait_for
-from ipward import wire
+from ipward.cni import wire
+from ipward.cni.plugin import forward
 from ipward.core import records as rec
 from ipward.core.errors import CODES
-from ipward.plugin import forward
 from ipward.store import open_store
 from ipward_lab import fleet
 

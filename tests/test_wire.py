@@ -1,4 +1,4 @@
-"""The plugin <-> agent path: the wire format (`ipward.wire`) cannot be confused by any
+"""The plugin <-> agent path: the wire format (`ipward.cni.wire`) cannot be confused by any
 byte of any value; the thin path judges a call exactly as the in-process path does; only
 `ipam.agentSocket` sends a call anywhere, and only to a socket and an agent of root or of
 the plugin's own user; an old plugin and a new agent (and the reverse) say so instead of
@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, PluginResult, exec_plugin, wait_for
-from ipward import wire
+from ipward.cni import wire
 from ipward.core import records as rec
 from ipward.store import open_backend, open_store
 from ipward_lab import fleet

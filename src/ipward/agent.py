@@ -1,8 +1,8 @@
 """`ipward agent`: one per node. Serves the CNI plugin over a Unix socket.
 
-The plugin (`ipward.plugin`, with `agentSocket` in its config) sends one call per
-connection in the framed protocol of `ipward.wire`; the agent answers it with
-`cni.answer(env, stdin, ledger)` on its single long-lived `Ledger(store, node)`, so the
+The plugin (`ipward.cni.plugin`, with `agentSocket` in its config) sends one call per
+connection in the framed protocol of `ipward.cni.wire`; the agent answers it with
+`verbs.answer(env, stdin, ledger)` on its single long-lived `Ledger(store, node)`, so the
 config's `store` and `node` fields never matter here: the agent serves its own node
 from its own store. An allocation is committed (the ledger's transaction has returned)
 before its answer is sent.
@@ -67,7 +67,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from ipward import cni, gc, wire
+from ipward import gc
 from ipward.cluster.liveness import (
     ClusterView,
     LivenessSource,
@@ -75,7 +75,10 @@ from ipward.cluster.liveness import (
     NodeView,
     open_source,
 )
-from ipward.config import check_node_name
+from ipward.cni import verbs, wire
+from ipward.cni.config import check_node_name
+from ipward.cni.selection import PodDirectory, PodMeta
+from ipward.cni.wire import CALL_TIMEOUT
 from ipward.core import jsonc, log
 from ipward.core import records as rec
 from ipward.core.errors import (
@@ -89,11 +92,9 @@ from ipward.core.errors import (
 from ipward.core.pool import PoolSpec
 from ipward.ipam import blocks
 from ipward.ipam.ledger import ADD_GRACE, Ledger
-from ipward.selection import PodDirectory, PodMeta
 from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store_waiting
 from ipward.store.base import Put
-from ipward.wire import CALL_TIMEOUT
 
 DEFAULT_SOCKET = "/run/ipward/agent.sock"
 DEFAULT_METRICS = "127.0.0.1:9310"
@@ -114,7 +115,7 @@ HEALTH_TIMEOUT = 2.0
 PROBE_TIMEOUT = 1.0  # connecting to an existing socket to see whether an agent answers
 PEER_REFUSED = 5  # CNI "I/O failure": see the module docstring for why not 11
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_COMMAND_LABELS = frozenset(cni.COMMANDS)
+_COMMAND_LABELS = frozenset(verbs.COMMANDS)
 # Python does not name SO_PEERGROUPS; 59 is its value in asm-generic, which these use.
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", None) or (
     59
@@ -333,7 +334,7 @@ def _code_of(out: str) -> str:
         code = jsonc.loads(out).get("code")
     except Exception:  # an answer that is not an error object: count it as internal
         code = None
-    return str(code) if isinstance(code, int) else str(cni.INTERNAL_ERROR)
+    return str(code) if isinstance(code, int) else str(verbs.INTERNAL_ERROR)
 
 
 def _network_of(stdin: bytes) -> str | None:
@@ -378,7 +379,7 @@ class Agent:
     """Serves the plugin. One I/O thread accepts every connection at once and reads
     requests (non-blocking sockets, a buffer and a deadline each), answers refused peers
     and malformed requests itself, and hands complete requests to the workers, which
-    answer them with `cni.answer` on the agent's one `Ledger`. So a slow, idle or refused
+    answer them with `verbs.answer` on the agent's one `Ledger`. So a slow, idle or refused
     client holds no worker and delays no one: it costs a file descriptor, a buffer and a
     place under the caps (module docstring) until its deadline."""
 
@@ -691,7 +692,7 @@ class Agent:
         else:
             answer = DecodeFailure(f"not an ipward request: {error}; nothing was done")
         if isinstance(error, wire.VersionMismatch) and error.legacy:
-            out = cni.error_output(answer, b"").encode()
+            out = verbs.error_output(answer, b"").encode()
             self._reply(conn, wire.encode_legacy_answer(1, out))
         else:
             self._reply(conn, self._error_answer(answer, b""))
@@ -724,7 +725,7 @@ class Agent:
 
     @staticmethod
     def _error_answer(error: IpwardError, stdin: bytes) -> bytes:
-        return wire.encode_answer(1, cni.error_output(error, stdin).encode())
+        return wire.encode_answer(1, verbs.error_output(error, stdin).encode())
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self._watched if c.deadline <= now]:
@@ -750,10 +751,10 @@ class Agent:
         label = command if command in _COMMAND_LABELS else "other"
         started = time.monotonic()
         try:
-            status, out = cni.answer(env, stdin, self.ledger, self.directory)  # never raises
+            status, out = verbs.answer(env, stdin, self.ledger, self.directory)  # never raises
             answer = wire.encode_answer(status, out.encode())
         except Exception as e:  # a bug (an answer too large): an error, not silence
-            status, out = 1, cni.error_output(IpwardError(f"internal error: {e}"), stdin)
+            status, out = 1, verbs.error_output(IpwardError(f"internal error: {e}"), stdin)
             answer = wire.encode_answer(status, out.encode())
         finally:
             with self._lock:

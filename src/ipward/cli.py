@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ipward import gc as gc_rules
-from ipward.config import DEFAULT_STORE
+from ipward.cni.config import DEFAULT_STORE
 from ipward.core import extensions
 from ipward.core import records as rec
 from ipward.core.addr import format_ip, parse_cidr, parse_ip

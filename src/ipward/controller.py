@@ -75,7 +75,7 @@ from prometheus_client.registry import Collector
 
 from ipward import gc
 from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
-from ipward.config import node_name_problem
+from ipward.cni.config import node_name_problem
 from ipward.core import log
 from ipward.core import records as rec
 from ipward.core.errors import InvalidConfig, IpwardError

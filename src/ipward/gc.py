@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from ipward.cluster.liveness import ClusterView, LivenessSource, LivenessUnavailable, NodeView
-from ipward.config import node_name_problem
+from ipward.cni.config import node_name_problem
 from ipward.core import log, testpoints
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged

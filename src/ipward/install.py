@@ -16,7 +16,7 @@ LAUNCHER = """#!/usr/bin/python3 -IS
 # isolated, no site: fast start; the package is found at the path below.
 import sys
 sys.path.insert(0, {path!r})
-from ipward.plugin import main
+from ipward.cni.plugin import main
 main()
 """
 

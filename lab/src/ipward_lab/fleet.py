@@ -15,8 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ipward.plugin import forward
-from ipward.wire import WireError
+from ipward.cni.plugin import forward
+from ipward.cni.wire import WireError
 
 IPWARD = [sys.executable, "-m", "ipward.cli"]
 _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")

@@ -84,7 +84,7 @@ class _Client:
         self.examples: dict[str, str] = {}
 
     def call(self, command: str, container: str) -> tuple[bool, float]:
-        from ipward.plugin import forward
+        from ipward.cni.plugin import forward
 
         env = dict(self.base_env, CNI_COMMAND=command, CNI_CONTAINERID=container)
         start = time.perf_counter()

@@ -39,8 +39,8 @@ from ipward.cluster.liveness import (
     NotCovered,
     Pod,
 )
+from ipward.cni.selection import PodDirectory, PodMeta
 from ipward.core.errors import InvalidConfig, TryAgainLater
-from ipward.selection import PodDirectory, PodMeta
 
 NAMESPACES = Resource("namespaces", "/api/v1/namespaces", parse_namespace, metadata_only=True)
 NODES = Resource("nodes", "/api/v1/nodes", parse_node, metadata_only=True)

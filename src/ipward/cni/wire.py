@@ -17,7 +17,7 @@ field's length: no value can end a field, add a variable or change another.
 
 The agent decodes the values as `env_text` says (UTF-8, undecodable bytes kept as
 surrogates, as Python decodes `os.environ`) and the in-process plugin decodes its own
-environment the same way (`environment`), so `cni.answer` sees the same call on both
+environment the same way (`environment`), so `verbs.answer` sees the same call on both
 paths and validates it the same way: what one path refuses, the other refuses with the
 same code.
 

@@ -30,7 +30,7 @@ from ipward.core.records import Sticky
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ipward.config import Call, IpamConfig
+    from ipward.cni.config import Call, IpamConfig
     from ipward.core.pool import PoolSpec
     from ipward.ipam.ledger import Ledger
 

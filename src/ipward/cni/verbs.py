@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import sys
 
-from ipward.config import (
+from ipward.cni.config import (
     SUPPORTED_VERSIONS,
     Call,
     IpamConfig,
     container_id_problem,
     ifname_problem,
 )
+from ipward.cni.wire import MAX_CONFIG, environment
 from ipward.core import jsonc, log
 from ipward.core.addr import format_ip, parse_cidr, parse_ip
 from ipward.core.errors import (
@@ -37,13 +38,12 @@ from ipward.core.errors import (
     TryAgainLater,
     UnknownContainer,
 )
-from ipward.wire import MAX_CONFIG, environment
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from ipward.cni.selection import PodDirectory
     from ipward.core.pool import PoolSpec
     from ipward.ipam.ledger import Allocation, Ledger
-    from ipward.selection import PodDirectory
 
 COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")
 INTERNAL_ERROR = 999
@@ -108,7 +108,7 @@ def run(
     call = Call(env, config.network)
     ledger = ledger or _ledger(config)
     if command == "ADD":
-        from ipward.selection import choose
+        from ipward.cni.selection import choose
 
         pools, requested, sticky = choose(ledger, config, call, directory)
         allocations = ledger.allocate(pools, call.attachment, call.pod, requested, sticky)
@@ -133,7 +133,7 @@ def _configure_log(raw: object) -> None:
 def _ledger(config: IpamConfig) -> Ledger:
     if config.agent_socket:
         # The executable forwards every call of such a config to the agent; this is only
-        # reached when `ipward.cni` is run some other way.
+        # reached when `ipward.cni.verbs` is run some other way.
         raise InvalidConfig("ipam.agentSocket: this call must go through the ipward-cni plugin")
     from ipward.ipam.ledger import Ledger
     from ipward.store import StoreError, StoreIncompatible, StoreUnavailable, open_store
@@ -298,10 +298,10 @@ def answer(
 
 
 def main(stdin: bytes | None = None) -> None:
-    """The in-process plugin (single-node mode); `ipward.plugin.main` calls it with the
+    """The in-process plugin (single-node mode); `ipward.cni.plugin.main` calls it with the
     stdin it already read. The environment is read as the agent reads a forwarded one
     (`wire.environment`), so both paths judge the same call the same way."""
-    from ipward.plugin import read_stdin
+    from ipward.cni.plugin import read_stdin
 
     env = environment(os.environb)
     data = read_stdin() if stdin is None else stdin

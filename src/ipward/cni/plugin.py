@@ -4,14 +4,14 @@ Cluster mode: the network config names the node agent's socket in `ipam.agentSoc
 and nowhere else counts. The config is parsed (`jsonc`, CPython's C scanner) and only
 that field of the `ipam` section is read: a key of that name anywhere else, such as in
 `args.cni`, which Multus fills from pod annotations, is only data. The call is then sent
-(`ipward.wire`) and the agent's answer printed as is, but only to an agent the plugin
+(`ipward.cni.wire`) and the agent's answer printed as is, but only to an agent the plugin
 can trust: the socket file must be owned by root or by the plugin's own user, and so
 must the process listening on it (SO_PEERCRED, read after connecting and before a byte
 is sent). Anything else is refused with code 5 and nothing is sent. This path imports
 only `_socket`, `posix` (the C module under `os`, whose Python layer alone costs
 ~0.8 ms), `jsonc` and `wire`, so it costs little over the interpreter's own start.
 
-Everything else runs `ipward.cni` in-process on SQLite (single-node mode), which also
+Everything else runs `ipward.cni.verbs` in-process on SQLite (single-node mode), which also
 answers VERSION (it needs no agent) and a configuration over `wire.MAX_CONFIG` (107),
 whatever the config says, so both paths give the same answers to the same input.
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 import posix
 import sys
 
+from ipward.cni.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, agent_socket
 from ipward.core import jsonc
-from ipward.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, agent_socket
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def forward(
     (nothing is sent then), other OSErrors and `wire.WireError` when no answer comes."""
     import _socket
 
-    from ipward.wire import NO_ANSWER, WireError, encode_request, read_answer
+    from ipward.cni.wire import NO_ANSWER, WireError, encode_request, read_answer
 
     request = encode_request(env, stdin)
     trusted = trusted_uids()
@@ -108,7 +108,7 @@ def _connect(sock: _socket.socket, path: str, timeout: float) -> None:
 
 def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exception) -> bytes:
     """The error object when the agent gave no answer (never success: nothing was done)."""
-    from ipward.cni import error_output
+    from ipward.cni.verbs import error_output
     from ipward.core.errors import IoFailure, IpwardError, NotAvailable, TryAgainLater
 
     reason = f"{type(error).__name__}: {error}"
@@ -134,7 +134,7 @@ def main() -> None:
         except Exception:  # not JSON: the in-process path answers that (code 6)
             path = None
     if path is None:
-        from ipward.cni import main as in_process
+        from ipward.cni.verbs import main as in_process
 
         in_process(stdin)
         return

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 
+from ipward.cni.wire import agent_socket, socket_path_problem
 from ipward.core.addr import family_of, format_cidr, format_ip, parse_cidr, parse_ip
 from ipward.core.errors import InvalidConfig, InvalidEnvironment, IpwardError
 from ipward.core.log import LEVELS
 from ipward.core.pool import DEFAULT_COOLDOWN, PoolSpec, check_name, check_routes, default_gateway
 from ipward.core.records import Attachment, PodInfo
 from ipward.ipam.ledger import ADD_GRACE, STICKY_TTL
-from ipward.wire import agent_socket, socket_path_problem
 
 DEFAULT_STORE = "sqlite:///var/lib/ipward/ipward.db"
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
