@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from ipward import gc
 from ipward.cluster.liveness import (
     ClusterView,
     LivenessUnavailable,
@@ -21,6 +20,7 @@ from ipward.cluster.liveness import (
 )
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
+from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put
 from ipward_lab.simcluster import SimFileSource, write_sim_state

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from conftest import KubeApi, wait_for
-from ipward import gc
 from ipward.cluster.liveness import ClusterView, LivenessUnavailable, NotCovered
 from ipward.core.errors import TryAgainLater
+from ipward.gc import rules as gc
 
 
 def view_or_none(source: Any) -> ClusterView | None:

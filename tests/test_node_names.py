@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, run_cli
-from ipward import gc
 from ipward.cluster.liveness import ClusterView, Pod
 from ipward.cni.config import MAX_NODE_NAME, node_name_problem
+from ipward.gc import rules as gc
 from ipward.store import open_store
 
 BAD_NAMES = ["a/b", "../n1", "node 1", "n1\n", "n\x01", "-n1", "n1.", "x" * (MAX_NODE_NAME + 1)]

@@ -10,11 +10,11 @@ import json
 import pytest
 
 from conftest import run_cli
-from ipward import gc
 from ipward.cluster.liveness import ClusterView, Pod
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged, TryAgainLater
 from ipward.core.pool import PoolSpec
+from ipward.gc import rules as gc
 from ipward.ipam.check import check
 from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put

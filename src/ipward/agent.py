@@ -67,7 +67,6 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from ipward import gc
 from ipward.cluster.liveness import (
     ClusterView,
     LivenessSource,
@@ -90,6 +89,7 @@ from ipward.core.errors import (
     TryAgainLater,
 )
 from ipward.core.pool import PoolSpec
+from ipward.gc import rules as gc
 from ipward.ipam import blocks
 from ipward.ipam.ledger import ADD_GRACE, Ledger
 from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http

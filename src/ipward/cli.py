@@ -17,7 +17,6 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ipward import gc as gc_rules
 from ipward.cni.config import DEFAULT_STORE
 from ipward.core import extensions
 from ipward.core import records as rec
@@ -31,6 +30,7 @@ from ipward.core.pool import (
     check_routes,
     default_gateway,
 )
+from ipward.gc import rules as gc_rules
 from ipward.ipam import transfer
 from ipward.ipam.ledger import Ledger
 from ipward.serving import add_grace_option, redact

@@ -73,13 +73,13 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ipward import gc
 from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.cni.config import node_name_problem
 from ipward.core import log
 from ipward.core import records as rec
 from ipward.core.errors import InvalidConfig, IpwardError
 from ipward.core.pool import PoolSpec
+from ipward.gc import rules as gc
 from ipward.ipam import blocks, pools
 from ipward.ipam.ledger import ADD_GRACE, Ledger
 from ipward.serving import add_grace_option, parse_address, redact, start_http
