@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward.agent import MAX_READING_PER_PROCESS
+from ipward.agent.server import MAX_READING_PER_PROCESS
 from ipward.cni.wire import REQUEST_MAGIC, encode_request, read_answer
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec

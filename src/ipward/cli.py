@@ -903,7 +903,7 @@ def install_cni(bin_dir: str, name: str) -> None:
 
 
 def _attach_commands() -> None:
-    from ipward.agent import agent_command
+    from ipward.agent.server import agent_command
     from ipward.controller import controller_command
 
     cli.add_command(agent_command, "agent")
