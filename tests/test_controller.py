@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, wait_for
-from ipward.controller import LEADER_KEY, Controller, Election, Metrics
+from ipward.controller.passes import LEADER_KEY, Controller, Election, Metrics
 from ipward.core import records as rec
 from ipward.core.errors import IpwardError, TryAgainLater
 from ipward.core.pool import PoolSpec

@@ -904,7 +904,7 @@ def install_cni(bin_dir: str, name: str) -> None:
 
 def _attach_commands() -> None:
     from ipward.agent.server import agent_command
-    from ipward.controller import controller_command
+    from ipward.controller.passes import controller_command
 
     cli.add_command(agent_command, "agent")
     cli.add_command(controller_command, "controller")
