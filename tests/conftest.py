@@ -24,7 +24,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parent.parent
-IPWARD = [sys.executable, "-m", "ipward.cli"]
+IPWARD = [sys.executable, "-m", "ipward"]
 
 
 @pytest.fixture

@@ -233,7 +233,7 @@ def public_plugin(directory: Path) -> Path:
     """A copy of the plugin another user can run: its package readable by all, wherever
     this checkout lives (a clone in a 0700 directory would make the import fail)."""
     import ipward
-    from ipward.install import LAUNCHER
+    from ipward.cmd.install import LAUNCHER
 
     lib = directory / "lib"
     shutil.copytree(Path(ipward.__file__).parent, lib / "ipward")
@@ -506,7 +506,7 @@ def test_metrics_and_health(plugin, etcd, start_agent):
 
 def test_cli_exposes_the_agent():
     out = subprocess.run(
-        [sys.executable, "-m", "ipward.cli", "agent", "--help"],
+        [sys.executable, "-m", "ipward", "agent", "--help"],
         capture_output=True,
         text=True,
         check=True,

@@ -57,11 +57,11 @@ def test_without_the_lab_its_commands_and_source_are_absent(product_alone: str) 
     python = [sys.executable, "-S"]
     hidden = run(python, product_alone, "-c", "import ipward_lab")
     assert hidden.returncode != 0 and "No module named 'ipward_lab'" in hidden.stderr
-    listed = run([*python, "-m", "ipward.cli"], product_alone, "--help")
+    listed = run([*python, "-m", "ipward"], product_alone, "--help")
     assert listed.returncode == 0, listed.stderr
     commands = listed_commands(listed.stdout)
     assert {"agent", "controller", "pool"} <= commands and not commands & set(LAB_COMMANDS)
-    missing = run([*python, "-m", "ipward.cli"], product_alone, "sim")
+    missing = run([*python, "-m", "ipward"], product_alone, "sim")
     assert missing.returncode == 2 and "No such command 'sim'" in missing.stderr
     source = run(
         python,

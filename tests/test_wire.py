@@ -194,6 +194,10 @@ def protocol_1_tree(tmp: Path) -> Path:
             ).stdout
             tmp.mkdir(parents=True, exist_ok=True)
             subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+            # fleet starts agents with `python -m ipward`; that tree predates its __main__.
+            main = tmp / "src" / "ipward" / "__main__.py"
+            if not main.exists():
+                main.write_text("from ipward.cli import main\n\nmain()\n")
             return tmp / "src"
     pytest.skip("no commit with wire protocol 1 in this history")
 

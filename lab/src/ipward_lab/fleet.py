@@ -18,7 +18,7 @@ from pathlib import Path
 from ipward.cni.plugin import forward
 from ipward.cni.wire import WireError
 
-IPWARD = [sys.executable, "-m", "ipward.cli"]
+IPWARD = [sys.executable, "-m", "ipward"]
 _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 

@@ -74,6 +74,7 @@ from ipward.cluster.liveness import (
     NodeView,
     open_source,
 )
+from ipward.cmd.daemon import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.cni import verbs, wire
 from ipward.cni.config import check_node_name
 from ipward.cni.selection import PodDirectory, PodMeta
@@ -92,7 +93,6 @@ from ipward.core.pool import PoolSpec
 from ipward.gc import rules as gc
 from ipward.ipam import blocks
 from ipward.ipam.ledger import ADD_GRACE, Ledger
-from ipward.serving import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, open_store_waiting
 from ipward.store.base import Put
 

@@ -74,6 +74,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
+from ipward.cmd.daemon import add_grace_option, parse_address, redact, start_http
 from ipward.cni.config import node_name_problem
 from ipward.core import log
 from ipward.core import records as rec
@@ -82,7 +83,6 @@ from ipward.core.pool import PoolSpec
 from ipward.gc import rules as gc
 from ipward.ipam import blocks, pools
 from ipward.ipam.ledger import ADD_GRACE, Ledger
-from ipward.serving import add_grace_option, parse_address, redact, start_http
 from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
 

@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.live import Live
 
 from ipward.cluster.liveness import Pod
+from ipward.cmd.install import write_launcher
 from ipward.core.pool import PoolSpec
-from ipward.install import write_launcher
 from ipward.ipam.pools import create_pool
 from ipward.store import Store, StoreError, open_store
 from ipward_lab import fleet

@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ipward.cmd.daemon import add_grace_option, redact
 from ipward.cni.config import DEFAULT_STORE
 from ipward.core import extensions
 from ipward.core import records as rec
@@ -33,7 +34,6 @@ from ipward.core.pool import (
 from ipward.gc import rules as gc_rules
 from ipward.ipam import transfer
 from ipward.ipam.ledger import Ledger
-from ipward.serving import add_grace_option, redact
 from ipward.store import Store, StoreError, open_backend, open_store, schema, store_location
 
 # Scripts and CI pipe the output: give tables room instead of rich's 80-column default.
@@ -895,7 +895,7 @@ def import_command(c: Context, file: str, batch_keys: int) -> None:
 @click.option("--name", default="ipward", show_default=True, help="Executable name.")
 def install_cni(bin_dir: str, name: str) -> None:
     """Install the plugin executable into a CNI bin dir."""
-    from ipward.install import write_launcher
+    from ipward.cmd.install import write_launcher
 
     target = Path(bin_dir) / name
     write_launcher(target)
@@ -916,6 +916,3 @@ _attach_commands()
 def main() -> None:
     cli(prog_name="ipward")
 
-
-if __name__ == "__main__":
-    main()
