@@ -28,6 +28,7 @@ import pytest
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
 from ipward.agent.server import MAX_READING_PER_PROCESS
 from ipward.cni.wire import REQUEST_MAGIC, encode_request, read_answer
+from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
 from ipward.ipam import blocks
@@ -537,21 +538,21 @@ def test_agent_registers_its_node_and_answers_the_handshake(
     held = exec_plugin(plugin, "ADD", cfg, container="held")
     assert held.returncode == 0, held
     with open_store(sqlite_url) as store:
-        assert wait_for(lambda: store.get(rec.node_key(NODE)), "registration").lease
+        assert wait_for(lambda: store.get(keys.node_key(NODE)), "registration").lease
         spec = PoolSpec.from_dict(rec.decode(store.get("pools/web").value))
         spare = blocks.assign(store, spec, 4, NODE)
         busy = "10.5.0.0/28"
         for cidr in (spare, busy):
-            kv = store.get(rec.block_key("web", cidr))
+            kv = store.get(keys.block_key("web", cidr))
             assert blocks.mark(store, "web", kv, time.time())
 
         def state(cidr: str) -> str:
-            return rec.decode(store.get(rec.block_key("web", cidr)).value)["state"]
+            return rec.decode(store.get(keys.block_key("web", cidr)).value)["state"]
 
         wait_for(lambda: state(spare) == rec.READY, "ready for the empty block")
         wait_for(lambda: state(busy) == rec.REFUSED, "refused for the block in use")
         assert agent.stop() == 0
-        assert wait_for(lambda: store.get(rec.node_key(NODE)) is None, "deregistration")
+        assert wait_for(lambda: store.get(keys.node_key(NODE)) is None, "deregistration")
 
 
 # -- batches and the store's transaction limits --------------------------------------------

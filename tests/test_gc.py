@@ -18,6 +18,7 @@ from ipward.cluster.liveness import (
     Pod,
     Sandbox,
 )
+from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
 from ipward.gc import rules as gc
@@ -173,7 +174,7 @@ def test_confirmation_needs_two_passes_at_one_revision() -> None:
 
 def make_pool(store) -> PoolSpec:
     spec = PoolSpec.from_dict({"name": "p", "ranges": [[{"subnet": "10.0.0.0/24"}]], "cooldown": 0})
-    store.txn([], [Put(rec.pool_key(spec.name), rec.encode(spec.to_dict()))])
+    store.txn([], [Put(keys.pool_key(spec.name), rec.encode(spec.to_dict()))])
     return spec
 
 

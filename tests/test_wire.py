@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from conftest import REPO, PluginResult, exec_plugin, wait_for
 from ipward.cni import wire
+from ipward.core import keys
 from ipward.core import records as rec
 from ipward.store import open_backend, open_store
 from ipward_lab import fleet
@@ -51,7 +52,7 @@ def agent(tmp_path: Path, run_dir: Path, sqlite_url: str) -> Iterator[fleet.Agen
     try:
         started.wait_ready()
         with open_store(sqlite_url) as store:  # its registration: the last write of its own
-            wait_for(lambda: store.get(rec.node_key("wire-node")), "the node's registration")
+            wait_for(lambda: store.get(keys.node_key("wire-node")), "the node's registration")
         yield started
     finally:
         started.kill()

@@ -79,7 +79,7 @@ from ipward.cni import verbs, wire
 from ipward.cni.config import check_node_name
 from ipward.cni.selection import PodDirectory, PodMeta
 from ipward.cni.wire import CALL_TIMEOUT
-from ipward.core import jsonc, log
+from ipward.core import jsonc, keys, log
 from ipward.core import records as rec
 from ipward.core.errors import (
     DecodeFailure,
@@ -904,22 +904,22 @@ class NodeDuties:
             return
         self.lease = self.store.lease_grant(self.ttl)
         value = rec.encode({"node": self.node, "pid": os.getpid(), "since": time.time()})
-        self.store.txn([], [Put(rec.node_key(self.node), value, lease=self.lease)])
+        self.store.txn([], [Put(keys.node_key(self.node), value, lease=self.lease)])
         log.info("node registered", node=self.node, lease=self.lease, ttl=self.ttl)
 
     def answer_handshakes(self) -> list[tuple[str, str]]:
         """Answer every marked block of this node; returns (block, answer) pairs."""
         answered = []
-        for pool_kv in self.store.range("pools/")[0]:
+        for pool_kv in self.store.range(keys.POOLS)[0]:
             spec = PoolSpec.from_dict(rec.decode(pool_kv.value))
-            owned, _ = self.store.range(rec.affinity_prefix(spec.name, self.node))
+            owned, _ = self.store.range(keys.affinity_prefix(spec.name, self.node))
             for entry in owned:
-                kv = self.store.get(rec.block_key(spec.name, blocks.cidr_of(entry.key)))
+                kv = self.store.get(keys.block_key(spec.name, keys.cidr_of(entry.key)))
                 if kv is None or rec.decode(kv.value).get("state") != rec.MARKED:
                     continue
                 result = blocks.answer(self.store, spec, kv, time.time())
                 if result is not None:
-                    answered.append((blocks.cidr_of(kv.key), result))
+                    answered.append((keys.cidr_of(kv.key), result))
         return answered
 
 

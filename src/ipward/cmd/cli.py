@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ipward.cmd.daemon import add_grace_option, redact
 from ipward.cni.config import DEFAULT_STORE
-from ipward.core import extensions
+from ipward.core import extensions, keys
 from ipward.core import records as rec
 from ipward.core.addr import format_ip, parse_cidr, parse_ip
 from ipward.core.errors import InvalidConfig, IpwardError
@@ -319,12 +319,12 @@ def pool_create(
 
 def _pool_usage(c: Context, spec: PoolSpec) -> dict:
     """Allocations of the pool bucketed per claimed block and per range."""
-    kvs, revision = c.store.range(f"ips/{spec.name}/")
-    blocks, _ = c.store.range(f"blocks/{spec.name}/")
-    per_block: dict[str, int] = {kv.key.split("/", 2)[2]: 0 for kv in blocks}
+    kvs, revision = c.store.range(keys.ips_prefix(spec.name))
+    blocks, _ = c.store.range(keys.blocks_prefix(spec.name))
+    per_block: dict[str, int] = {keys.cidr_of(kv.key): 0 for kv in blocks}
     per_range: dict[str, int] = {}
     for kv in kvs:
-        family, value = parse_ip(kv.key.split("/", 2)[2])
+        family, value = parse_ip(keys.last(kv.key))
         index = spec.set_of(family)
         rs = spec.range_sets[index] if index is not None else None
         block = rs.block_of(value) if rs else None
@@ -348,10 +348,10 @@ def _pools_in_use(c: Context) -> list[tuple[PoolSpec, int]]:
     """Every pool with how many attachments it serves (each holds one address of every
     family, so: the most records of any one family), to set against its capacity."""
     out = []
-    for kv in c.store.range("pools/")[0]:
+    for kv in c.store.range(keys.POOLS)[0]:
         spec = PoolSpec.from_dict(rec.decode(kv.value))
         per_family: dict[bool, int] = {}
-        for record in c.store.range(f"ips/{spec.name}/")[0]:
+        for record in c.store.range(keys.ips_prefix(spec.name))[0]:
             v6 = ":" in record.key
             per_family[v6] = per_family.get(v6, 0) + 1
         out.append((spec, max(per_family.values(), default=0)))
@@ -423,8 +423,8 @@ def pool_show(c: Context, name: str) -> None:
     if blocks and len(blocks) <= MAX_BLOCK_BARS:
         block_table = Table("block", "node", "state", "used", "use")
         states = {
-            kv.key.split("/", 2)[2]: rec.decode(kv.value)
-            for kv in c.store.range(f"blocks/{spec.name}/")[0]
+            keys.cidr_of(kv.key): rec.decode(kv.value)
+            for kv in c.store.range(keys.blocks_prefix(spec.name))[0]
         }
         for cidr in sorted(blocks, key=lambda b: parse_cidr(b)[:2]):
             found = None
@@ -478,12 +478,12 @@ def _age(seconds: float) -> str:
 @pass_ctx
 def alloc_list(c: Context, pool_name: str | None, node: str | None, pod: str | None) -> None:
     """Every allocation, with its attachment, pod, node and revision."""
-    prefix = f"ips/{pool_name}/" if pool_name else "ips/"
+    prefix = keys.ips_prefix(pool_name or None)
     rows = []
     now = time.time()
-    reservations = {kv.key: rec.decode(kv.value) for kv in c.store.range("sticky/")[0]}
+    reservations = {kv.key: rec.decode(kv.value) for kv in c.store.range(keys.STICKY)[0]}
     for kv in c.store.range(prefix)[0]:
-        _, pname, ip = kv.key.split("/", 2)
+        pname, ip = keys.ip_parts(kv.key)
         record = rec.decode(kv.value)
         p = record.get("pod", {})
         if node and record.get("node") != node:
@@ -724,7 +724,7 @@ def release_command(
     if not pool_name or not ip:
         raise InvalidConfig("give --pool and --ip (an address), or --sticky NS/NAME")
     ip = format_ip(*parse_ip(ip))
-    kv = c.store.get(rec.ip_key(pool_name, ip))
+    kv = c.store.get(keys.ip_key(pool_name, ip))
     if kv is None:
         raise InvalidConfig(f"--ip {ip} is not allocated in pool {pool_name}")
     record = rec.decode(kv.value)
@@ -753,14 +753,14 @@ def _release_sticky(
         raise InvalidConfig(f"--sticky {identity!r}: expected NAMESPACE/NAME")
     found = [
         kv
-        for kv in c.store.range("sticky/")[0]
-        if kv.key.split("/")[2:] == [namespace, name]
-        and (network is None or kv.key.split("/")[1] == network)
+        for kv in c.store.range(keys.STICKY)[0]
+        if keys.sticky_parts(kv.key)[1:] == (namespace, name)
+        and (network is None or keys.sticky_parts(kv.key)[0] == network)
     ]
     if not found:
         raise InvalidConfig(f"--sticky {identity}: no reservation for it")
     if len(found) > 1:
-        networks = ", ".join(kv.key.split("/")[1] for kv in found)
+        networks = ", ".join(keys.sticky_parts(kv.key)[0] for kv in found)
         raise InvalidConfig(
             f"--sticky {identity} is reserved on networks {networks}: give --network"
         )
@@ -915,4 +915,3 @@ _attach_commands()
 
 def main() -> None:
     cli(prog_name="ipward")
-

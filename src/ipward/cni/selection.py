@@ -23,6 +23,7 @@ with code 11: a pod is never put in a pool it did not ask for.
 
 from __future__ import annotations
 
+from ipward.core import keys
 from ipward.core.addr import parse_ip
 from ipward.core.errors import AddressOutsidePool, InvalidEnvironment
 from ipward.core.pool import check_one_per_family
@@ -110,7 +111,7 @@ def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> lis
     if all(any(holds(p, ip) for p in pools) for ip in requested):
         return pools
     found: list[PoolSpec] = []
-    others = [ledger.get_pool(kv.key[len("pools/") :]) for kv in ledger.store_range("pools/")[0]]
+    others = [ledger.get_pool(keys.pool_name(kv.key)) for kv in ledger.store_range(keys.POOLS)[0]]
     for ip in requested:
         pool = next((p for p in [*pools, *others] if holds(p, ip)), None)
         if pool is None:

@@ -76,9 +76,10 @@ from prometheus_client.registry import Collector
 from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.cmd.daemon import add_grace_option, parse_address, redact, start_http
 from ipward.cni.config import node_name_problem
-from ipward.core import log
+from ipward.core import keys, log
 from ipward.core import records as rec
 from ipward.core.errors import InvalidConfig, IpwardError
+from ipward.core.keys import LEADER_KEY
 from ipward.core.pool import PoolSpec
 from ipward.gc import rules as gc
 from ipward.ipam import blocks, pools
@@ -92,7 +93,6 @@ if TYPE_CHECKING:
     from ipward.core.addr import Block
     from ipward.store.base import KeyValue
 
-LEADER_KEY = "controller/leader"
 DEFAULT_METRICS = "127.0.0.1:9311"
 MAX_POLL = 1.0  # a waiting instance looks at the leader key at least this often
 
@@ -507,8 +507,8 @@ class Controller:
         deficits: dict[tuple[str, str, str], int] = {}
         seen: set[tuple[str, str]] = set()
         failed: set[str] = set()
-        for kv in self.store.range("pools/")[0]:
-            name = kv.key[len("pools/") :]
+        for kv in self.store.range(keys.POOLS)[0]:
+            name = keys.pool_name(kv.key)
             try:
                 spec = PoolSpec.from_dict(rec.decode(kv.value))
             except (IpwardError, ValueError) as e:
@@ -601,10 +601,10 @@ class Controller:
 
     def _block_nodes(self) -> set[str]:
         nodes = set()
-        for kv in self.store.range("affinity/")[0]:
-            parts = kv.key.split("/")
-            if len(parts) >= 3:
-                nodes.add(parts[2])
+        for kv in self.store.range(keys.AFFINITY)[0]:
+            node = keys.affinity_parts(kv.key)[1]
+            if node:
+                nodes.add(node)
         return nodes
 
     def _pool_pass(
@@ -622,8 +622,8 @@ class Controller:
         # the block's revision, so a mark decided on a stale count loses its CAS.
         block_kvs: dict[str, KeyValue | None] = {}
         states: dict[str, dict] = {}
-        for kv in self.store.range(f"blocks/{pool}/")[0]:
-            cidr = blocks.cidr_of(kv.key)
+        for kv in self.store.range(keys.blocks_prefix(pool))[0]:
+            cidr = keys.cidr_of(kv.key)
             try:
                 states[cidr] = rec.decode(kv.value)
             except ValueError:
@@ -631,15 +631,14 @@ class Controller:
                 continue
             block_kvs[cidr] = kv
         records: Tally[str] = Tally()
-        for kv in self.store.range(f"ips/{pool}/")[0]:
+        for kv in self.store.range(keys.ips_prefix(pool))[0]:
             try:
                 records[rec.decode(kv.value).get("block", "")] += 1
             except ValueError:
                 log.error("address record unreadable", key=kv.key)
         fills: dict[tuple[int, str], str] = {}
-        fill_prefix = f"fill/{pool}/"
-        for kv in self.store.range(fill_prefix)[0]:
-            family_text, _, filler = kv.key[len(fill_prefix) :].partition("/")
+        for kv in self.store.range(keys.fills_prefix(pool))[0]:
+            _, family_text, filler = keys.fill_parts(kv.key)
             try:
                 fills[(int(family_text), filler)] = rec.decode(kv.value)["block"]
             except (ValueError, KeyError):
@@ -723,7 +722,7 @@ class Controller:
         # Blocks of gone nodes: emptied by garbage collection, then asked back at once.
         for cidr, state in states.items():
             gone_kv = block_kvs.get(cidr)
-            block = blocks.block_of(spec, cidr)
+            block = spec.block_by_cidr(cidr)
             if (
                 state.get("node") not in gone
                 or state.get("state") != rec.ACTIVE
@@ -785,7 +784,7 @@ class Controller:
                         warm=spec.warm,
                     )
                     continue
-                block = blocks.block_of(spec, given)
+                block = spec.block_by_cidr(given)
                 free[(node, family)] += block.usable_count() if block is not None else 0
                 states[given] = {"node": node, "state": rec.ACTIVE}
                 self.metrics.assigned.inc()
@@ -820,7 +819,7 @@ class Controller:
             counts[labels] = counts.get(labels, 0) + 1
         # 5. After a change of the pool's ranges: what its new layout does not use, and
         # earlier layouts no record holds any more (`ipam.pools.prune`, fenced).
-        if spec.retired or any(blocks.block_of(spec, cidr) is None for cidr in states):
+        if spec.retired or any(spec.block_by_cidr(cidr) is None for cidr in states):
             pools.prune(self.store, pool, self._fence())
 
     def _surplus(
@@ -1069,7 +1068,6 @@ def controller_command(
 
 
 __all__ = [
-    "LEADER_KEY",
     "Controller",
     "ControllerError",
     "Election",

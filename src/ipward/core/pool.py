@@ -32,6 +32,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from ipward.core.addr import Block
+
 DEFAULT_COOLDOWN = 30.0
 DEFAULT_WARM = 16  # free addresses the controller keeps on every node, per family
 DEFAULT_RELEASE_DELAY = 180.0  # how long a surplus block stays empty before it is asked back
@@ -355,6 +357,14 @@ class PoolSpec:
 
     def layouts(self) -> list[Layout]:
         return [self.layout, *self.retired]
+
+    def block_by_cidr(self, cidr: str) -> Block | None:
+        """The block of the current layout with this CIDR, or None (not a block of it)."""
+        for rs in self.range_sets:
+            block = rs.block_by_cidr(cidr)
+            if block is not None:
+                return block
+        return None
 
     def attachments_capacity(self) -> int:
         """How many attachments fit: each takes one address of every range set."""

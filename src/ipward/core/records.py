@@ -1,29 +1,11 @@
-"""Store keys and record encodings: the one place that knows how facts are laid out.
-
-    meta/schema                                   {version[, import]}: see ipward.store.schema
-    meta/poolcoverage                             {generation, pool}: rewritten by every write
-                                                  that adds addresses to a pool (ipam.pools)
-    pools/<pool>                                  pool spec (pool.PoolSpec)
-    blocks/<pool>/<cidr>                          {node, state, next[, version]}
-    fill/<pool>/<family>/<node>                      {block}: the block this node fills fresh
-    blockcursor/<pool>/<family>                      {next[, version]}: index of the next
-                                                  unclaimed block (of that layout version)
-    ips/<pool>/<ip>                               the allocation record
-    attach/<network>/<container>/<ifname>         {ips: ["<pool>/<ip>", ...]}
-    free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
-    freeq/<pool>/<family>/<node>/<ms>/<ip>           the same fact ordered by release time
-    sticky/<network>/<namespace>/<name>           a sticky reservation: the identity's addresses
-    nodes/<node>                                  agent registration, held by its lease
-    controller/leader                             {id, since}, held by the leader's lease
-    affinity/<pool>/<node>/<cidr>                 the node's blocks (index of blocks/)
-    blockfree/<pool>/<family>/<cidr>              a released block, claimed again first
-
-One record per fact and one key per address: nothing grows per pool.
+"""Record encodings: how each fact is written under its key (the keys are `keys`'),
+and the values an allocation carries (attachment, pod).
 """
 
 from __future__ import annotations
 
 from ipward.core import jsonc
+from ipward.core.keys import attach_key, sticky_key
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -45,96 +27,6 @@ def decode(raw: bytes) -> dict:
     if not isinstance(value, dict):
         raise ValueError("record is not an object")
     return value
-
-
-# Store-wide facts, under `meta/`: the schema version (`ipward.store.schema`), and the key that
-# serialises changes of what pools cover: every transaction that stores a pool or adds
-# addresses to one compares it at the revision its overlap test read and rewrites it, so
-# two such changes cannot both pass the test on the same view.
-META_PREFIX = "meta/"
-SCHEMA_KEY = "meta/schema"
-POOL_COVERAGE_KEY = "meta/poolcoverage"
-META_KEYS = (SCHEMA_KEY, POOL_COVERAGE_KEY)
-# Prefixes of keys that belong to one pool (`<prefix><pool>/...`): all of them go when the
-# pool is deleted, and one left without its pool is an orphan (`ipward check`). `ips/`
-# (allocation records) is not among them: records are released, never swept.
-POOL_STATE_PREFIXES = (
-    "blocks/",
-    "affinity/",
-    "fill/",
-    "blockcursor/",
-    "blockfree/",
-    "free/",
-    "freeq/",
-)
-# The ledger's keys, by prefix (exported and imported whole) ...
-DATA_PREFIXES = ("pools/", *POOL_STATE_PREFIXES, "ips/", "attach/", "sticky/")
-# ... keys held by a running process's lease (never exported) ...
-LEASED_PREFIXES = ("controller/", "nodes/")
-# ... and so every key ipward writes: what makes a store hold ipward data (ipward's keys
-# have no common prefix), and what `ipward check` reports any other key against.
-PREFIXES = (META_PREFIX, *DATA_PREFIXES, *LEASED_PREFIXES)
-
-
-def node_key(node: str) -> str:
-    return f"nodes/{node}"
-
-
-def pool_key(pool: str) -> str:
-    return f"pools/{pool}"
-
-
-def block_key(pool: str, cidr: str) -> str:
-    return f"blocks/{pool}/{cidr}"
-
-
-def affinity_prefix(pool: str, node: str) -> str:
-    return f"affinity/{pool}/{node}/"
-
-
-def affinity_key(pool: str, node: str, cidr: str) -> str:
-    return f"{affinity_prefix(pool, node)}{cidr}"
-
-
-def released_block_prefix(pool: str, family: int) -> str:
-    return f"blockfree/{pool}/{family}/"
-
-
-def released_block_key(pool: str, family: int, cidr: str) -> str:
-    return f"{released_block_prefix(pool, family)}{cidr}"
-
-
-def fill_key(pool: str, family: int, node: str) -> str:
-    return f"fill/{pool}/{family}/{node}"
-
-
-def block_cursor_key(pool: str, family: int) -> str:
-    return f"blockcursor/{pool}/{family}"
-
-
-def ip_key(pool: str, ip: str) -> str:
-    return f"ips/{pool}/{ip}"
-
-
-def attach_key(network: str, container: str, ifname: str) -> str:
-    return f"attach/{network}/{container}/{ifname}"
-
-
-def free_key(pool: str, ip: str) -> str:
-    return f"free/{pool}/{ip}"
-
-
-def queue_prefix(pool: str, family: int, node: str) -> str:
-    return f"freeq/{pool}/{family}/{node}/"
-
-
-def queue_key(pool: str, family: int, node: str, released_at: float, ip: str) -> str:
-    # Zero-padded milliseconds so key order is release order.
-    return f"{queue_prefix(pool, family, node)}{int(released_at * 1000):015d}/{ip}"
-
-
-def sticky_key(network: str, namespace: str, name: str) -> str:
-    return f"sticky/{network}/{namespace}/{name}"
 
 
 def split_pool_ip(ref: str) -> tuple[str, str]:

@@ -39,7 +39,7 @@ from typing import Protocol, TypeVar
 
 from ipward.cluster.liveness import ClusterView, LivenessSource, LivenessUnavailable, NodeView
 from ipward.cni.config import node_name_problem
-from ipward.core import log, testpoints
+from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged
 
@@ -107,7 +107,7 @@ class Verdict:
 
     @property
     def key(self) -> str:
-        return rec.ip_key(self.held.pool, self.held.ip)
+        return keys.ip_key(self.held.pool, self.held.ip)
 
     @property
     def revision(self) -> int:
@@ -131,8 +131,8 @@ class Verdict:
 def snapshot(store: Store, node: str | None = None) -> list[Held]:
     """Every allocation record (of `node` only, when given), with its revision."""
     held = []
-    for kv in store.range("ips/")[0]:
-        pool, _, ip = kv.key[len("ips/") :].partition("/")
+    for kv in store.range(keys.ADDRESSES)[0]:
+        pool, ip = keys.ip_parts(kv.key)
         try:
             record = rec.decode(kv.value)
             rec.record_attachment(record)
@@ -148,9 +148,8 @@ def snapshot(store: Store, node: str | None = None) -> list[Held]:
 
 def registered_nodes(store: Store) -> frozenset[str]:
     """Nodes whose agent holds a live registration (`nodes/<node>` under a lease)."""
-    prefix = rec.node_key("")
     return frozenset(
-        name for kv in store.range(prefix)[0] if (name := kv.key[len(prefix) :]) and "/" not in name
+        name for kv in store.range(keys.NODES)[0] if (name := keys.registered_node(kv.key))
     )
 
 
@@ -393,11 +392,11 @@ class Reservation:
 
     @property
     def namespace(self) -> str:
-        return self.key.split("/")[2]
+        return keys.sticky_parts(self.key)[1]
 
     @property
     def name(self) -> str:
-        return self.key.split("/")[3]
+        return keys.sticky_parts(self.key)[2]
 
 
 @dataclass(frozen=True)
@@ -427,7 +426,7 @@ class Retirement:
 
 def reservations(store: Store) -> list[Reservation]:
     out = []
-    for kv in store.range("sticky/")[0]:
+    for kv in store.range(keys.STICKY)[0]:
         try:
             out.append(Reservation(kv.key, kv.mod_revision, rec.decode(kv.value)))
         except ValueError:

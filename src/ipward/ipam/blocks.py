@@ -18,9 +18,10 @@ free entries were already cleaned are found again as fresh.
 
 from __future__ import annotations
 
-from ipward.core import log, testpoints
+from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.addr import family_of
+from ipward.core.keys import cidr_of
 from ipward.core.pool import MAX_RELEASABLE_BLOCK, PoolSpec
 from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
@@ -33,20 +34,6 @@ if TYPE_CHECKING:
 
 CLEANUP_CHUNK = 40  # free entries deleted per transaction (two keys each; etcd caps ops)
 RELEASED_WINDOW = 16  # released-block entries looked at for one claim
-
-
-def cidr_of(key: str) -> str:
-    """The CIDR at the end of a key (`.../10.0.0.64/26`)."""
-    head, _, length = key.rpartition("/")
-    return f"{head.rpartition('/')[2]}/{length}"
-
-
-def block_of(spec: PoolSpec, cidr: str) -> Block | None:
-    for rs in spec.range_sets:
-        block = rs.block_by_cidr(cidr)
-        if block is not None:
-            return block
-    return None
 
 
 def addresses(block: Block) -> list[str]:
@@ -88,12 +75,12 @@ def answer(
     the block changed meanwhile (read it again). The controller answers, fenced, for a
     node that is gone (its lease expired and the cluster no longer lists it)."""
     state = rec.decode(kv.value)
-    block = block_of(spec, cidr_of(kv.key))
+    block = spec.block_by_cidr(cidr_of(kv.key))
     if state.get("state") != rec.MARKED or block is None:
         return None
     pinned = at_revision(kv.key, kv.mod_revision)
     if releasable(block):
-        empty = [absent(rec.ip_key(spec.name, ip)) for ip in addresses(block)]
+        empty = [absent(keys.ip_key(spec.name, ip)) for ip in addresses(block)]
         ready = {**state, "state": rec.READY, "answered_at": now}
         if store.txn([*fence, pinned, *empty], [Put(kv.key, rec.encode(ready))]).succeeded:
             log.info("block ready", pool=spec.name, block=block.cidr, node=state.get("node"))
@@ -139,7 +126,7 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
     False (nothing more done) as soon as the block changes."""
     state = rec.decode(kv.value)
     cidr = cidr_of(kv.key)
-    block = block_of(spec, cidr)
+    block = spec.block_by_cidr(cidr)
     if state.get("state") != rec.READY or block is None:
         return False
     pinned = at_revision(kv.key, kv.mod_revision)
@@ -148,7 +135,7 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
     # Defence in depth: the agent's answer proved the block empty, and nothing can land
     # in a block that is not active; a record here is a bug, so refuse and say so.
     for ip in ips:
-        if store.get(rec.ip_key(spec.name, ip)) is not None:
+        if store.get(keys.ip_key(spec.name, ip)) is not None:
             now = store.get(kv.key)
             if now is None or now.mod_revision != kv.mod_revision:
                 return False  # taken back by its node since it was read: nothing wrong
@@ -156,7 +143,7 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
                 "ready block holds an allocation; not released", pool=spec.name, block=cidr, ip=ip
             )
             return False
-    frees = [f for f in (store.get(rec.free_key(spec.name, ip)) for ip in ips) if f]
+    frees = [f for f in (store.get(keys.free_key(spec.name, ip)) for ip in ips) if f]
     for start in range(0, len(frees), CLEANUP_CHUNK):
         chunk = frees[start : start + CLEANUP_CHUNK]
         ops: list[Put | Delete] = []
@@ -170,8 +157,8 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
         fenced,
         [
             Delete(kv.key),
-            Delete(rec.affinity_key(spec.name, node, cidr)),
-            Put(rec.released_block_key(spec.name, family, cidr), b""),
+            Delete(keys.affinity_key(spec.name, node, cidr)),
+            Put(keys.released_block_key(spec.name, family, cidr), b""),
         ],
     )
     if done.succeeded:
@@ -245,19 +232,19 @@ def claims(
     hand out is never offered (`next_usable_block` jumps over excluded spans), nor one
     that exists already. Reads only: the claim is written by `claim_writes`, in the
     caller's transaction."""
-    released, _ = range_(rec.released_block_prefix(spec.name, rs.family), RELEASED_WINDOW)
+    released, _ = range_(keys.released_block_prefix(spec.name, rs.family), RELEASED_WINDOW)
     for entry in released:
         block = rs.block_by_cidr(cidr_of(entry.key))
         if block is None or block.next_usable(0) is None:
             continue  # a block of an earlier layout: `ipam.pools.prune` removes the entry
-        if get(rec.block_key(spec.name, block.cidr)) is None:
+        if get(keys.block_key(spec.name, block.cidr)) is None:
             yield Claim(block, entry=entry)
-    cursor = get(rec.block_cursor_key(spec.name, rs.family))
+    cursor = get(keys.block_cursor_key(spec.name, rs.family))
     index = rs.next_usable_block(cursor_next(cursor, spec.version))
     while index is not None:
         block = rs.block(index)
         assert block is not None
-        if get(rec.block_key(spec.name, block.cidr)) is None:
+        if get(keys.block_key(spec.name, block.cidr)) is None:
             yield Claim(block, cursor=cursor, index=index)
         index = rs.next_usable_block(index + 1)  # claimed out of order, or since the change
 
@@ -273,12 +260,12 @@ def claim_writes(
     ops: list[Put | Delete] = []
     furthest = None
     for claim, next_offset in taken:
-        key = rec.block_key(spec.name, claim.block.cidr)
+        key = keys.block_key(spec.name, claim.block.cidr)
         state = versioned({"node": node, "state": rec.ACTIVE, "next": next_offset}, spec.version)
         compares.append(absent(key))
         ops += [
             Put(key, rec.encode(state)),
-            Put(rec.affinity_key(spec.name, node, claim.block.cidr), b""),
+            Put(keys.affinity_key(spec.name, node, claim.block.cidr), b""),
         ]
         if claim.entry is not None:
             compares.append(at_revision(claim.entry.key, claim.entry.mod_revision))
@@ -286,7 +273,7 @@ def claim_writes(
         elif furthest is None or claim.index > furthest.index:
             furthest = claim
     if furthest is not None:
-        cursor_key = rec.block_cursor_key(spec.name, family)
+        cursor_key = keys.block_cursor_key(spec.name, family)
         cursor = furthest.cursor
         compares.append(at_revision(cursor_key, cursor.mod_revision if cursor else 0))
         ops.append(
@@ -312,7 +299,7 @@ def assign(
         return None
     compares, ops = claim_writes(spec, family, node, [(claim, 0)])
     if spec.revision is not None:
-        compares.append(at_revision(rec.pool_key(spec.name), spec.revision))
+        compares.append(at_revision(keys.pool_key(spec.name), spec.revision))
     if not store.txn([*fence, *compares], ops).succeeded:
         return None
     cidr = claim.block.cidr

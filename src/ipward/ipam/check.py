@@ -27,11 +27,12 @@ the whole store is read with one `range`.
 
 from __future__ import annotations
 
+from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.addr import parse_ip
 from ipward.core.errors import IpwardError
 from ipward.core.pool import PoolSpec
-from ipward.ipam.pools import pool_of, stale_state
+from ipward.ipam.pools import stale_state
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -57,17 +58,16 @@ def check(store: Store) -> tuple[list[Problem], dict]:
     """All problems found, and counts of what was read."""
     problems: list[Problem] = []
     everything, revision = store.range("")
-    by_prefix: dict[str, list[KeyValue]] = {prefix: [] for prefix in rec.PREFIXES}
+    by_prefix: dict[str, list[KeyValue]] = {prefix: [] for prefix in keys.PREFIXES}
     for kv in everything:
-        head, slash, _ = kv.key.partition("/")
-        prefix = head + slash
-        if prefix in by_prefix and (prefix != rec.META_PREFIX or kv.key in rec.META_KEYS):
+        prefix = keys.prefix_of(kv.key)
+        if prefix in by_prefix and (prefix != keys.META or kv.key in keys.META_KEYS):
             by_prefix[prefix].append(kv)
         else:
             problems.append(Problem("unknown-key", kv.key, "not a key ipward writes"))
     pools: dict[str, PoolSpec | None] = {}
-    for kv in by_prefix["pools/"]:
-        name = kv.key.split("/", 1)[1]
+    for kv in by_prefix[keys.POOLS]:
+        name = keys.pool_name(kv.key)
         try:
             parsed = PoolSpec.from_dict(rec.decode(kv.value))
         except (IpwardError, ValueError) as e:
@@ -79,10 +79,10 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             problems.append(
                 Problem("pool-deleting", kv.key, f"half deleted: 'ipward pool delete {name}'")
             )
-    records = by_prefix["ips/"]
-    indexes = by_prefix["attach/"]
-    frees = by_prefix["free/"]
-    queue = by_prefix["freeq/"]
+    records = by_prefix[keys.ADDRESSES]
+    indexes = by_prefix[keys.ATTACHMENTS]
+    frees = by_prefix[keys.FREE]
+    queue = by_prefix[keys.FREE_QUEUES]
 
     sticky_of: dict[str, tuple[str, bool]] = {}  # "<pool>/<ip>" -> (reservation, detached)
     index_refs: dict[str, list[str]] = {}
@@ -92,7 +92,7 @@ def check(store: Store) -> tuple[list[Problem], dict]:
     seen_on_network: dict[tuple[str, str], str] = {}
     families: dict[tuple[str, str, int], str] = {}
     for kv in records:
-        _, pool_name, ip = kv.key.split("/", 2)
+        pool_name, ip = keys.ip_parts(kv.key)
         ref = f"{pool_name}/{ip}"
         record = rec.decode(kv.value)
         attachment = rec.record_attachment(record)
@@ -134,7 +134,7 @@ def check(store: Store) -> tuple[list[Problem], dict]:
     queued = {kv.key for kv in queue}
     referenced = set()
     for kv in frees:
-        _, pool_name, ip = kv.key.split("/", 2)
+        pool_name, ip = keys.ip_parts(kv.key)
         ref = f"{pool_name}/{ip}"
         if ref in allocated:
             problems.append(Problem("free-and-allocated", kv.key, f"{ref} is also allocated"))
@@ -144,7 +144,7 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             problems.append(Problem("free-queue", kv.key, f"queue entry {queue_key} missing"))
     for key in sorted(queued - referenced):
         problems.append(Problem("free-queue", key, "queue entry without a free record"))
-    reservations = by_prefix["sticky/"]
+    reservations = by_prefix[keys.STICKY]
     problems += _reservations(reservations, sticky_of, index_refs)
     problems += _block_owners(by_prefix)
     problems += _leftovers(pools, by_prefix)
@@ -168,9 +168,9 @@ def _leftovers(
     (stale: with retired layouts they await pruning)."""
     problems = []
     of_pool: dict[str, list[KeyValue]] = {}
-    for prefix in rec.POOL_STATE_PREFIXES:
+    for prefix in keys.POOL_STATE_PREFIXES:
         for kv in by_prefix[prefix]:
-            pool = pool_of(kv.key)
+            pool = keys.state_pool(kv.key)
             if pool is not None:
                 of_pool.setdefault(pool, []).append(kv)
     remedy = "remove with 'ipward check --remove-orphans'"
@@ -223,29 +223,31 @@ def _block_owners(by_prefix: dict[str, list[KeyValue]]) -> list[Problem]:
     """Invariant 7 as the store shows it: a block belongs to exactly one node."""
     problems = []
     owners: dict[str, str] = {}  # "<pool>/<cidr>" -> node, from the block records
-    for kv in by_prefix["blocks/"]:
-        owners[kv.key.split("/", 1)[1]] = rec.decode(kv.value).get("node", "")
+    for kv in by_prefix[keys.BLOCKS]:
+        owners[keys.block_ref(kv.key)] = rec.decode(kv.value).get("node", "")
     listed: dict[str, list[str]] = {}
-    for kv in by_prefix["affinity/"]:
-        _, pool, node, cidr = kv.key.split("/", 3)
+    for kv in by_prefix[keys.AFFINITY]:
+        pool, node, cidr = keys.affinity_parts(kv.key)
         listed.setdefault(f"{pool}/{cidr}", []).append(node)
     for block, node in sorted(owners.items()):
         if listed.get(block) != [node]:
             problems.append(
                 Problem(
                     "block-owner",
-                    f"blocks/{block}",
+                    f"{keys.BLOCKS}{block}",
                     f"owned by {node}, listed for {listed.get(block, [])}",
                 )
             )
     for block in sorted(set(listed) - set(owners)):
         problems.append(
             Problem(
-                "block-owner", f"affinity/{block}", f"listed for {listed[block]} but no such block"
+                "block-owner",
+                f"{keys.AFFINITY}{block}",
+                f"listed for {listed[block]} but no such block",
             )
         )
-    for kv in by_prefix["blockfree/"]:
-        _, pool, _family, cidr = kv.key.split("/", 3)
+    for kv in by_prefix[keys.RELEASED_BLOCKS]:
+        pool, cidr = keys.released_block_parts(kv.key)
         if f"{pool}/{cidr}" in owners:
             problems.append(Problem("block-owner", kv.key, "released, yet still a block"))
     return problems

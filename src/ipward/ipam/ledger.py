@@ -29,7 +29,7 @@ from __future__ import annotations
 import _thread
 import time
 
-from ipward.core import log, testpoints
+from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.addr import family_of, format_ip, parse_ip
 from ipward.core.errors import (
@@ -46,7 +46,6 @@ from ipward.core.errors import (
 )
 from ipward.core.pool import PoolSpec
 from ipward.ipam import blocks
-from ipward.ipam.blocks import cidr_of
 from ipward.store.base import (
     Delete,
     KeyValue,
@@ -146,11 +145,6 @@ class _QueueView:
         self.complete = complete
 
 
-def _queue_prefix_of(key: str) -> str:
-    """`freeq/<pool>/<family>/<node>/` of a queue entry's key."""
-    return "/".join(key.split("/", 4)[:4]) + "/"
-
-
 class _Cleanup:
     """The removal of stale entries (`deleted`), valid while `read` is as it was read."""
 
@@ -229,14 +223,14 @@ class Ledger:
     # -- pools ------------------------------------------------------------------------
 
     def get_pool(self, name: str, fresh: bool = False) -> PoolSpec:
-        kv = self._get(rec.pool_key(name), fresh)
+        kv = self._get(keys.pool_key(name), fresh)
         if kv is None:
             raise UnknownPool(f"pool {name!r} does not exist (create it with 'ipward pool create')")
         return self._parsed(kv)
 
     def _parsed(self, kv: KeyValue) -> PoolSpec:
         """The stored spec, parsed once per revision (not on every ADD of an agent)."""
-        name = kv.key[len("pools/") :]
+        name = keys.pool_name(kv.key)
         parsed = self._specs.get(name)
         if parsed is not None and parsed.revision == kv.mod_revision:
             return parsed
@@ -253,7 +247,7 @@ class Ledger:
         new pool, or a change of its layout (a new version; the old layout is retired),
         passes the overlap test against every other pool in the same transaction
         (`ipam.pools.coverage_guard`). A plain ADD on an unchanged pool only compares."""
-        key = rec.pool_key(spec.name)
+        key = keys.pool_key(spec.name)
         if spec.revision is not None:
             _refuse_deleting(spec)
             return [at_revision(key, spec.revision)], []
@@ -424,7 +418,7 @@ class Ledger:
                 )
                 member_compares += pick.compares
                 member_ops += pick.ops
-                member_ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
+                member_ops.append(Put(keys.ip_key(pool.name, pick.ip), rec.encode(record)))
             grown_compares = _unique_compares(compares + member_compares)
             grown_ops = _last_write_per_key(ops + member_ops)
             if self.store.txn_problem(grown_compares, grown_ops) is not None:
@@ -527,7 +521,7 @@ class Ledger:
                     record["sticky"] = sticky.key
                 compares += pick.compares
                 ops += pick.ops
-                ops.append(Put(rec.ip_key(pool.name, pick.ip), rec.encode(record)))
+                ops.append(Put(keys.ip_key(pool.name, pick.ip), rec.encode(record)))
             testpoints.pause("allocate")
             if self._txn(compares, ops):
                 self._log_pool_writes(pools, guards, picks)
@@ -639,7 +633,7 @@ class Ledger:
                 ops.append(Delete(old))
         for ref in refs:
             pool_name, ip = rec.split_pool_ip(ref)
-            key = rec.ip_key(pool_name, ip)
+            key = keys.ip_key(pool_name, ip)
             kv = self._get(key, fresh=True)
             record = rec.decode(kv.value) if kv is not None else None
             if kv is None or record is None or record.get("sticky") != sticky.key:
@@ -733,17 +727,17 @@ class Ledger:
         block = rs.block_of(value)
         assert block is not None  # usable() was checked
         ip = block.address(value - block.base)
-        if self._get(rec.ip_key(pool.name, ip)) is not None:
+        if self._get(keys.ip_key(pool.name, ip)) is not None:
             raise AddressTaken(f"requested address {ip} is already allocated in pool {pool.name}")
         pick = _Pick(index, ip, block.cidr)
-        pick.compares.append(absent(rec.ip_key(pool.name, ip)))
-        block_kv = self._get(rec.block_key(pool.name, block.cidr))
+        pick.compares.append(absent(keys.ip_key(pool.name, ip)))
+        block_kv = self._get(keys.block_key(pool.name, block.cidr))
         if block_kv is None:
-            pick.compares.append(absent(rec.block_key(pool.name, block.cidr)))
+            pick.compares.append(absent(keys.block_key(pool.name, block.cidr)))
         else:
             self._require_active(block_kv, pool.name)
             pick.compares.append(at_revision(block_kv.key, block_kv.mod_revision))
-        free_kv = self._get(rec.free_key(pool.name, ip))
+        free_kv = self._get(keys.free_key(pool.name, ip))
         if free_kv is not None:
             pick.compares.append(at_revision(free_kv.key, free_kv.mod_revision))
             pick.ops += [Delete(free_kv.key), Delete(rec.decode(free_kv.value)["queue"])]
@@ -763,14 +757,14 @@ class Ledger:
         if `cooled_only`, past its cooldown. Reads the head first (the common case), and
         the oldest QUEUE_WINDOW entries only when the head cannot be used."""
         skip = taken.ips if taken is not None else ()
-        prefix = rec.queue_prefix(pool.name, pool.range_sets[index].family, self.node)
+        prefix = keys.queue_prefix(pool.name, pool.range_sets[index].family, self.node)
         first = taken.size if taken is not None else 1  # a batch reads its share at once
         stale: list[_Cleanup] = []
         looked: set[str] = set()  # the window's read starts over at the head
         for limit in (first + len(skip), QUEUE_WINDOW + len(skip)):
             kvs, complete = self._queue_read(prefix, limit, careful)
             for kv in kvs:
-                if kv.key.rsplit("/", 1)[-1] in skip or kv.key in looked:
+                if keys.last(kv.key) in skip or kv.key in looked:
                     continue
                 looked.add(kv.key)
                 if cooled_only and not self._cooled(pool, kv):
@@ -806,9 +800,9 @@ class Ledger:
 
     def _note_queue_writes(self, ops: list[Put | Delete], revision: int) -> None:
         for op in ops:
-            if not op.key.startswith("freeq/"):
+            if not keys.is_queue_key(op.key):
                 continue
-            view = self._queues.get(_queue_prefix_of(op.key))
+            view = self._queues.get(keys.queue_prefix_of(op.key))
             if view is None:
                 continue
             if isinstance(op, Delete):
@@ -816,16 +810,15 @@ class Ledger:
             elif view.complete and (not view.entries or op.key > view.entries[-1].key):
                 view.entries.append(KeyValue(op.key, op.value, revision, revision, 1))
             elif view.complete:
-                self._queues.pop(_queue_prefix_of(op.key), None)  # out of order: read again
+                self._queues.pop(keys.queue_prefix_of(op.key), None)  # out of order: read again
 
-    def _forget_queues(self, keys: object) -> None:
-        for key in keys:  # type: ignore[attr-defined]
-            if key.startswith("freeq/"):
-                self._queues.pop(_queue_prefix_of(key), None)
+    def _forget_queues(self, touched: object) -> None:
+        for key in touched:  # type: ignore[attr-defined]
+            if keys.is_queue_key(key):
+                self._queues.pop(keys.queue_prefix_of(key), None)
 
     def _cooled(self, pool: PoolSpec, head: KeyValue) -> bool:
-        released_ms = int(head.key.rsplit("/", 2)[-2])
-        return released_ms / 1000 + pool.cooldown <= self.clock()
+        return keys.queued_at(head.key) + pool.cooldown <= self.clock()
 
     def _pick_queued(
         self,
@@ -844,20 +837,20 @@ class Ledger:
         ranges changed, or of a released block) is passed over and its removal added to
         `stale`: it rides in the transaction of the address picked instead, so a failed
         ADD writes nothing."""
-        ip = head.key.rsplit("/", 1)[-1]
-        record = self._get(rec.ip_key(pool.name, ip), fresh=True) if careful else None
+        ip = keys.last(head.key)
+        record = self._get(keys.ip_key(pool.name, ip), fresh=True) if careful else None
         if record is not None:
             stale.append(_Cleanup([head, record], [head.key]))
             return None
         block = pool.range_sets[index].block_of(parse_ip(ip)[1])
         if block is None:
-            stale.append(_Cleanup([head], [head.key, rec.free_key(pool.name, ip)]))
+            stale.append(_Cleanup([head], [head.key, keys.free_key(pool.name, ip)]))
             return None
-        block_key = rec.block_key(pool.name, block.cidr)
+        block_key = keys.block_key(pool.name, block.cidr)
         block_kv = self._get(block_key)
         if block_kv is None:
             # A released block's entries are deleted before it; one left over is stale.
-            gone = _Cleanup([head], [head.key, rec.free_key(pool.name, ip)])
+            gone = _Cleanup([head], [head.key, keys.free_key(pool.name, ip)])
             gone.compares.append(absent(block_key))
             stale.append(gone)
             return None
@@ -867,10 +860,10 @@ class Ledger:
         pick = _Pick(index, ip, block.cidr)
         pick.compares += [
             at_revision(head.key, head.mod_revision),
-            absent(rec.ip_key(pool.name, ip)),
+            absent(keys.ip_key(pool.name, ip)),
             at_revision(block_kv.key, block_kv.mod_revision),
         ]
-        pick.ops += [Delete(head.key), Delete(rec.free_key(pool.name, ip))]
+        pick.ops += [Delete(head.key), Delete(keys.free_key(pool.name, ip))]
         return pick
 
     def _pick_fresh(
@@ -878,12 +871,12 @@ class Ledger:
     ) -> _Pick | None:
         """A never-used address from the block this node fills, or None when it is used
         up (or the node fills none yet)."""
-        fill = self._get(rec.fill_key(pool.name, rs.family, self.node))
+        fill = self._get(keys.fill_key(pool.name, rs.family, self.node))
         if fill is None:
             return None
         cidr = rec.decode(fill.value)["block"]
         block = rs.block_by_cidr(cidr)
-        block_kv = self._get(rec.block_key(pool.name, cidr))
+        block_kv = self._get(keys.block_key(pool.name, cidr))
         if block is None or block_kv is None:
             return None
         return self._fresh_in_block(pool, index, block, block_kv, careful, taken=taken)
@@ -923,8 +916,8 @@ class Ledger:
         while offset is not None:
             ip = block.address(offset)
             if not careful or (
-                self._get(rec.ip_key(pool.name, ip), fresh=True) is None
-                and self._get(rec.free_key(pool.name, ip), fresh=True) is None
+                self._get(keys.ip_key(pool.name, ip), fresh=True) is None
+                and self._get(keys.free_key(pool.name, ip), fresh=True) is None
             ):
                 return offset
             offset = block.next_usable(offset + 1)
@@ -935,17 +928,17 @@ class Ledger:
         """A never-used address: its record and free entry must still be absent."""
         ip = block.address(offset)
         pick = _Pick(index, ip, block.cidr)
-        pick.compares += [absent(rec.ip_key(pool.name, ip)), absent(rec.free_key(pool.name, ip))]
+        pick.compares += [absent(keys.ip_key(pool.name, ip)), absent(keys.free_key(pool.name, ip))]
         return pick
 
     def _own_blocks(self, pool: PoolSpec, family: int) -> list[tuple[str, KeyValue]]:
         """This node's blocks of one family (from the affinity index, not a pool scan)."""
-        kvs, _ = self.store_range(rec.affinity_prefix(pool.name, self.node))
+        kvs, _ = self.store_range(keys.affinity_prefix(pool.name, self.node))
         out = []
         for kv in kvs:
-            cidr = cidr_of(kv.key)
+            cidr = keys.cidr_of(kv.key)
             if family_of(cidr) == family:
-                block_kv = self._get(rec.block_key(pool.name, cidr))
+                block_kv = self._get(keys.block_key(pool.name, cidr))
                 if block_kv is not None:
                     out.append((cidr, block_kv))
         return out
@@ -962,7 +955,7 @@ class Ledger:
         What moves (the fill record, a block taken back or claimed, the cursor) is
         written by the allocating transaction itself and pinned by its compares, so a
         failed ADD writes nothing. None when there is no room anywhere."""
-        fill_key = rec.fill_key(pool.name, rs.family, self.node)
+        fill_key = keys.fill_key(pool.name, rs.family, self.node)
         fill = self._get(fill_key)
         filling = rec.decode(fill.value)["block"] if fill else None
         for block, kv, _ in self._node_blocks(pool, rs, active=True):
@@ -1015,7 +1008,7 @@ class Ledger:
         freed address past the cooldown, else a fresh one, else (unless `cooled_only`)
         its oldest freed address still cooling. A first attempt trusts compares; a
         careful one reads each address of the block."""
-        fill_key = rec.fill_key(pool.name, rs.family, self.node)
+        fill_key = keys.fill_key(pool.name, rs.family, self.node)
         for block, kv, state in self._node_blocks(pool, rs, active=False):
             pick = self._available_in(pool, index, block, careful, cooled_only)
             if pick is None:
@@ -1045,8 +1038,8 @@ class Ledger:
         now = self.clock()
         while offset is not None:
             ip = block.address(offset)
-            if self._get(rec.ip_key(pool.name, ip), fresh=True) is None:
-                free = self._get(rec.free_key(pool.name, ip), fresh=True)
+            if self._get(keys.ip_key(pool.name, ip), fresh=True) is None:
+                free = self._get(keys.free_key(pool.name, ip), fresh=True)
                 if free is None:
                     fresh = offset if fresh is None else fresh
                 else:
@@ -1059,10 +1052,10 @@ class Ledger:
         if queued is None:
             return None if fresh is None else self._fresh_pick(pool, index, block, fresh)
         free = queued[1]
-        ip = free.key.rsplit("/", 1)[-1]
+        ip = keys.last(free.key)
         pick = _Pick(index, ip, block.cidr)
         pick.compares += [
-            absent(rec.ip_key(pool.name, ip)),
+            absent(keys.ip_key(pool.name, ip)),
             at_revision(free.key, free.mod_revision),
         ]
         pick.ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
@@ -1082,20 +1075,20 @@ class Ledger:
         never-used address of the block another node fills. Reads grow with the number
         of nodes, not the pool's size. Released, the address goes back to its owner."""
         family = rs.family
-        queued, _ = self.store_range(f"freeq/{pool.name}/{family}/", limit=QUEUE_WINDOW)
+        queued, _ = self.store_range(keys.queues_prefix(pool.name, family), limit=QUEUE_WINDOW)
         stale: list[_Cleanup] = []
         for kv in queued:
-            owner = kv.key.split("/")[3]
+            owner = keys.queue_node(kv.key)
             if owner != self.node and self._cooled(pool, kv):
                 pick = self._pick_queued(pool, index, kv, stale, owner=owner)
                 if pick is not None:
                     return _with_cleanups(pick, stale)
-        fills, _ = self.store_range(f"fill/{pool.name}/{family}/")
+        fills, _ = self.store_range(keys.fills_prefix(pool.name, family))
         for fill in fills:
-            if fill.key.rsplit("/", 1)[-1] == self.node:
+            if keys.last(fill.key) == self.node:
                 continue
             cidr = rec.decode(fill.value)["block"]
-            block, block_kv = rs.block_by_cidr(cidr), self._get(rec.block_key(pool.name, cidr))
+            block, block_kv = rs.block_by_cidr(cidr), self._get(keys.block_key(pool.name, cidr))
             if block is None or block_kv is None:
                 continue
             pick = self._fresh_in_block(pool, index, block, block_kv, careful, borrow=True)
@@ -1136,7 +1129,7 @@ class Ledger:
         now = self.clock()
         for ref in rec.decode(index_kv.value)["ips"]:
             pool_name, ip = rec.split_pool_ip(ref)
-            key = rec.ip_key(pool_name, ip)
+            key = keys.ip_key(pool_name, ip)
             record_kv = self._get(key)
             # Every decision below is pinned by a compare, so it holds at commit.
             compares.append(at_revision(key, record_kv.mod_revision if record_kv else 0))
@@ -1202,9 +1195,9 @@ class Ledger:
         ops: list[Put | Delete] = [Delete(key)]
         for ref in held["ips"]:
             pool_name, ip = rec.split_pool_ip(ref)
-            record_kv = self._get(rec.ip_key(pool_name, ip), fresh=True)
+            record_kv = self._get(keys.ip_key(pool_name, ip), fresh=True)
             if record_kv is None:
-                compares.append(absent(rec.ip_key(pool_name, ip)))
+                compares.append(absent(keys.ip_key(pool_name, ip)))
                 continue
             record = rec.decode(record_kv.value)
             if record.get("sticky") != key or not rec.is_detached(record):
@@ -1224,10 +1217,10 @@ class Ledger:
         cooldown) on the node that owns its block. An address the pool does not cover
         any more (a retired layout's, or a deleted pool's) is not queued: this pool
         version never hands it out. Pinned by compares on the pool spec and the block."""
-        pool_key = rec.pool_key(pool_name)
+        pool_key = keys.pool_key(pool_name)
         spec_kv = self._get(pool_key)
         compares = [at_revision(pool_key, spec_kv.mod_revision if spec_kv else 0)]
-        ops: list[Put | Delete] = [Delete(rec.ip_key(pool_name, ip))]
+        ops: list[Put | Delete] = [Delete(keys.ip_key(pool_name, ip))]
         if spec_kv is None:
             return ops, compares
         family, value = parse_ip(ip)
@@ -1244,13 +1237,13 @@ class Ledger:
         else:
             cidr = record["block"]
         owner = record.get("node", self.node)
-        block_key = rec.block_key(pool_name, cidr)
+        block_key = keys.block_key(pool_name, cidr)
         block_kv = self._get(block_key)
         if block_kv is not None:
             owner = rec.decode(block_kv.value).get("node", owner)
-        queue = rec.queue_key(pool_name, family, owner, now, ip)
+        queue = keys.queue_key(pool_name, family, owner, now, ip)
         ops += [
-            Put(rec.free_key(pool_name, ip), rec.encode({"released_at": now, "queue": queue})),
+            Put(keys.free_key(pool_name, ip), rec.encode({"released_at": now, "queue": queue})),
             Put(queue, b""),
         ]
         compares.append(at_revision(block_key, block_kv.mod_revision if block_kv else 0))
@@ -1267,7 +1260,7 @@ class Ledger:
         """Compare-and-delete one record (the CLI's `release`, garbage collection):
         refuses when the record is not exactly the one the caller saw. `fence`: compares
         that must hold too (a controller's leadership). Returns the record freed."""
-        key = rec.ip_key(pool, ip)
+        key = keys.ip_key(pool, ip)
         record_kv = self._get(key, fresh=True)
         if record_kv is None or record_kv.mod_revision != expected_mod_revision:
             raise OwnerChanged(
@@ -1307,17 +1300,17 @@ class Ledger:
         ifname) the runtime did not list as valid, and whose ADD is older than `grace`
         (one in flight may not be listed yet), by compare-and-delete on the revision
         read. Returns the addresses freed."""
-        kvs, _ = self.store_range(f"attach/{network}/")
+        kvs, _ = self.store_range(keys.attach_prefix(network))
         now = self.clock()
         freed = []
         for kv in kvs:
-            _, _, container, ifname = kv.key.split("/", 3)
+            _, container, ifname = keys.attach_parts(kv.key)
             if (container, ifname) in keep:
                 continue
             attachment = rec.Attachment(network, container, ifname)
             for ref in rec.decode(kv.value)["ips"]:
                 pool, ip = rec.split_pool_ip(ref)
-                record_kv = self._get(rec.ip_key(pool, ip), fresh=True)
+                record_kv = self._get(keys.ip_key(pool, ip), fresh=True)
                 if record_kv is None:
                     continue
                 record = rec.decode(record_kv.value)

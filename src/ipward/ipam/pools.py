@@ -34,12 +34,11 @@ stored or changed): standard library only.
 
 from __future__ import annotations
 
-from ipward.core import log, testpoints
+from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.addr import parse_ip
 from ipward.core.errors import InvalidConfig, IpwardError, TryAgainLater, UnknownPool
 from ipward.core.pool import DELETING, PoolSpec, overlap
-from ipward.ipam.blocks import block_of, cidr_of
 from ipward.store.base import Delete, Put, absent, at_revision
 
 TYPE_CHECKING = False
@@ -64,9 +63,9 @@ def coverage_guard(
     other pool covers any of its addresses: raises InvalidConfig naming the first other
     pool it would overlap. `meta/poolcoverage` is read before the specs, so any change of
     coverage committed after that read fails the returned compare."""
-    coverage_kv = get(rec.POOL_COVERAGE_KEY)
-    for kv in range_("pools/")[0]:
-        name = kv.key[len("pools/") :]
+    coverage_kv = get(keys.POOL_COVERAGE_KEY)
+    for kv in range_(keys.POOLS)[0]:
+        name = keys.pool_name(kv.key)
         if name == spec.name:
             continue
         try:
@@ -80,15 +79,15 @@ def coverage_guard(
         if why is not None:
             raise InvalidConfig(why)
     generation = rec.decode(coverage_kv.value).get("generation", 0) if coverage_kv else 0
-    compares = [at_revision(rec.POOL_COVERAGE_KEY, coverage_kv.mod_revision if coverage_kv else 0)]
+    compares = [at_revision(keys.POOL_COVERAGE_KEY, coverage_kv.mod_revision if coverage_kv else 0)]
     written = rec.encode({"generation": generation + 1, "pool": spec.name})
-    return compares, [Put(rec.POOL_COVERAGE_KEY, written)]
+    return compares, [Put(keys.POOL_COVERAGE_KEY, written)]
 
 
 def create_pool(store: Store, spec: PoolSpec) -> None:
     """Store a new pool (`ipward pool create`): refused if the name exists or if any
     other pool covers one of its addresses, decided in the transaction that stores it."""
-    key = rec.pool_key(spec.name)
+    key = keys.pool_key(spec.name)
     for _ in range(MAX_ATTEMPTS):
         existing = store.get(key)
         if existing is not None:
@@ -112,7 +111,7 @@ def create_pool(store: Store, spec: PoolSpec) -> None:
 def delete_pool(store: Store, name: str) -> int:
     """Delete a pool with no allocations (see the module's docstring). Returns how many
     of its other keys went with it. Refuses (InvalidConfig) while records exist."""
-    key = rec.pool_key(name)
+    key = keys.pool_key(name)
     kv = store.get(key)
     if kv is None:
         raise UnknownPool(f"pool {name} does not exist")
@@ -126,7 +125,7 @@ def delete_pool(store: Store, name: str) -> int:
             raise TryAgainLater(f"pool {name} changed while being deleted; try again")
         mark = done.revision
         log.info("pool deleting", pool=name, reason="ipward pool delete")
-    records, _ = store.range(f"ips/{name}/")  # at a revision after the mark
+    records, _ = store.range(keys.ips_prefix(name))  # at a revision after the mark
     if records:
         active = {k: v for k, v in spec.items() if k != "state"}
         back = store.txn([at_revision(key, mark)], [Put(key, rec.encode(active))])
@@ -139,9 +138,9 @@ def delete_pool(store: Store, name: str) -> int:
     testpoints.pause("pool-delete")
     pinned = at_revision(key, mark)
     removed = 0
-    for prefix in rec.POOL_STATE_PREFIXES:
+    for prefix in keys.POOL_STATE_PREFIXES:
         while True:
-            kvs, _ = store.range(f"{prefix}{name}/", CHUNK)
+            kvs, _ = store.range(keys.state_prefix(prefix, name), CHUNK)
             if not kvs:
                 break
             if not store.txn([pinned], [Delete(k.key) for k in kvs]).succeeded:
@@ -156,15 +155,6 @@ def delete_pool(store: Store, name: str) -> int:
 # -- what a pool leaves behind ----------------------------------------------------------
 
 
-def pool_of(key: str) -> str | None:
-    """The pool a key of a pool's own state belongs to (`<prefix><pool>/...`), or None
-    for any other key."""
-    for prefix in rec.POOL_STATE_PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix) :].partition("/")[0]
-    return None
-
-
 def stale_state(spec: PoolSpec, kvs: Sequence[KeyValue]) -> list[KeyValue]:
     """The pool's own keys (from `kvs`) that its current layout does not use: blocks,
     affinity and released-block entries not of its current blocks; fill records naming
@@ -175,7 +165,7 @@ def stale_state(spec: PoolSpec, kvs: Sequence[KeyValue]) -> list[KeyValue]:
     families = {rs.family for rs in spec.range_sets}
 
     def current_block(cidr: str) -> bool:
-        return block_of(spec, cidr) is not None
+        return spec.block_by_cidr(cidr) is not None
 
     def handed_out(ip: str) -> bool:
         family, value = parse_ip(ip)
@@ -183,19 +173,18 @@ def stale_state(spec: PoolSpec, kvs: Sequence[KeyValue]) -> list[KeyValue]:
 
     stale = []
     for kv in kvs:
-        kind, _, rest = kv.key.partition("/")
-        rest = rest.partition("/")[2]  # past the pool name
-        if kind in ("blocks", "affinity", "blockfree"):
-            keep = current_block(cidr_of(kv.key))
-        elif kind == "fill":
-            family = rest.partition("/")[0]
+        kind = keys.prefix_of(kv.key)
+        if kind in (keys.BLOCKS, keys.AFFINITY, keys.RELEASED_BLOCKS):
+            keep = current_block(keys.cidr_of(kv.key))
+        elif kind == keys.FILL:
+            family = keys.fill_parts(kv.key)[1]
             keep = family in {str(f) for f in families} and current_block(
                 rec.decode(kv.value).get("block", "")
             )
-        elif kind == "blockcursor":
-            keep = rest in {str(f) for f in families}
-        elif kind in ("free", "freeq"):
-            keep = handed_out(rest.rsplit("/", 1)[-1])
+        elif kind == keys.BLOCK_CURSOR:
+            keep = keys.last(kv.key) in {str(f) for f in families}
+        elif kind in (keys.FREE, keys.FREE_QUEUES):
+            keep = handed_out(keys.last(kv.key))
         else:
             keep = True
         if not keep:
@@ -204,7 +193,11 @@ def stale_state(spec: PoolSpec, kvs: Sequence[KeyValue]) -> list[KeyValue]:
 
 
 def _pool_state(store: Store, name: str) -> list[KeyValue]:
-    return [kv for prefix in rec.POOL_STATE_PREFIXES for kv in store.range(f"{prefix}{name}/")[0]]
+    return [
+        kv
+        for prefix in keys.POOL_STATE_PREFIXES
+        for kv in store.range(keys.state_prefix(prefix, name))[0]
+    ]
 
 
 def _delete_pinned(store: Store, pinned: Sequence[Compare], kvs: Sequence[KeyValue]) -> bool:
@@ -223,7 +216,7 @@ def prune(store: Store, name: str, fence: Sequence[Compare] = ()) -> tuple[int, 
     address of (see the module's docstring). Returns (keys removed, layouts pruned);
     stops early, harmlessly, when the spec changes meanwhile. `fence`: the controller's
     leadership compare."""
-    key = rec.pool_key(name)
+    key = keys.pool_key(name)
     kv = store.get(key)
     if kv is None:
         return 0, 0
@@ -239,8 +232,8 @@ def prune(store: Store, name: str, fence: Sequence[Compare] = ()) -> tuple[int, 
     if not spec.retired:
         return len(stale), 0
     needed = set()
-    for record in store.range(f"ips/{name}/")[0]:  # at a revision after the spec read
-        family, value = parse_ip(record.key.rsplit("/", 1)[-1])
+    for record in store.range(keys.ips_prefix(name))[0]:  # at a revision after the spec read
+        family, value = parse_ip(keys.last(record.key))
         if spec.usable(family, value):
             continue
         for i, layout in enumerate(spec.retired):
@@ -268,14 +261,14 @@ def remove_orphans(store: Store) -> tuple[list[str], dict[str, tuple[int, int]]]
     still absent), then prune every pool. Never an allocation record (`ipward
     release`), never a key ipward does not know (it may be another program's).
     Returns the orphan keys removed and, per pool, what `prune` did."""
-    pools = {kv.key[len("pools/") :] for kv in store.range("pools/")[0]}
+    pools = {keys.pool_name(kv.key) for kv in store.range(keys.POOLS)[0]}
     removed = []
-    for prefix in rec.POOL_STATE_PREFIXES:
+    for prefix in keys.POOL_STATE_PREFIXES:
         for kv in store.range(prefix)[0]:
-            pool = pool_of(kv.key)
+            pool = keys.state_pool(kv.key)
             if pool is None or pool in pools:
                 continue
-            compares = [absent(rec.pool_key(pool)), at_revision(kv.key, kv.mod_revision)]
+            compares = [absent(keys.pool_key(pool)), at_revision(kv.key, kv.mod_revision)]
             if store.txn(compares, [Delete(kv.key)]).succeeded:
                 removed.append(kv.key)
     if removed:
@@ -295,7 +288,6 @@ __all__ = [
     "coverage_guard",
     "create_pool",
     "delete_pool",
-    "pool_of",
     "prune",
     "remove_orphans",
     "stale_state",

@@ -29,8 +29,7 @@ import os
 import time
 from typing import TextIO
 
-from ipward.core import records as rec
-from ipward.core import testpoints
+from ipward.core import keys, testpoints
 from ipward.core.errors import InvalidConfig
 from ipward.store import schema
 from ipward.store.base import Put, Store, StoreError, StoreIncompatible, absent, at_revision
@@ -46,14 +45,14 @@ BATCH_BYTES = 512 * 1024  # and at most this much value (etcd's request limit is
 
 
 def _kind(key: str) -> str:
-    return key.partition("/")[0]
+    return keys.prefix_of(key).rstrip("/")
 
 
 def export(store: Store, where: str, out: TextIO) -> dict:
     """Write the whole ledger to `out`; returns the header."""
-    kvs, revision = store.snapshot(("meta/", *rec.DATA_PREFIXES))
-    entries = [kv for kv in kvs if not kv.key.startswith("meta/")]
-    found = [kv for kv in kvs if kv.key == rec.SCHEMA_KEY]
+    kvs, revision = store.snapshot((keys.META, *keys.DATA_PREFIXES))
+    entries = [kv for kv in kvs if not kv.key.startswith(keys.META)]
+    found = [kv for kv in kvs if kv.key == keys.SCHEMA_KEY]
     # The schema as of the same revision (open_store checked it a moment before).
     state = schema.State(schema.VERSION, None, 0)
     if found:
@@ -157,7 +156,7 @@ class ExportFile:
         if not isinstance(entry, dict) or set(entry) != {"key", "value"}:
             raise InvalidConfig(f'{where}: expected {{"key": ..., "value": ...}}')
         key, value = entry["key"], entry["value"]
-        if not isinstance(key, str) or not key.startswith(rec.DATA_PREFIXES):
+        if not isinstance(key, str) or not key.startswith(keys.DATA_PREFIXES):
             raise InvalidConfig(f"{where}: key {key!r} is not one of ipward's exported kinds")
         if not isinstance(value, str):
             raise InvalidConfig(f"{where}: the value of {key} must be a string")
@@ -180,10 +179,10 @@ def import_file(store: Store, where: str, export_file: ExportFile, batch_keys: i
             size += len(value)
         progress = {**progress, "written": written + len(batch)}
         result = store.txn(
-            [at_revision(rec.SCHEMA_KEY, marker_revision), *(absent(k) for k, _ in batch)],
+            [at_revision(keys.SCHEMA_KEY, marker_revision), *(absent(k) for k, _ in batch)],
             [
                 *(Put(k, v) for k, v in batch),
-                Put(rec.SCHEMA_KEY, schema.record(export_file.schema, progress)),
+                Put(keys.SCHEMA_KEY, schema.record(export_file.schema, progress)),
             ],
         )
         if not result.succeeded:
@@ -194,8 +193,8 @@ def import_file(store: Store, where: str, export_file: ExportFile, batch_keys: i
         marker_revision, written = result.revision, written + len(batch)
         testpoints.pause("import-batch")
     done = store.txn(
-        [at_revision(rec.SCHEMA_KEY, marker_revision)],
-        [Put(rec.SCHEMA_KEY, schema.record(export_file.schema))],
+        [at_revision(keys.SCHEMA_KEY, marker_revision)],
+        [Put(keys.SCHEMA_KEY, schema.record(export_file.schema))],
     )
     if not done.succeeded:
         raise StoreError(f"{where}: the store changed at the end of the import")
@@ -233,9 +232,9 @@ def _start(store: Store, where: str, export_file: ExportFile) -> tuple[dict, int
         "written": 0,
         "started_at": round(time.time(), 3),
     }
-    key_as_read = at_revision(rec.SCHEMA_KEY, 0 if state is None else state.mod_revision)
+    key_as_read = at_revision(keys.SCHEMA_KEY, 0 if state is None else state.mod_revision)
     result = store.txn(
-        [key_as_read], [Put(rec.SCHEMA_KEY, schema.record(export_file.schema, progress))]
+        [key_as_read], [Put(keys.SCHEMA_KEY, schema.record(export_file.schema, progress))]
     )
     if not result.succeeded:
         raise StoreError(f"{where}: the store changed as the import began; run it again")

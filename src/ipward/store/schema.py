@@ -22,6 +22,7 @@ On the plugin's start path (one `get` per exec): standard library only.
 
 from __future__ import annotations
 
+from ipward.core import keys
 from ipward.core import records as rec
 from ipward.store.base import (
     Put,
@@ -65,22 +66,22 @@ def record(version: int, importing: dict | None = None) -> bytes:
 def first_key(store: Store) -> str | None:
     """Some key of ipward's other than the schema key, or None: does the store hold
     ipward data?"""
-    for prefix in (*rec.DATA_PREFIXES, *rec.LEASED_PREFIXES, rec.META_PREFIX):
+    for prefix in (*keys.DATA_PREFIXES, *keys.LEASED_PREFIXES, keys.META):
         for kv in store.range(prefix, limit=2)[0]:
-            if kv.key != rec.SCHEMA_KEY:
+            if kv.key != keys.SCHEMA_KEY:
                 return kv.key
     return None
 
 
 def read(store: Store, where: str) -> State | None:
     """The store's schema, or None when there is no store (no key, no ipward data)."""
-    kv = store.get(rec.SCHEMA_KEY)
+    kv = store.get(keys.SCHEMA_KEY)
     if kv is None:
         if first_key(store) is None:
             return None
         # Whoever creates a store writes the key before any other, so data seen without
         # it may only mean the key came meanwhile: read it once more.
-        kv = store.get(rec.SCHEMA_KEY)
+        kv = store.get(keys.SCHEMA_KEY)
         if kv is None:
             return State(0, None, 0)
     return read_record(kv, where)
@@ -95,7 +96,7 @@ def read_record(kv: KeyValue, where: str) -> State:
         if type(version) is not int or version < 1 or not isinstance(importing, dict | None):
             raise ValueError(f"bad version {version!r}")
     except (ValueError, KeyError) as e:
-        raise StoreIncompatible(f"{where}: unreadable {rec.SCHEMA_KEY} record: {e}") from None
+        raise StoreIncompatible(f"{where}: unreadable {keys.SCHEMA_KEY} record: {e}") from None
     return State(version, importing, kv.mod_revision)
 
 
@@ -128,10 +129,12 @@ def ensure(store: Store, where: str, *, create: bool) -> None:
     if state is None:
         if not create:
             raise StoreMissing(f"no store at {where}")
-        store.txn([absent(rec.SCHEMA_KEY)], [Put(rec.SCHEMA_KEY, record(VERSION))])
+        store.txn([absent(keys.SCHEMA_KEY)], [Put(keys.SCHEMA_KEY, record(VERSION))])
         state = read(store, where)
         if state is None:
-            raise StoreUnavailable(f"{where}: {rec.SCHEMA_KEY} vanished right after it was written")
+            raise StoreUnavailable(
+                f"{where}: {keys.SCHEMA_KEY} vanished right after it was written"
+            )
     refuse_unusable(state, where)
 
 
@@ -166,7 +169,7 @@ def migrate(store: Store, where: str) -> tuple[int, list[int]]:
             refuse_unusable(state, where)  # a newer store, an import: not for migrate
             return found, reached
         compares, ops = MIGRATIONS[state.version](store)
-        bump = Put(rec.SCHEMA_KEY, record(state.version + 1))
-        key_as_read = at_revision(rec.SCHEMA_KEY, state.mod_revision)
+        bump = Put(keys.SCHEMA_KEY, record(state.version + 1))
+        key_as_read = at_revision(keys.SCHEMA_KEY, state.mod_revision)
         if store.txn([*compares, key_as_read], [*ops, bump]).succeeded:
             reached.append(state.version + 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+from ipward.core import keys
 from ipward.core import records as rec
 from ipward.ipam.check import check
 from ipward.store import Store, StoreError
@@ -65,7 +66,7 @@ class Checker:
 
     def history(self, ip: str, wait: float = 3.0) -> list[str]:
         """Every version of the address's record, with its revision."""
-        key = rec.ip_key(POOL, ip)
+        key = keys.ip_key(POOL, ip)
         end = self.store.revision()
         watch = self.store.watch(key, 1)
         timer = threading.Timer(wait, watch.cancel)
