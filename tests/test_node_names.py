@@ -11,7 +11,7 @@ import pytest
 
 from conftest import exec_plugin, run_cli
 from ipward.cluster.liveness import ClusterView, Pod
-from ipward.cni.config import MAX_NODE_NAME, node_name_problem
+from ipward.core.names import MAX_NODE_NAME, node_name_problem
 from ipward.gc import rules as gc
 from ipward.store import open_store
 

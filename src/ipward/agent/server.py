@@ -76,7 +76,6 @@ from ipward.cluster.liveness import (
 )
 from ipward.cmd.daemon import HealthProbe, add_grace_option, parse_address, redact, start_http
 from ipward.cni import verbs, wire
-from ipward.cni.config import check_node_name
 from ipward.cni.selection import PodDirectory, PodMeta
 from ipward.cni.wire import CALL_TIMEOUT
 from ipward.core import jsonc, keys, log
@@ -89,10 +88,12 @@ from ipward.core.errors import (
     IpwardError,
     TryAgainLater,
 )
+from ipward.core.names import check_node_name
+from ipward.core.policy import ADD_GRACE
 from ipward.core.pool import PoolSpec
 from ipward.gc import rules as gc
 from ipward.ipam import blocks
-from ipward.ipam.ledger import ADD_GRACE, Ledger
+from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError, open_store_waiting
 from ipward.store.base import Put
 

@@ -23,14 +23,8 @@ from ipward.core import extensions, keys
 from ipward.core import records as rec
 from ipward.core.addr import format_ip, parse_cidr, parse_ip
 from ipward.core.errors import InvalidConfig, IpwardError
-from ipward.core.pool import (
-    DEFAULT_COOLDOWN,
-    DEFAULT_RELEASE_DELAY,
-    DEFAULT_WARM,
-    PoolSpec,
-    check_routes,
-    default_gateway,
-)
+from ipward.core.policy import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM
+from ipward.core.pool import PoolSpec, check_routes, default_gateway
 from ipward.gc import rules as gc_rules
 from ipward.ipam import transfer
 from ipward.ipam.ledger import Ledger

@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ipward.core import log
 from ipward.core.errors import InvalidConfig
-from ipward.ipam.ledger import ADD_GRACE
+from ipward.core.policy import ADD_GRACE
 from ipward.store import Store
 
 SECRET_OPTIONS = ("password", "key")

@@ -18,9 +18,10 @@ from ipward.cni.wire import agent_socket, socket_path_problem
 from ipward.core.addr import family_of, format_cidr, format_ip, parse_cidr, parse_ip
 from ipward.core.errors import InvalidConfig, InvalidEnvironment, IpwardError
 from ipward.core.log import LEVELS
-from ipward.core.pool import DEFAULT_COOLDOWN, PoolSpec, check_name, check_routes, default_gateway
+from ipward.core.names import check_node_name
+from ipward.core.policy import ADD_GRACE, DEFAULT_COOLDOWN, STICKY_TTL
+from ipward.core.pool import PoolSpec, check_name, check_routes, default_gateway
 from ipward.core.records import Attachment, PodInfo
-from ipward.ipam.ledger import ADD_GRACE, STICKY_TTL
 
 DEFAULT_STORE = "sqlite:///var/lib/ipward/ipward.db"
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
@@ -49,33 +50,6 @@ _KNOWN_ARGS = frozenset(
         "K8S_POD_INFRA_CONTAINER_ID",
     )
 )
-
-
-_NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._")
-MAX_NODE_NAME = 253
-
-
-def node_name_problem(name: str) -> str | None:
-    """Why `name` cannot be a node's name, or None. Kubernetes node names are DNS
-    subdomains (lowercase letters, digits, '-', '.', at most 253); host names that are
-    not (upper case, '_') are taken too. Never '/' (store keys are split on it), spaces
-    or control characters."""
-    if not name:
-        return "is empty"
-    if len(name) > MAX_NODE_NAME:
-        return f"is longer than {MAX_NODE_NAME} characters"
-    if not set(name) <= _NODE_CHARS or not (name[0].isalnum() and name[-1].isalnum()):
-        return (
-            "is not a node name (letters, digits, '-', '.', '_'; a letter or digit first and last)"
-        )
-    return None
-
-
-def check_node_name(name: str, field: str) -> str:
-    problem = node_name_problem(name)
-    if problem:
-        raise InvalidConfig(f"{field} {name!r} {problem}")
-    return name
 
 
 class IpamConfig:

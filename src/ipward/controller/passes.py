@@ -75,15 +75,16 @@ from prometheus_client.registry import Collector
 
 from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
 from ipward.cmd.daemon import add_grace_option, parse_address, redact, start_http
-from ipward.cni.config import node_name_problem
 from ipward.core import keys, log
 from ipward.core import records as rec
 from ipward.core.errors import InvalidConfig, IpwardError
 from ipward.core.keys import LEADER_KEY
+from ipward.core.names import node_name_problem
+from ipward.core.policy import ADD_GRACE
 from ipward.core.pool import PoolSpec
 from ipward.gc import rules as gc
 from ipward.ipam import blocks, pools
-from ipward.ipam.ledger import ADD_GRACE, Ledger
+from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
 

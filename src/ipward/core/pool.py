@@ -27,6 +27,7 @@ from ipward.core.addr import (
     parse_ip,
 )
 from ipward.core.errors import InvalidConfig, PoolNotAllowed
+from ipward.core.policy import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -34,12 +35,6 @@ if TYPE_CHECKING:
 
     from ipward.core.addr import Block
 
-DEFAULT_COOLDOWN = 30.0
-DEFAULT_WARM = 16  # free addresses the controller keeps on every node, per family
-DEFAULT_RELEASE_DELAY = 180.0  # how long a surplus block stays empty before it is asked back
-# A block's release compares each of its addresses absent in one etcd transaction, whose
-# compares etcd caps at 128 by default: larger blocks are never asked back.
-MAX_RELEASABLE_BLOCK = 128
 # The widest subnet a pool takes, per family: the largest private ranges (10.0.0.0/8,
 # fd00::/8). Wider (a /0 is everything, loopback and multicast included) is a mistake.
 MIN_PREFIX = {V4: 8, V6: 8}

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from ipward.cluster.liveness import ClusterView, LivenessSource, LivenessUnavailable, NodeView
-from ipward.cni.config import node_name_problem
 from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged
+from ipward.core.names import node_name_problem
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

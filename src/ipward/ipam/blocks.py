@@ -22,7 +22,8 @@ from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.addr import family_of
 from ipward.core.keys import cidr_of
-from ipward.core.pool import MAX_RELEASABLE_BLOCK, PoolSpec
+from ipward.core.policy import MAX_RELEASABLE_BLOCK
+from ipward.core.pool import PoolSpec
 from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
 TYPE_CHECKING = False

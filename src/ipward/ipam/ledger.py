@@ -44,6 +44,7 @@ from ipward.core.errors import (
     TryAgainLater,
     UnknownPool,
 )
+from ipward.core.policy import ADD_GRACE
 from ipward.core.pool import PoolSpec
 from ipward.ipam import blocks
 from ipward.store.base import (
@@ -72,8 +73,6 @@ MAX_FULL_CLAIMS = 16
 QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being released
 QUEUE_MEMORY = 1.0  # seconds a long-lived ledger trusts its view of its free queues
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
-ADD_GRACE = 120.0  # seconds a record is never judged leaked after its ADD (DESIGN 5.4)
-STICKY_TTL = 600.0  # seconds a detached reservation of a pod with no StatefulSet is kept
 
 
 class Allocation:

@@ -103,8 +103,8 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
     and the controller's own `gc_pass` (also the sticky reservations; first pass, so
     nothing is confirmed). Every record must be judged alive."""
     from ipward.controller.passes import Controller, Election, Metrics
+    from ipward.core.policy import ADD_GRACE
     from ipward.gc import rules as gc
-    from ipward.ipam.ledger import ADD_GRACE
 
     samples: dict[int, dict[str, list[float]]] = {s.records: {} for s in stores}
     sessions = []
