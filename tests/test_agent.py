@@ -31,6 +31,7 @@ from ipward.cni.wire import REQUEST_MAGIC, encode_request, read_answer
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
+from ipward.core.records import AddressRecord
 from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward_lab import fleet
@@ -122,7 +123,7 @@ def holders(url: str) -> dict[str, list[str]]:
     """container -> the addresses its records hold."""
     out: dict[str, list[str]] = {}
     for ip, record in records(url).items():
-        out.setdefault(rec.record_attachment(record).container, []).append(ip)
+        out.setdefault(AddressRecord.from_dict(record).attachment.container, []).append(ip)
     return out
 
 
@@ -140,7 +141,7 @@ def cni_flow(plugin: Path, url: str, cfg: dict) -> None:
     assert address(again) == ip and again.json == first.json
     [record] = records(url).values()
     assert record["node"] == NODE  # the agent's --node, not the config's
-    assert rec.record_attachment(record) == rec.Attachment("net", "c1", "eth0")
+    assert AddressRecord.from_dict(record).attachment == rec.Attachment("net", "c1", "eth0")
     check = exec_plugin(plugin, "CHECK", {**cfg, "prevResult": first.json}, container="c1")
     assert check.returncode == 0 and check.stdout == b"", check
     status = exec_plugin(plugin, "STATUS", cfg)

@@ -44,6 +44,7 @@ from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.errors import PoolExhausted
 from ipward.core.pool import PoolSpec
+from ipward.core.records import AddressRecord
 from ipward.ipam.check import check
 from ipward.ipam.ledger import Ledger
 from ipward.store import open_store
@@ -403,7 +404,7 @@ def _holdings(url: str) -> tuple[dict[str, dict[str, str]], list[str]]:
     holdings: dict[str, dict[str, str]] = {}
     for key, record in records.items():
         _, pool, ip = key.split("/", 2)
-        owner = rec.record_attachment(record).key
+        owner = AddressRecord.from_dict(record).attachment.key
         held = holdings.setdefault(owner, {})
         if pool in held:
             problems.append(f"{owner} holds two addresses of {pool}: {held[pool]} and {ip}")
@@ -421,7 +422,7 @@ def _holdings(url: str) -> tuple[dict[str, dict[str, str]], list[str]]:
             record = records.get(f"ips/{ref}")
             if record is None:
                 problems.append(f"{index_key} lists {ref}, which has no record")
-            elif rec.record_attachment(record).key != index_key:
+            elif AddressRecord.from_dict(record).attachment.key != index_key:
                 problems.append(f"{index_key} lists {ref}, recorded for another attachment")
     return holdings, problems
 

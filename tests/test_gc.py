@@ -21,6 +21,7 @@ from ipward.cluster.liveness import (
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
+from ipward.core.records import AddressRecord
 from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put
@@ -47,7 +48,7 @@ def held(
         "block": "10.0.0.0/26",
         "created_at": created_at,
     }
-    return gc.Held("p", "10.0.0.5", revision, record)
+    return gc.Held("p", "10.0.0.5", revision, AddressRecord.from_dict(record))
 
 
 def runtime(*sandboxes: Sandbox, as_of: float = T0 + 60, node: str = "n1") -> NodeView:

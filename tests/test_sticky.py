@@ -15,6 +15,7 @@ from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged, TryAgainLater
 from ipward.core.pool import PoolSpec
+from ipward.core.records import AddressRecord, ReservationRecord
 from ipward.gc import rules as gc
 from ipward.ipam.check import check
 from ipward.ipam.ledger import Ledger
@@ -61,7 +62,7 @@ def test_reserved_with_the_first_allocation_and_taken_over(sqlite_store, pool) -
     assert sorted(ledger.release(sandbox(1))) == sorted(held["ips"])
     assert sqlite_store.get(sandbox(1).key) is None
     assert all(
-        rec.is_detached(rec.decode(sqlite_store.get(keys.ip_key(*rec.split_pool_ip(r))).value))
+        AddressRecord.decode(sqlite_store.get(keys.ip_key(*rec.split_pool_ip(r))).value).is_detached
         for r in held["ips"]
     )
     assert_clean(sqlite_store)
@@ -155,7 +156,7 @@ def test_gc_of_a_bound_sticky_record_detaches_it(sqlite_store, pool) -> None:
 def reservation(**held: object) -> gc.Reservation:
     base = {"ips": ["p/10.0.0.5"], "attachment": "", "detached_at": 1000.0, "ttl": None}
     base.update(held)
-    return gc.Reservation("sticky/net/db/db-2", 3, base)
+    return gc.Reservation("sticky/net/db/db-2", 3, ReservationRecord.from_dict(base))
 
 
 def view(*pods: Pod, sets: dict[str, int] | None = None, as_of: float = 1100.0) -> ClusterView:

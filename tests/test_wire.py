@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from conftest import REPO, PluginResult, exec_plugin, wait_for
 from ipward.cni import wire
 from ipward.core import keys
-from ipward.core import records as rec
+from ipward.core.records import AddressRecord
 from ipward.store import open_backend, open_store
 from ipward_lab import fleet
 from test_agent import exec_as, public_plugin
@@ -85,8 +85,7 @@ def holder_of(url: str) -> dict[str, str]:
     with open_store(url) as store:
         kvs, _ = store.range("ips/")
     return {
-        rec.record_attachment(rec.decode(kv.value)).container: kv.key.rsplit("/", 1)[1]
-        for kv in kvs
+        AddressRecord.decode(kv.value).attachment.container: kv.key.rsplit("/", 1)[1] for kv in kvs
     }
 
 

@@ -91,6 +91,7 @@ from ipward.core.errors import (
 from ipward.core.names import check_node_name
 from ipward.core.policy import ADD_GRACE
 from ipward.core.pool import PoolSpec
+from ipward.core.records import MARKED, BlockRecord
 from ipward.gc import rules as gc
 from ipward.ipam import blocks
 from ipward.ipam.ledger import Ledger
@@ -912,11 +913,11 @@ class NodeDuties:
         """Answer every marked block of this node; returns (block, answer) pairs."""
         answered = []
         for pool_kv in self.store.range(keys.POOLS)[0]:
-            spec = PoolSpec.from_dict(rec.decode(pool_kv.value))
+            spec = PoolSpec.decode(pool_kv.value)
             owned, _ = self.store.range(keys.affinity_prefix(spec.name, self.node))
             for entry in owned:
                 kv = self.store.get(keys.block_key(spec.name, keys.cidr_of(entry.key)))
-                if kv is None or rec.decode(kv.value).get("state") != rec.MARKED:
+                if kv is None or BlockRecord.decode(kv.value).state != MARKED:
                     continue
                 result = blocks.answer(self.store, spec, kv, time.time())
                 if result is not None:

@@ -20,11 +20,11 @@ from rich.table import Table
 from ipward.cmd.daemon import add_grace_option, redact
 from ipward.cni.config import DEFAULT_STORE
 from ipward.core import extensions, keys
-from ipward.core import records as rec
 from ipward.core.addr import format_ip, parse_cidr, parse_ip
 from ipward.core.errors import InvalidConfig, IpwardError
 from ipward.core.policy import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM
 from ipward.core.pool import PoolSpec, check_routes, default_gateway
+from ipward.core.records import AddressRecord, BlockRecord, ReservationRecord
 from ipward.gc import rules as gc_rules
 from ipward.ipam import transfer
 from ipward.ipam.ledger import Ledger
@@ -343,7 +343,7 @@ def _pools_in_use(c: Context) -> list[tuple[PoolSpec, int]]:
     family, so: the most records of any one family), to set against its capacity."""
     out = []
     for kv in c.store.range(keys.POOLS)[0]:
-        spec = PoolSpec.from_dict(rec.decode(kv.value))
+        spec = PoolSpec.decode(kv.value)
         per_family: dict[bool, int] = {}
         for record in c.store.range(keys.ips_prefix(spec.name))[0]:
             v6 = ":" in record.key
@@ -417,7 +417,7 @@ def pool_show(c: Context, name: str) -> None:
     if blocks and len(blocks) <= MAX_BLOCK_BARS:
         block_table = Table("block", "node", "state", "used", "use")
         states = {
-            keys.cidr_of(kv.key): rec.decode(kv.value)
+            keys.cidr_of(kv.key): BlockRecord.decode(kv.value)
             for kv in c.store.range(keys.blocks_prefix(spec.name))[0]
         }
         for cidr in sorted(blocks, key=lambda b: parse_cidr(b)[:2]):
@@ -425,11 +425,11 @@ def pool_show(c: Context, name: str) -> None:
             for rs in spec.range_sets:
                 found = found or rs.block_by_cidr(cidr)
             total = found.usable_count() if found else 0
-            state = states.get(cidr, {})
+            state = states.get(cidr)
             block_table.add_row(
                 cidr,
-                state.get("node", "-"),
-                state.get("state", "unclaimed"),
+                state.node if state is not None else "-",
+                state.state if state is not None else "unclaimed",
                 str(blocks[cidr]),
                 _bar(blocks[cidr], total),
             )
@@ -475,18 +475,20 @@ def alloc_list(c: Context, pool_name: str | None, node: str | None, pod: str | N
     prefix = keys.ips_prefix(pool_name or None)
     rows = []
     now = time.time()
-    reservations = {kv.key: rec.decode(kv.value) for kv in c.store.range(keys.STICKY)[0]}
+    reservations = {
+        kv.key: ReservationRecord.decode(kv.value) for kv in c.store.range(keys.STICKY)[0]
+    }
     for kv in c.store.range(prefix)[0]:
         pname, ip = keys.ip_parts(kv.key)
-        record = rec.decode(kv.value)
-        p = record.get("pod", {})
-        if node and record.get("node") != node:
+        record = AddressRecord.decode(kv.value)
+        p = record.pod
+        if node and record.node != node:
             continue
-        if pod and pod not in (f"{p.get('namespace')}/{p.get('name')}", p.get("name")):
+        if pod and pod not in (f"{p.namespace}/{p.name}", p.name):
             continue
-        row = {"pool": pname, "ip": ip, "revision": kv.mod_revision, **record}
-        if record.get("sticky"):
-            row["sticky_state"] = _sticky_state(reservations.get(record["sticky"]), now)
+        row = {"pool": pname, "ip": ip, "revision": kv.mod_revision, **record.to_dict()}
+        if record.sticky:
+            row["sticky_state"] = _sticky_state(reservations.get(record.sticky), now)
         rows.append(row)
     rows.sort(key=lambda r: (r["pool"], parse_ip(r["ip"])))
     table = Table(
@@ -520,21 +522,21 @@ def alloc_list(c: Context, pool_name: str | None, node: str | None, pod: str | N
     c.emit(rows, table if rows else "no allocations")
 
 
-def _sticky_state(held: dict | None, now: float) -> dict:
+def _sticky_state(held: ReservationRecord | None, now: float) -> dict:
     """A reservation's state for `alloc list`: bound or detached (since when), and how
     long it lives (a StatefulSet's as long as its ordinal; others their TTL)."""
     if held is None:
         return {"state": "missing"}
-    if held.get("attachment"):
-        return {"state": "bound", "owner": held.get("owner_kind") or "-"}
-    since = float(held.get("detached_at") or now)
-    ttl = held.get("ttl")
+    if held.bound:
+        return {"state": "bound", "owner": held.owner_kind or "-"}
+    since = float(held.detached_at or now)
+    ttl = held.ttl
     left = None if ttl is None else max(0.0, since + float(ttl) - now)
     return {
         "state": "detached",
         "detached_for": round(now - since, 1),
         "ttl_left": None if left is None else round(left, 1),
-        "owner": held.get("owner_kind") or "-",
+        "owner": held.owner_kind or "-",
     }
 
 
@@ -721,20 +723,19 @@ def release_command(
     kv = c.store.get(keys.ip_key(pool_name, ip))
     if kv is None:
         raise InvalidConfig(f"--ip {ip} is not allocated in pool {pool_name}")
-    record = rec.decode(kv.value)
+    record = AddressRecord.decode(kv.value)
     shown = revision if revision is not None else kv.mod_revision
     if revision is None and not yes and not c.as_json:
-        p = record.get("pod", {})
+        p = record.pod
         console.print(
-            f"{pool_name}/{ip} belongs to {record['network']}/{record['container']}/"
-            f"{record['ifname']} (pod {p.get('namespace')}/{p.get('name')}, node"
-            f" {record.get('node')}, revision {kv.mod_revision})"
+            f"{pool_name}/{ip} belongs to {record.attachment!r} (pod {p.namespace}/{p.name},"
+            f" node {record.node}, revision {kv.mod_revision})"
         )
         if not click.confirm("release it?", default=False):
             raise click.Abort
     freed = c.ledger().release_address(pool_name, ip, shown, "ipward release by an operator")
     c.emit(
-        {"released": f"{pool_name}/{ip}", "record": freed, "revision": shown},
+        {"released": f"{pool_name}/{ip}", "record": freed.to_dict(), "revision": shown},
         f"released {pool_name}/{ip}",
     )
 
@@ -759,15 +760,15 @@ def _release_sticky(
             f"--sticky {identity} is reserved on networks {networks}: give --network"
         )
     kv = found[0]
-    held = rec.decode(kv.value)
-    if held.get("attachment"):
+    held = ReservationRecord.decode(kv.value)
+    if held.bound:
         raise InvalidConfig(
-            f"--sticky {identity}: bound to {held['attachment']}; its pod holds the address"
+            f"--sticky {identity}: bound to {held.attachment}; its pod holds the address"
             " (delete the pod first)"
         )
     shown = revision if revision is not None else kv.mod_revision
     if revision is None and not yes and not c.as_json:
-        console.print(f"{kv.key} holds {', '.join(held['ips'])} (revision {kv.mod_revision})")
+        console.print(f"{kv.key} holds {', '.join(held.ips)} (revision {kv.mod_revision})")
         if not click.confirm("free it?", default=False):
             raise click.Abort
     freed = c.ledger().free_sticky(kv.key, shown, "ipward release --sticky by an operator")

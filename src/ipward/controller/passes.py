@@ -82,6 +82,15 @@ from ipward.core.keys import LEADER_KEY
 from ipward.core.names import node_name_problem
 from ipward.core.policy import ADD_GRACE
 from ipward.core.pool import PoolSpec
+from ipward.core.records import (
+    ACTIVE,
+    MARKED,
+    READY,
+    REFUSED,
+    AddressRecord,
+    BlockRecord,
+    FillRecord,
+)
 from ipward.gc import rules as gc
 from ipward.ipam import blocks, pools
 from ipward.ipam.ledger import Ledger
@@ -511,7 +520,7 @@ class Controller:
         for kv in self.store.range(keys.POOLS)[0]:
             name = keys.pool_name(kv.key)
             try:
-                spec = PoolSpec.from_dict(rec.decode(kv.value))
+                spec = PoolSpec.decode(kv.value)
             except (IpwardError, ValueError) as e:
                 log.error("pool spec unreadable; pool skipped", key=kv.key, error=str(e))
                 failed.add(name)
@@ -622,11 +631,11 @@ class Controller:
         # Blocks before records: an allocation of a fresh address after this read moves
         # the block's revision, so a mark decided on a stale count loses its CAS.
         block_kvs: dict[str, KeyValue | None] = {}
-        states: dict[str, dict] = {}
+        states: dict[str, BlockRecord] = {}
         for kv in self.store.range(keys.blocks_prefix(pool))[0]:
             cidr = keys.cidr_of(kv.key)
             try:
-                states[cidr] = rec.decode(kv.value)
+                states[cidr] = BlockRecord.decode(kv.value)
             except ValueError:
                 log.error("block record unreadable", key=kv.key)
                 continue
@@ -634,15 +643,15 @@ class Controller:
         records: Tally[str] = Tally()
         for kv in self.store.range(keys.ips_prefix(pool))[0]:
             try:
-                records[rec.decode(kv.value).get("block", "")] += 1
+                records[AddressRecord.decode(kv.value).block] += 1
             except ValueError:
                 log.error("address record unreadable", key=kv.key)
         fills: dict[tuple[int, str], str] = {}
         for kv in self.store.range(keys.fills_prefix(pool))[0]:
             _, family_text, filler = keys.fill_parts(kv.key)
             try:
-                fills[(int(family_text), filler)] = rec.decode(kv.value)["block"]
-            except (ValueError, KeyError):
+                fills[(int(family_text), filler)] = FillRecord.decode(kv.value).block
+            except ValueError:
                 continue
 
         # 1. Handshake steps on blocks already in the handshake.
@@ -650,8 +659,8 @@ class Controller:
             state = states[cidr]
             key = (pool, cidr)
             seen.add(key)
-            st, node = state.get("state"), state.get("node", "")
-            if st == rec.ACTIVE:
+            st, node = state.state, state.node
+            if st == ACTIVE:
                 if self.in_handshake.pop(key, None) is not None:
                     self.metrics.handshakes.labels(result="aborted").inc()
                     log.info(
@@ -662,14 +671,14 @@ class Controller:
                         reason="the node took the block back (it needs the space)",
                     )
                 continue
-            if st not in (rec.MARKED, rec.READY, rec.REFUSED):
+            if st not in (MARKED, READY, REFUSED):
                 continue
             self.in_handshake[key] = st
             self.empty_since.pop(key, None)
             current = block_kvs[cidr]
             if current is None:
                 continue
-            if node in gone and st == rec.MARKED:
+            if node in gone and st == MARKED:
                 # Its agent will never answer: answer for it, by the same compares.
                 answer = blocks.answer(self.store, spec, current, now, self._fence())
                 if answer is None:
@@ -685,11 +694,11 @@ class Controller:
                 continue
             if node not in nodes and node not in gone:
                 continue  # an unregistered node's block: left alone until known gone
-            if st == rec.REFUSED:
+            if st == REFUSED:
                 if blocks.resume(self.store, pool, current, self._fence()):
                     self.metrics.handshakes.labels(result="aborted").inc()
                     del self.in_handshake[key]
-                    states[cidr] = {**state, "state": rec.ACTIVE}
+                    states[cidr] = state.resumed()
                     block_kvs[cidr] = None  # changed: not a candidate again this pass
                     log.info(
                         "handshake aborted",
@@ -700,9 +709,9 @@ class Controller:
                     )
                 else:
                     self._after_failed_write()
-            elif st == rec.READY:
-                answered = state.get("answered_at")
-                waited = now - answered if isinstance(answered, int | float) else 0.0
+            elif st == READY:
+                answered = state.answered_at
+                waited = now - answered if answered is not None else 0.0
                 if waited < self.ready_delay:
                     continue
                 if blocks.release(self.store, spec, current, self._fence()):
@@ -725,8 +734,8 @@ class Controller:
             gone_kv = block_kvs.get(cidr)
             block = spec.block_by_cidr(cidr)
             if (
-                state.get("node") not in gone
-                or state.get("state") != rec.ACTIVE
+                state.node not in gone
+                or not state.active
                 or records[cidr]
                 or gone_kv is None
                 or block is None
@@ -735,13 +744,13 @@ class Controller:
                 continue
             if blocks.mark(self.store, pool, gone_kv, now, self._fence()):
                 self.metrics.handshakes.labels(result="started").inc()
-                self.in_handshake[(pool, cidr)] = rec.MARKED
-                states[cidr] = {**state, "state": rec.MARKED}
+                self.in_handshake[(pool, cidr)] = MARKED
+                states[cidr] = state.marked(now)
                 log.info(
                     "handshake started",
                     pool=pool,
                     block=cidr,
-                    node=state.get("node"),
+                    node=state.node,
                     reason="its node is gone (lease expired, not listed by the cluster)",
                 )
             else:
@@ -750,7 +759,7 @@ class Controller:
         # 2. Per registered node and family: what is free in its active blocks.
         by_node: dict[str, list[str]] = {}
         for cidr, state in states.items():
-            by_node.setdefault(state.get("node", ""), []).append(cidr)
+            by_node.setdefault(state.node, []).append(cidr)
         free: dict[tuple[str, int], int] = {}
         mine: dict[tuple[str, int], list[tuple[str, Block]]] = {}
         for node in sorted(nodes):
@@ -758,7 +767,7 @@ class Controller:
                 own = []
                 for cidr in by_node.get(node, []):
                     block = rs.block_by_cidr(cidr)
-                    if states[cidr].get("state") == rec.ACTIVE and block is not None:
+                    if states[cidr].active and block is not None:
                         own.append((cidr, block))
                         if records[cidr] or block_kvs.get(cidr) is None:
                             self.empty_since.pop((pool, cidr), None)
@@ -787,7 +796,7 @@ class Controller:
                     continue
                 block = spec.block_by_cidr(given)
                 free[(node, family)] += block.usable_count() if block is not None else 0
-                states[given] = {"node": node, "state": rec.ACTIVE}
+                states[given] = BlockRecord.claimed(node, 0, spec.version)
                 self.metrics.assigned.inc()
                 log.info(
                     "warm block assigned",
@@ -816,7 +825,7 @@ class Controller:
             )
             deficits[(pool, node, str(family))] = max(0, spec.warm - free[(node, family)])
         for state in states.values():
-            labels = (pool, str(state.get("node", "")), str(state.get("state", "")))
+            labels = (pool, state.node, state.state)
             counts[labels] = counts.get(labels, 0) + 1
         # 5. After a change of the pool's ranges: what its new layout does not use, and
         # earlier layouts no record holds any more (`ipam.pools.prune`, fenced).
@@ -831,7 +840,7 @@ class Controller:
         free: int,
         records: Tally[str],
         block_kvs: dict[str, KeyValue | None],
-        states: dict[str, dict],
+        states: dict[str, BlockRecord],
         filling: str | None,
         now: float,
         mono: float,
@@ -851,9 +860,9 @@ class Controller:
             if blocks.mark(self.store, spec.name, kv, now, self._fence()):
                 free -= size
                 self.metrics.handshakes.labels(result="started").inc()
-                self.in_handshake[key] = rec.MARKED
+                self.in_handshake[key] = MARKED
                 self.empty_since.pop(key, None)
-                states[cidr] = {**states[cidr], "state": rec.MARKED}
+                states[cidr] = states[cidr].marked(now)
                 log.info(
                     "handshake started",
                     pool=spec.name,

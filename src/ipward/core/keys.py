@@ -16,7 +16,7 @@ keys, reads them back and names their prefixes through the functions and constan
     attach/<network>/<container>/<ifname>         attachment index (records.AttachmentIndex)
     free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
     freeq/<pool>/<family>/<node>/<ms>/<ip>        the same fact ordered by the time it was freed
-    sticky/<network>/<namespace>/<name>           a sticky reservation (records.Reservation)
+    sticky/<network>/<namespace>/<name>           a sticky reservation (records.ReservationRecord)
     nodes/<node>                                  agent registration, held by its lease
     controller/leader                             {id, since}, held by the leader's lease
 

@@ -28,6 +28,7 @@ from ipward.core.addr import (
 )
 from ipward.core.errors import InvalidConfig, PoolNotAllowed
 from ipward.core.policy import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM
+from ipward.core.records import decode, encode
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -288,6 +289,15 @@ class PoolSpec:
             retired=[Layout.from_dict(name, r) for r in retired],
             state=d.get("state", ACTIVE),
         )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> PoolSpec:
+        """A stored spec (`pools/<name>`); raises InvalidConfig or ValueError when it is
+        not one."""
+        return cls.from_dict(decode(raw))
+
+    def encode(self) -> bytes:
+        return encode(self.to_dict())
 
     def to_dict(self) -> dict:
         return {

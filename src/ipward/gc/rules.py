@@ -42,6 +42,7 @@ from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged
 from ipward.core.names import node_name_problem
+from ipward.core.records import AddressRecord, PodInfo, ReservationRecord
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -70,33 +71,32 @@ class Held:
     pool: str
     ip: str
     mod_revision: int
-    record: dict
+    record: AddressRecord
 
     @property
     def ref(self) -> str:
-        return f"{self.pool}/{self.ip}"
+        return rec.pool_ip(self.pool, self.ip)
 
     @property
     def node(self) -> str:
-        return str(self.record.get("node", ""))
+        return self.record.node
 
     @property
     def container(self) -> str:
-        return str(self.record.get("container", ""))
+        return self.record.container
 
     @property
     def created_at(self) -> float:
-        value = self.record.get("created_at", 0.0)
-        return float(value) if isinstance(value, int | float) else 0.0
+        """When its ADD committed (0 in a record that does not say: judged as old)."""
+        return float(self.record.created_at or 0.0)
 
     @property
-    def pod(self) -> dict:
-        pod = self.record.get("pod")
-        return pod if isinstance(pod, dict) else {}
+    def pod(self) -> PodInfo:
+        return self.record.pod
 
     @property
     def attachment(self) -> str:
-        return repr(rec.record_attachment(self.record))
+        return repr(self.record.attachment)
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,8 @@ class Verdict:
             "address": self.held.ref,
             "attachment": self.held.attachment,
             "node": self.held.node,
-            "pod": f"{pod.get('namespace', '')}/{pod.get('name', '')}",
-            "uid": pod.get("uid", ""),
+            "pod": f"{pod.namespace}/{pod.name}",
+            "uid": pod.uid,
             "created_at": self.held.created_at,
             "revision": self.held.mod_revision,
             "reason": self.reason,
@@ -134,14 +134,13 @@ def snapshot(store: Store, node: str | None = None) -> list[Held]:
     for kv in store.range(keys.ADDRESSES)[0]:
         pool, ip = keys.ip_parts(kv.key)
         try:
-            record = rec.decode(kv.value)
-            rec.record_attachment(record)
-        except (ValueError, KeyError):
+            record = AddressRecord.decode(kv.value)
+        except ValueError:
             log.error("allocation record unreadable; not judged", key=kv.key)
             continue
-        if rec.is_detached(record):
+        if record.is_detached:
             continue  # no sandbox to judge: its reservation is retired by identity
-        if node is None or record.get("node") == node:
+        if node is None or record.node == node:
             held.append(Held(pool, ip, kv.mod_revision, record))
     return held
 
@@ -249,7 +248,7 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
             f"node {held.node}: lease expired and the cluster no longer lists it",
         )
     pod_info = held.pod
-    uid = str(pod_info.get("uid", ""))
+    uid = pod_info.uid
     if not uid:
         return Verdict(held, None, "no pod UID on the record and no runtime answer")
     pod = cluster.pods.get(uid)
@@ -259,8 +258,8 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
         return Verdict(
             held,
             POD_GONE,
-            f"cluster has no pod with UID {uid} ({pod_info.get('namespace')}/"
-            f"{pod_info.get('name')}; read {age:.0f}s after the ADD)",
+            f"cluster has no pod with UID {uid} ({pod_info.namespace}/"
+            f"{pod_info.name}; read {age:.0f}s after the ADD)",
         )
     if pod.terminal and pod.finished_at is not None:
         since = cluster.as_of - pod.finished_at
@@ -388,7 +387,7 @@ class Reservation:
 
     key: str
     mod_revision: int
-    record: dict
+    record: ReservationRecord
 
     @property
     def namespace(self) -> str:
@@ -417,7 +416,7 @@ class Retirement:
         r = self.reservation
         return {
             "sticky": r.key,
-            "ips": r.record.get("ips", []),
+            "ips": r.record.ips,
             "revision": r.mod_revision,
             "reason": self.reason,
             "evidence": self.evidence,
@@ -428,7 +427,7 @@ def reservations(store: Store) -> list[Reservation]:
     out = []
     for kv in store.range(keys.STICKY)[0]:
         try:
-            out.append(Reservation(kv.key, kv.mod_revision, rec.decode(kv.value)))
+            out.append(Reservation(kv.key, kv.mod_revision, ReservationRecord.decode(kv.value)))
         except ValueError:
             log.error("sticky reservation unreadable; not judged", key=kv.key)
     return out
@@ -441,19 +440,18 @@ def judge_reservation(r: Reservation, cluster: ClusterView | str, grace: float) 
     detach. Then: its StatefulSet is gone, or its ordinal is out of range; any other
     identity, its TTL has passed since the detach."""
     held = r.record
-    if held.get("attachment"):
-        return Retirement(r, None, f"bound to {held['attachment']}")
+    if held.bound:
+        return Retirement(r, None, f"bound to {held.attachment}")
     if not isinstance(cluster, ClusterView):
         return Retirement(r, None, f"no evidence: cluster: {cluster}")
-    detached_at = held.get("detached_at")
-    detached = float(detached_at) if isinstance(detached_at, int | float) else 0.0
+    detached = float(held.detached_at or 0.0)
     age = cluster.as_of - detached
     if age < grace:
         return Retirement(r, None, f"cluster view only {age:.1f}s after the detach")
     pods = cluster.pods_named(r.namespace, r.name)
     if pods:
         return Retirement(r, None, f"pod {r.namespace}/{r.name} is {pods[0].phase}")
-    kind, owner = held.get("owner_kind", ""), str(held.get("owner_name", ""))
+    kind, owner = held.owner_kind, held.owner_name
     if kind == "StatefulSet":
         replicas = cluster.statefulsets.get(f"{r.namespace}/{owner}")
         if replicas is None:
@@ -464,8 +462,8 @@ def judge_reservation(r: Reservation, cluster: ClusterView | str, grace: float) 
                 r, ORDINAL_OUT, f"ordinal {ordinal_text} >= {replicas} replicas of {owner}"
             )
         return Retirement(r, None, f"ordinal {ordinal_text} of {replicas} replicas: comes back")
-    ttl = held.get("ttl")
-    if isinstance(ttl, int | float) and age >= ttl:
+    ttl = held.ttl
+    if ttl is not None and age >= ttl:
         return Retirement(r, TTL_EXPIRED, f"detached {age:.0f}s ago, TTL {ttl:g}s, no pod")
     return Retirement(r, None, f"detached {age:.0f}s ago, TTL {ttl}")
 

@@ -19,11 +19,18 @@ free entries were already cleaned are found again as fresh.
 from __future__ import annotations
 
 from ipward.core import keys, log, testpoints
-from ipward.core import records as rec
 from ipward.core.addr import family_of
 from ipward.core.keys import cidr_of
 from ipward.core.policy import MAX_RELEASABLE_BLOCK
 from ipward.core.pool import PoolSpec
+from ipward.core.records import (
+    MARKED,
+    READY,
+    REFUSED,
+    BlockRecord,
+    CursorRecord,
+    FreeRecord,
+)
 from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
 TYPE_CHECKING = False
@@ -55,16 +62,15 @@ def releasable(block: Block) -> bool:
 def mark(store: Store, pool: str, kv: KeyValue, now: float, fence: Sequence[Compare] = ()) -> bool:
     """Controller: ask for an active block back. `fence` (here and in every controller
     step): compares that hold only while the caller is the leader."""
-    state = rec.decode(kv.value)
-    if state.get("state") != rec.ACTIVE:
+    state = BlockRecord.decode(kv.value)
+    if not state.active:
         return False
-    marked = {**state, "state": rec.MARKED, "marked_at": now}
     testpoints.pause("mark")
     done = store.txn(
-        [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(marked))]
+        [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, state.marked(now).encode())]
     )
     if done.succeeded:
-        log.info("block marked", pool=pool, block=cidr_of(kv.key), node=state.get("node"))
+        log.info("block marked", pool=pool, block=cidr_of(kv.key), node=state.node)
     return done.succeeded
 
 
@@ -75,46 +81,44 @@ def answer(
     allocated (checked by compares in the same transaction), else `refused`. None when
     the block changed meanwhile (read it again). The controller answers, fenced, for a
     node that is gone (its lease expired and the cluster no longer lists it)."""
-    state = rec.decode(kv.value)
+    state = BlockRecord.decode(kv.value)
     block = spec.block_by_cidr(cidr_of(kv.key))
-    if state.get("state") != rec.MARKED or block is None:
+    if state.state != MARKED or block is None:
         return None
     pinned = at_revision(kv.key, kv.mod_revision)
     if releasable(block):
         empty = [absent(keys.ip_key(spec.name, ip)) for ip in addresses(block)]
-        ready = {**state, "state": rec.READY, "answered_at": now}
-        if store.txn([*fence, pinned, *empty], [Put(kv.key, rec.encode(ready))]).succeeded:
-            log.info("block ready", pool=spec.name, block=block.cidr, node=state.get("node"))
-            return rec.READY
-    refused = {**state, "state": rec.REFUSED, "answered_at": now}
-    if store.txn([*fence, pinned], [Put(kv.key, rec.encode(refused))]).succeeded:
+        ready = state.answered(READY, now)
+        if store.txn([*fence, pinned, *empty], [Put(kv.key, ready.encode())]).succeeded:
+            log.info("block ready", pool=spec.name, block=block.cidr, node=state.node)
+            return READY
+    refused = state.answered(REFUSED, now)
+    if store.txn([*fence, pinned], [Put(kv.key, refused.encode())]).succeeded:
         log.info(
             "block refused",
             pool=spec.name,
             block=block.cidr,
-            node=state.get("node"),
+            node=state.node,
             reason="addresses allocated" if releasable(block) else "block too large",
         )
-        return rec.REFUSED
+        return REFUSED
     return None
 
 
 def resume(store: Store, pool: str, kv: KeyValue, fence: Sequence[Compare] = ()) -> bool:
     """Controller: a refused block goes back to work."""
-    state = rec.decode(kv.value)
-    if state.get("state") != rec.REFUSED:
+    state = BlockRecord.decode(kv.value)
+    if state.state != REFUSED:
         return False
-    active = {k: v for k, v in state.items() if k not in ("marked_at", "answered_at")}
-    active["state"] = rec.ACTIVE
     ok = store.txn(
-        [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, rec.encode(active))]
+        [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, state.resumed().encode())]
     )
     if ok.succeeded:
         log.info(
             "block resumed",
             pool=pool,
             block=cidr_of(kv.key),
-            node=state.get("node"),
+            node=state.node,
             reason="agent refused the release",
         )
     return ok.succeeded
@@ -125,10 +129,10 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
     first, in chunks, each pinned to the block's `ready` revision; then the block, its
     affinity entry, and a `blockfree/` entry so it is claimed again before new blocks.
     False (nothing more done) as soon as the block changes."""
-    state = rec.decode(kv.value)
+    state = BlockRecord.decode(kv.value)
     cidr = cidr_of(kv.key)
     block = spec.block_by_cidr(cidr)
-    if state.get("state") != rec.READY or block is None:
+    if state.state != READY or block is None:
         return False
     pinned = at_revision(kv.key, kv.mod_revision)
     ips = addresses(block)
@@ -149,11 +153,11 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
         chunk = frees[start : start + CLEANUP_CHUNK]
         ops: list[Put | Delete] = []
         for free in chunk:
-            ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
+            ops += [Delete(free.key), Delete(FreeRecord.decode(free.value).queue)]
         if not store.txn(fenced, ops).succeeded:
             return False
     family = family_of(cidr)
-    node = state.get("node", "")
+    node = state.node
     done = store.txn(
         fenced,
         [
@@ -174,32 +178,6 @@ def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare]
 
 
 # -- claiming blocks (the ledger when a node runs out, the controller's warm target) ------
-
-
-def cursor_next(cursor: KeyValue | None, version: int) -> int:
-    """Where the walk for never-claimed blocks starts: the cursor's index, if it indexes
-    this layout version's blocks; else 0 (the pool's ranges changed since: the walk
-    passes the blocks already claimed)."""
-    if cursor is None:
-        return 0
-    state = rec.decode(cursor.value)
-    return int(state.get("next", 0)) if state.get("version", 0) == version else 0
-
-
-def block_next(state: dict, version: int) -> int:
-    """The block's never-used cursor, if written under this layout version; else 0 (the
-    ranges changed since, and addresses behind the cursor may have been freed without a
-    queue entry while they were outside the pool: a fresh pick skips what is taken)."""
-    return int(state.get("next", 0)) if state.get("version", 0) == version else 0
-
-
-def versioned(state: dict, version: int) -> dict:
-    """A block or cursor record stamped with the layout version it indexes (the field is
-    left out for version 0, a pool whose ranges never changed: records as before)."""
-    out = {k: v for k, v in state.items() if k != "version"}
-    if version:
-        out["version"] = version
-    return out
 
 
 class Claim:
@@ -241,7 +219,8 @@ def claims(
         if get(keys.block_key(spec.name, block.cidr)) is None:
             yield Claim(block, entry=entry)
     cursor = get(keys.block_cursor_key(spec.name, rs.family))
-    index = rs.next_usable_block(cursor_next(cursor, spec.version))
+    start = CursorRecord.decode(cursor.value).next_for(spec.version) if cursor else 0
+    index = rs.next_usable_block(start)
     while index is not None:
         block = rs.block(index)
         assert block is not None
@@ -262,10 +241,10 @@ def claim_writes(
     furthest = None
     for claim, next_offset in taken:
         key = keys.block_key(spec.name, claim.block.cidr)
-        state = versioned({"node": node, "state": rec.ACTIVE, "next": next_offset}, spec.version)
+        state = BlockRecord.claimed(node, next_offset, spec.version)
         compares.append(absent(key))
         ops += [
-            Put(key, rec.encode(state)),
+            Put(key, state.encode()),
             Put(keys.affinity_key(spec.name, node, claim.block.cidr), b""),
         ]
         if claim.entry is not None:
@@ -277,9 +256,7 @@ def claim_writes(
         cursor_key = keys.block_cursor_key(spec.name, family)
         cursor = furthest.cursor
         compares.append(at_revision(cursor_key, cursor.mod_revision if cursor else 0))
-        ops.append(
-            Put(cursor_key, rec.encode(versioned({"next": furthest.index + 1}, spec.version)))
-        )
+        ops.append(Put(cursor_key, CursorRecord(furthest.index + 1, spec.version).encode()))
     return compares, ops
 
 

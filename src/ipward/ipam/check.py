@@ -32,6 +32,13 @@ from ipward.core import records as rec
 from ipward.core.addr import parse_ip
 from ipward.core.errors import IpwardError
 from ipward.core.pool import PoolSpec
+from ipward.core.records import (
+    AddressRecord,
+    AttachmentIndex,
+    BlockRecord,
+    FreeRecord,
+    ReservationRecord,
+)
 from ipward.ipam.pools import stale_state
 
 TYPE_CHECKING = False
@@ -69,7 +76,7 @@ def check(store: Store) -> tuple[list[Problem], dict]:
     for kv in by_prefix[keys.POOLS]:
         name = keys.pool_name(kv.key)
         try:
-            parsed = PoolSpec.from_dict(rec.decode(kv.value))
+            parsed = PoolSpec.decode(kv.value)
         except (IpwardError, ValueError) as e:
             pools[name] = None
             problems.append(Problem("outside-pool", kv.key, f"pool spec unreadable: {e}"))
@@ -87,18 +94,18 @@ def check(store: Store) -> tuple[list[Problem], dict]:
     sticky_of: dict[str, tuple[str, bool]] = {}  # "<pool>/<ip>" -> (reservation, detached)
     index_refs: dict[str, list[str]] = {}
     for kv in indexes:
-        index_refs[kv.key] = rec.decode(kv.value).get("ips", [])
+        index_refs[kv.key] = AttachmentIndex.decode(kv.value).refs
     allocated: dict[str, str] = {}  # "<pool>/<ip>" -> attachment key
     seen_on_network: dict[tuple[str, str], str] = {}
     families: dict[tuple[str, str, int], str] = {}
     for kv in records:
         pool_name, ip = keys.ip_parts(kv.key)
-        ref = f"{pool_name}/{ip}"
-        record = rec.decode(kv.value)
-        attachment = rec.record_attachment(record)
+        ref = rec.pool_ip(pool_name, ip)
+        record = AddressRecord.decode(kv.value)
+        attachment = record.attachment
         allocated[ref] = attachment.key
-        if record.get("sticky"):
-            sticky_of[ref] = (record["sticky"], rec.is_detached(record))
+        if record.sticky:
+            sticky_of[ref] = (record.sticky, record.is_detached)
         family, value = parse_ip(ip)
         spec = pools.get(pool_name)
         if spec is None:
@@ -111,13 +118,13 @@ def check(store: Store) -> tuple[list[Problem], dict]:
         if other != kv.key:
             problems.append(Problem("duplicate-address", kv.key, f"{ip} also recorded as {other}"))
         # A detached sticky record has no sandbox: its reservation is its owner.
-        owner = record["sticky"] if rec.is_detached(record) else attachment.key
-        twin = families.setdefault((owner, pool_name, family), kv.key)
+        holder = record.sticky if record.is_detached and record.sticky else attachment.key
+        twin = families.setdefault((holder, pool_name, family), kv.key)
         if twin != kv.key:
             problems.append(
-                Problem("duplicate-address", kv.key, f"{owner} also holds {twin} (same family)")
+                Problem("duplicate-address", kv.key, f"{holder} also holds {twin} (same family)")
             )
-        if rec.is_detached(record):
+        if record.is_detached:
             continue  # held by its reservation: no sandbox, no index (checked below)
         if ref not in index_refs.get(attachment.key, []):
             problems.append(
@@ -135,10 +142,10 @@ def check(store: Store) -> tuple[list[Problem], dict]:
     referenced = set()
     for kv in frees:
         pool_name, ip = keys.ip_parts(kv.key)
-        ref = f"{pool_name}/{ip}"
+        ref = rec.pool_ip(pool_name, ip)
         if ref in allocated:
             problems.append(Problem("free-and-allocated", kv.key, f"{ref} is also allocated"))
-        queue_key = rec.decode(kv.value).get("queue", "")
+        queue_key = FreeRecord.decode(kv.value).queue
         referenced.add(queue_key)
         if queue_key not in queued:
             problems.append(Problem("free-queue", kv.key, f"queue entry {queue_key} missing"))
@@ -201,9 +208,9 @@ def _reservations(
     problems = []
     listed: set[str] = set()
     for kv in reservations:
-        held = rec.decode(kv.value)
-        bound = held.get("attachment") or ""
-        for ref in held.get("ips", []):
+        held = ReservationRecord.decode(kv.value)
+        bound = held.attachment
+        for ref in held.ips:
             listed.add(ref)
             owner = sticky_of.get(ref)
             if owner is None or owner[0] != kv.key:
@@ -224,7 +231,7 @@ def _block_owners(by_prefix: dict[str, list[KeyValue]]) -> list[Problem]:
     problems = []
     owners: dict[str, str] = {}  # "<pool>/<cidr>" -> node, from the block records
     for kv in by_prefix[keys.BLOCKS]:
-        owners[keys.block_ref(kv.key)] = rec.decode(kv.value).get("node", "")
+        owners[keys.block_ref(kv.key)] = BlockRecord.decode(kv.value).node
     listed: dict[str, list[str]] = {}
     for kv in by_prefix[keys.AFFINITY]:
         pool, node, cidr = keys.affinity_parts(kv.key)

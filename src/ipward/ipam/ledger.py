@@ -46,6 +46,14 @@ from ipward.core.errors import (
 )
 from ipward.core.policy import ADD_GRACE
 from ipward.core.pool import PoolSpec
+from ipward.core.records import (
+    AddressRecord,
+    AttachmentIndex,
+    BlockRecord,
+    FillRecord,
+    FreeRecord,
+    ReservationRecord,
+)
 from ipward.ipam import blocks
 from ipward.store.base import (
     Delete,
@@ -233,7 +241,7 @@ class Ledger:
         parsed = self._specs.get(name)
         if parsed is not None and parsed.revision == kv.mod_revision:
             return parsed
-        spec = PoolSpec.from_dict(rec.decode(kv.value))
+        spec = PoolSpec.decode(kv.value)
         spec.revision = kv.mod_revision
         self._specs[name] = spec
         return spec
@@ -251,7 +259,7 @@ class Ledger:
             _refuse_deleting(spec)
             return [at_revision(key, spec.revision)], []
         kv = self._get(key)
-        if kv is not None and kv.value == rec.encode(spec.to_dict()):
+        if kv is not None and kv.value == spec.encode():
             return [at_revision(key, kv.mod_revision)], []
         stored = self._parsed(kv) if kv is not None else None
         if stored is not None:
@@ -267,14 +275,14 @@ class Ledger:
                 compares = [at_revision(key, kv.mod_revision)]  # type: ignore[union-attr]
                 if spec.declaration() == stored.declaration():
                     return compares, []
-                return compares, [Put(key, rec.encode(spec.to_dict()))]  # routes, cooldown...
+                return compares, [Put(key, spec.encode())]  # routes, cooldown...
             spec.retired.append(stored.layout)  # records may hold its addresses
             spec.layout.version = stored.version + 1
         from ipward.ipam.pools import coverage_guard  # only when a pool is stored or changed
 
         compares, ops = coverage_guard(self._get, self.store_range, spec)
         compares.append(at_revision(key, kv.mod_revision if kv else 0))
-        ops.append(Put(key, rec.encode(spec.to_dict())))
+        ops.append(Put(key, spec.encode()))
         return compares, ops
 
     # -- ADD --------------------------------------------------------------------------
@@ -285,7 +293,7 @@ class Ledger:
         kv = self._get(attachment.key, fresh=True)
         if kv is None:
             return None
-        return self._allocations(rec.decode(kv.value)["ips"])
+        return self._allocations(AttachmentIndex.decode(kv.value).refs)
 
     def allocate(
         self,
@@ -406,18 +414,18 @@ class Ledger:
                 for pool in pools
                 for i, rs in enumerate(pool.range_sets)
             ]
-            refs = [f"{p.name}/{k.ip}" for p, k in picks]
+            refs = [rec.pool_ip(p.name, k.ip) for p, k in picks]
             member_compares = [absent(request.attachment.key)]
             member_ops: list[Put | Delete] = [
-                Put(request.attachment.key, rec.encode({"ips": refs}))
+                Put(request.attachment.key, AttachmentIndex(refs).encode())
             ]
             for pool, pick in picks:
-                record = rec.ip_record(
-                    request.attachment, request.pod, self.node, pick.block, now, False
+                record = AddressRecord.new(
+                    request.attachment, request.pod, self.node, pick.block, now
                 )
                 member_compares += pick.compares
                 member_ops += pick.ops
-                member_ops.append(Put(keys.ip_key(pool.name, pick.ip), rec.encode(record)))
+                member_ops.append(Put(keys.ip_key(pool.name, pick.ip), record.encode()))
             grown_compares = _unique_compares(compares + member_compares)
             grown_ops = _last_write_per_key(ops + member_ops)
             if self.store.txn_problem(grown_compares, grown_ops) is not None:
@@ -458,7 +466,7 @@ class Ledger:
             if careful:
                 existing = self._get(attachment.key, fresh=True)
                 if existing is not None:
-                    return self._allocations(rec.decode(existing.value)["ips"], pools)
+                    return self._allocations(AttachmentIndex.decode(existing.value).refs, pools)
                 if sticky is not None and self._get(sticky.key, fresh=True) is not None:
                     raise _StickyExists  # another sandbox of the identity made it first
                 # A pool read from the store may have changed (or gone): read it again.
@@ -493,34 +501,33 @@ class Ledger:
                 self._known.clear()
                 continue
             now = self.clock()
-            refs = [f"{p.name}/{k.ip}" for p, k in picks]
+            refs = [rec.pool_ip(p.name, k.ip) for p, k in picks]
             compares: list[Compare] = [absent(attachment.key)]
-            ops: list[Put | Delete] = [Put(attachment.key, rec.encode({"ips": refs}))]
+            ops: list[Put | Delete] = [Put(attachment.key, AttachmentIndex(refs).encode())]
             if sticky is not None:
                 compares.append(absent(sticky.key))
                 ops.append(
                     Put(
                         sticky.key,
-                        rec.encode(sticky.record(refs, attachment, pod.uid, self.node, now)),
+                        sticky.record(refs, attachment, pod.uid, self.node, now).encode(),
                     )
                 )
             for guard_compares, guard_ops in guards:
                 compares += guard_compares
                 ops += guard_ops
             for pool, pick in picks:
-                record = rec.ip_record(
+                record = AddressRecord.new(
                     attachment,
                     pod,
                     self.node,
                     pick.block,
                     now,
-                    (pool.name, pick.set_index) in wanted,
+                    requested=(pool.name, pick.set_index) in wanted,
+                    sticky=sticky.key if sticky is not None else None,
                 )
-                if sticky is not None:
-                    record["sticky"] = sticky.key
                 compares += pick.compares
                 ops += pick.ops
-                ops.append(Put(keys.ip_key(pool.name, pick.ip), rec.encode(record)))
+                ops.append(Put(keys.ip_key(pool.name, pick.ip), record.encode()))
             testpoints.pause("allocate")
             if self._txn(compares, ops):
                 self._log_pool_writes(pools, guards, picks)
@@ -569,7 +576,7 @@ class Ledger:
         for attempt in range(MAX_ATTEMPTS):
             existing = self._get(attachment.key, fresh=True)
             if existing is not None:
-                return self._allocations(rec.decode(existing.value)["ips"], pools)
+                return self._allocations(AttachmentIndex.decode(existing.value).refs, pools)
             reservation = self._get(sticky.key, fresh=True)
             if reservation is None:
                 try:
@@ -593,16 +600,16 @@ class Ledger:
         """DESIGN 5.1 step 2: the new sandbox of the identity takes the reserved
         addresses by one CAS over the reservation, its records and the old sandbox's
         index (deleted: its DEL then finds nothing). None when something moved."""
-        held = rec.decode(reservation.value)
-        refs: list[str] = held["ips"]
+        held = ReservationRecord.decode(reservation.value)
+        refs = held.ips
         asked = set(requested)
         if asked and not asked <= {rec.split_pool_ip(r)[1] for r in refs}:
             raise AddressTaken(
                 f"{sticky.key} holds {', '.join(refs)}; the runtime asked for"
                 f" {', '.join(sorted(asked))}"
             )
-        old = held.get("attachment") or ""
-        old_uid = str(held.get("uid", ""))
+        old = held.attachment
+        old_uid = held.uid
         if (
             old
             and old_uid != pod.uid
@@ -619,10 +626,10 @@ class Ledger:
             absent(attachment.key),
         ]
         ops: list[Put | Delete] = [
-            Put(attachment.key, rec.encode({"ips": refs})),
+            Put(attachment.key, AttachmentIndex(refs).encode()),
             Put(
                 reservation.key,
-                rec.encode({**held, **sticky.record(refs, attachment, pod.uid, self.node, now)}),
+                sticky.record(refs, attachment, pod.uid, self.node, now).encode(),
             ),
         ]
         if old and old != attachment.key:
@@ -634,15 +641,16 @@ class Ledger:
             pool_name, ip = rec.split_pool_ip(ref)
             key = keys.ip_key(pool_name, ip)
             kv = self._get(key, fresh=True)
-            record = rec.decode(kv.value) if kv is not None else None
-            if kv is None or record is None or record.get("sticky") != sticky.key:
+            record = AddressRecord.decode(kv.value) if kv is not None else None
+            if kv is None or record is None or record.sticky != sticky.key:
                 raise InvalidConfig(
                     f"{sticky.key} lists {ref}, whose record is not its own; see 'ipward check'"
                 )
-            mine = rec.ip_record(attachment, pod, self.node, record["block"], now, False)
-            mine["sticky"] = sticky.key
+            mine = AddressRecord.new(
+                attachment, pod, self.node, record.block, now, sticky=sticky.key
+            )
             compares.append(at_revision(key, kv.mod_revision))
-            ops.append(Put(key, rec.encode(mine)))
+            ops.append(Put(key, mine.encode()))
         if not self._txn(compares, ops):
             return None
         allocations = self._allocations(refs)
@@ -739,7 +747,7 @@ class Ledger:
         free_kv = self._get(keys.free_key(pool.name, ip))
         if free_kv is not None:
             pick.compares.append(at_revision(free_kv.key, free_kv.mod_revision))
-            pick.ops += [Delete(free_kv.key), Delete(rec.decode(free_kv.value)["queue"])]
+            pick.ops += [Delete(free_kv.key), Delete(FreeRecord.decode(free_kv.value).queue)]
         return pick
 
     def _pick_from_queue(
@@ -853,8 +861,8 @@ class Ledger:
             gone.compares.append(absent(block_key))
             stale.append(gone)
             return None
-        state = rec.decode(block_kv.value)
-        if state.get("state") != rec.ACTIVE or state.get("node") != (owner or self.node):
+        state = BlockRecord.decode(block_kv.value)
+        if not state.active or state.node != (owner or self.node):
             return None
         pick = _Pick(index, ip, block.cidr)
         pick.compares += [
@@ -873,7 +881,7 @@ class Ledger:
         fill = self._get(keys.fill_key(pool.name, rs.family, self.node))
         if fill is None:
             return None
-        cidr = rec.decode(fill.value)["block"]
+        cidr = FillRecord.decode(fill.value).block
         block = rs.block_by_cidr(cidr)
         block_kv = self._get(keys.block_key(pool.name, cidr))
         if block is None or block_kv is None:
@@ -890,10 +898,10 @@ class Ledger:
         borrow: bool = False,
         taken: _Taken | None = None,
     ) -> _Pick | None:
-        state = rec.decode(block_kv.value)
-        if state.get("state") != rec.ACTIVE or (state.get("node") != self.node and not borrow):
+        state = BlockRecord.decode(block_kv.value)
+        if not state.active or (state.node != self.node and not borrow):
             return None
-        start = blocks.block_next(state, pool.version)
+        start = state.next_for(pool.version)
         if taken is not None:
             start = max(start, taken.next.get(block.cidr, 0))
         offset = self._free_offset(pool, block, start, careful)
@@ -901,8 +909,8 @@ class Ledger:
             return None
         pick = self._fresh_pick(pool, index, block, offset)
         pick.compares.append(at_revision(block_kv.key, block_kv.mod_revision))
-        advanced = blocks.versioned({**state, "next": offset + 1}, pool.version)
-        pick.ops.append(Put(block_kv.key, rec.encode(advanced)))
+        advanced = state.advanced(offset + 1, pool.version)
+        pick.ops.append(Put(block_kv.key, advanced.encode()))
         if taken is not None:
             taken.next[block.cidr] = offset + 1
         return pick
@@ -956,7 +964,7 @@ class Ledger:
         failed ADD writes nothing. None when there is no room anywhere."""
         fill_key = keys.fill_key(pool.name, rs.family, self.node)
         fill = self._get(fill_key)
-        filling = rec.decode(fill.value)["block"] if fill else None
+        filling = FillRecord.decode(fill.value).block if fill else None
         for block, kv, _ in self._node_blocks(pool, rs, active=True):
             if block.cidr == filling:
                 continue  # used up (the fresh pick found nothing in it)
@@ -986,16 +994,16 @@ class Ledger:
 
     def _node_blocks(
         self, pool: PoolSpec, rs: RangeSet, active: bool
-    ) -> list[tuple[Block, KeyValue, dict]]:
+    ) -> list[tuple[Block, KeyValue, BlockRecord]]:
         """This node's blocks of the current layout in `rs`, active or (`active=False`)
         in the release handshake."""
         out = []
         for cidr, kv in self._own_blocks(pool, rs.family):
             block = rs.block_by_cidr(cidr)
-            state = rec.decode(kv.value)
-            if block is None or state.get("node") != self.node:
+            state = BlockRecord.decode(kv.value)
+            if block is None or state.node != self.node:
                 continue
-            if (state.get("state") == rec.ACTIVE) == active:
+            if state.active == active:
                 out.append((block, kv, state))
         return out
 
@@ -1014,10 +1022,8 @@ class Ledger:
                 continue
             # next = 0: addresses whose free entries the controller already cleaned are
             # found again as fresh (those still recorded or queued are skipped).
-            active = {k: v for k, v in state.items() if k not in ("marked_at", "answered_at")}
-            active = blocks.versioned({**active, "state": rec.ACTIVE, "next": 0}, pool.version)
             pick.compares.append(at_revision(kv.key, kv.mod_revision))
-            pick.ops.append(Put(kv.key, rec.encode(active)))
+            pick.ops.append(Put(kv.key, state.taken_back(pool.version).encode()))
             moved = "needs the space again: release handshake aborted"
             return self._fills(pick, fill_key, self._get(fill_key), moved)
         return None
@@ -1042,7 +1048,7 @@ class Ledger:
                 if free is None:
                     fresh = offset if fresh is None else fresh
                 else:
-                    released = float(rec.decode(free.value).get("released_at", 0))
+                    released = FreeRecord.decode(free.value).freed_at
                     cooled = released + pool.cooldown <= now
                     if cooled not in oldest or released < oldest[cooled][0]:
                         oldest[cooled] = (released, free)
@@ -1057,14 +1063,14 @@ class Ledger:
             absent(keys.ip_key(pool.name, ip)),
             at_revision(free.key, free.mod_revision),
         ]
-        pick.ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
+        pick.ops += [Delete(free.key), Delete(FreeRecord.decode(free.value).queue)]
         return pick
 
     @staticmethod
     def _fills(pick: _Pick, fill_key: str, fill: KeyValue | None, moved: str) -> _Pick:
         """The pick's block becomes the one this node fills."""
         pick.compares.append(at_revision(fill_key, fill.mod_revision if fill else 0))
-        pick.ops.append(Put(fill_key, rec.encode({"block": pick.block})))
+        pick.ops.append(Put(fill_key, FillRecord(pick.block).encode()))
         pick.moved = moved
         return pick
 
@@ -1086,7 +1092,7 @@ class Ledger:
         for fill in fills:
             if keys.last(fill.key) == self.node:
                 continue
-            cidr = rec.decode(fill.value)["block"]
+            cidr = FillRecord.decode(fill.value).block
             block, block_kv = rs.block_by_cidr(cidr), self._get(keys.block_key(pool.name, cidr))
             if block is None or block_kv is None:
                 continue
@@ -1096,7 +1102,7 @@ class Ledger:
         return None
 
     def _require_active(self, block_kv: KeyValue, pool: str) -> None:
-        if rec.decode(block_kv.value).get("state") != rec.ACTIVE:
+        if not BlockRecord.decode(block_kv.value).active:
             raise TryAgainLater(f"block {block_kv.key} of pool {pool} is being released")
 
     # -- DEL --------------------------------------------------------------------------
@@ -1126,7 +1132,7 @@ class Ledger:
         freed: list[str] = []
         detached: list[str] = []
         now = self.clock()
-        for ref in rec.decode(index_kv.value)["ips"]:
+        for ref in AttachmentIndex.decode(index_kv.value).refs:
             pool_name, ip = rec.split_pool_ip(ref)
             key = keys.ip_key(pool_name, ip)
             record_kv = self._get(key)
@@ -1134,14 +1140,16 @@ class Ledger:
             compares.append(at_revision(key, record_kv.mod_revision if record_kv else 0))
             if record_kv is None:
                 continue  # index out of step with records: drop the index entry only
-            record = rec.decode(record_kv.value)
-            if rec.record_attachment(record) != attachment:
+            record = AddressRecord.decode(record_kv.value)
+            if record.attachment != attachment:
                 continue  # the address belongs to someone else now: never touch it
-            if record.get("sticky"):
+            if record.sticky:
                 # Detach: the reservation keeps the address for the identity's next
                 # sandbox (DESIGN 2); retiring it is the controller's.
-                ops.append(Put(key, rec.encode(rec.detached(record, now))))
-                sticky_ops, sticky_compares = self._detach_reservation(record, attachment, now)
+                ops.append(Put(key, record.detached(now).encode()))
+                sticky_ops, sticky_compares = self._detach_reservation(
+                    record.sticky, attachment, now
+                )
                 ops += sticky_ops
                 compares += sticky_compares
                 detached.append(ref)
@@ -1162,20 +1170,18 @@ class Ledger:
             log.info("detached", attachment=repr(attachment), ips=detached, reason=reason, **more)
 
     def _detach_reservation(
-        self, record: dict, attachment: Attachment, now: float
+        self, key: str, attachment: Attachment, now: float
     ) -> tuple[list[Put | Delete], list[Compare]]:
         """The reservation's side of a detach: it no longer names a sandbox (only when it
         still names this one: a takeover may have moved it on)."""
-        key = record["sticky"]
         kv = self._get(key, fresh=True)
         if kv is None:
             return [], [absent(key)]
-        held = rec.decode(kv.value)
+        held = ReservationRecord.decode(kv.value)
         compares = [at_revision(key, kv.mod_revision)]
-        if held.get("attachment") != attachment.key:
+        if held.attachment != attachment.key:
             return [], compares
-        held.update(attachment="", detached_at=round(now, 3))
-        return [Put(key, rec.encode(held))], compares
+        return [Put(key, held.detached(now).encode())], compares
 
     def free_sticky(
         self, key: str, expected_mod_revision: int, reason: str, fence: Sequence[Compare] = ()
@@ -1186,31 +1192,31 @@ class Ledger:
         kv = self._get(key, fresh=True)
         if kv is None or kv.mod_revision != expected_mod_revision:
             raise OwnerChanged(f"{key} changed since it was read; look again")
-        held = rec.decode(kv.value)
-        if held.get("attachment"):
-            raise OwnerChanged(f"{key} is bound to {held['attachment']}: its pod holds it")
+        held = ReservationRecord.decode(kv.value)
+        if held.bound:
+            raise OwnerChanged(f"{key} is bound to {held.attachment}: its pod holds it")
         now = self.clock()
         compares: list[Compare] = [*fence, at_revision(key, kv.mod_revision)]
         ops: list[Put | Delete] = [Delete(key)]
-        for ref in held["ips"]:
+        for ref in held.ips:
             pool_name, ip = rec.split_pool_ip(ref)
             record_kv = self._get(keys.ip_key(pool_name, ip), fresh=True)
             if record_kv is None:
                 compares.append(absent(keys.ip_key(pool_name, ip)))
                 continue
-            record = rec.decode(record_kv.value)
-            if record.get("sticky") != key or not rec.is_detached(record):
+            record = AddressRecord.decode(record_kv.value)
+            if record.sticky != key or not record.is_detached:
                 raise OwnerChanged(f"{ref} of {key} is in use; look again")
             free_ops, block_compares = self._free_ops(pool_name, ip, record, now)
             compares += [at_revision(record_kv.key, record_kv.mod_revision), *block_compares]
             ops += free_ops
         if not self._txn(compares, ops):
             raise OwnerChanged(f"{key} changed while being freed; look again")
-        log.info("released", sticky=key, ips=held["ips"], reason=reason)
-        return list(held["ips"])
+        log.info("released", sticky=key, ips=held.ips, reason=reason)
+        return list(held.ips)
 
     def _free_ops(
-        self, pool_name: str, ip: str, record: dict, now: float
+        self, pool_name: str, ip: str, record: AddressRecord, now: float
     ) -> tuple[list[Put | Delete], list[Compare]]:
         """Delete a record and, if its pool hands the address out now, queue it (the
         cooldown) on the node that owns its block. An address the pool does not cover
@@ -1234,15 +1240,15 @@ class Ledger:
                 return ops, compares
             cidr = block.cidr
         else:
-            cidr = record["block"]
-        owner = record.get("node", self.node)
+            cidr = record.block
+        owner = record.node or self.node
         block_key = keys.block_key(pool_name, cidr)
         block_kv = self._get(block_key)
         if block_kv is not None:
-            owner = rec.decode(block_kv.value).get("node", owner)
+            owner = BlockRecord.decode(block_kv.value).node or owner
         queue = keys.queue_key(pool_name, family, owner, now, ip)
         ops += [
-            Put(keys.free_key(pool_name, ip), rec.encode({"released_at": now, "queue": queue})),
+            Put(keys.free_key(pool_name, ip), FreeRecord(now, queue).encode()),
             Put(queue, b""),
         ]
         compares.append(at_revision(block_key, block_kv.mod_revision if block_kv else 0))
@@ -1255,7 +1261,7 @@ class Ledger:
         expected_mod_revision: int,
         reason: str,
         fence: Sequence[Compare] = (),
-    ) -> dict:
+    ) -> AddressRecord:
         """Compare-and-delete one record (the CLI's `release`, garbage collection):
         refuses when the record is not exactly the one the caller saw. `fence`: compares
         that must hold too (a controller's leadership). Returns the record freed."""
@@ -1266,26 +1272,29 @@ class Ledger:
                 f"{pool}/{ip} changed since it was read (revision {expected_mod_revision});"
                 " look again and retry"
             )
-        record = rec.decode(record_kv.value)
-        attachment = rec.record_attachment(record)
+        record = AddressRecord.decode(record_kv.value)
+        attachment = record.attachment
         index_kv = self._get(attachment.key, fresh=True)
-        if record.get("sticky"):
+        if record.sticky:
             # A sticky address is detached with its whole attachment, never freed here:
             # retiring the reservation is `free_sticky`'s.
-            if index_kv is None or rec.is_detached(record):
-                raise OwnerChanged(f"{pool}/{ip} is reserved by {record['sticky']}, detached")
+            if index_kv is None or record.is_detached:
+                raise OwnerChanged(f"{pool}/{ip} is reserved by {record.sticky}, detached")
             compares, ops, freed, detached = self._release_plan(index_kv, attachment)
             compares += [*fence, at_revision(key, record_kv.mod_revision)]
         else:
             ops, compares = self._free_ops(pool, ip, record, self.clock())
             compares += [*fence, at_revision(key, record_kv.mod_revision)]
             if index_kv is not None:
-                refs = [r for r in rec.decode(index_kv.value)["ips"] if r != f"{pool}/{ip}"]
+                ref = rec.pool_ip(pool, ip)
+                refs = [r for r in AttachmentIndex.decode(index_kv.value).refs if r != ref]
                 compares.append(at_revision(index_kv.key, index_kv.mod_revision))
                 ops.append(
-                    Put(index_kv.key, rec.encode({"ips": refs})) if refs else Delete(index_kv.key)
+                    Put(index_kv.key, AttachmentIndex(refs).encode())
+                    if refs
+                    else Delete(index_kv.key)
                 )
-            freed, detached = [f"{pool}/{ip}"], []
+            freed, detached = [rec.pool_ip(pool, ip)], []
         if not self._txn(compares, ops):
             raise OwnerChanged(f"{pool}/{ip} changed while being released; look again")
         self._log_release(attachment, freed, detached, reason, revision=expected_mod_revision)
@@ -1307,14 +1316,14 @@ class Ledger:
             if (container, ifname) in keep:
                 continue
             attachment = rec.Attachment(network, container, ifname)
-            for ref in rec.decode(kv.value)["ips"]:
+            for ref in AttachmentIndex.decode(kv.value).refs:
                 pool, ip = rec.split_pool_ip(ref)
                 record_kv = self._get(keys.ip_key(pool, ip), fresh=True)
                 if record_kv is None:
                     continue
-                record = rec.decode(record_kv.value)
-                age = now - float(record.get("created_at", now))
-                if rec.record_attachment(record) != attachment or age < grace:
+                record = AddressRecord.decode(record_kv.value)
+                age = now - (record.created_at if record.created_at is not None else now)
+                if record.attachment != attachment or age < grace:
                     continue
                 reason = (
                     f"CNI GC: not in cni.dev/valid-attachments, {age:.0f}s after its ADD"

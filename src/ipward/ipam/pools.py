@@ -39,6 +39,7 @@ from ipward.core import records as rec
 from ipward.core.addr import parse_ip
 from ipward.core.errors import InvalidConfig, IpwardError, TryAgainLater, UnknownPool
 from ipward.core.pool import DELETING, PoolSpec, overlap
+from ipward.core.records import FillRecord
 from ipward.store.base import Delete, Put, absent, at_revision
 
 TYPE_CHECKING = False
@@ -69,7 +70,7 @@ def coverage_guard(
         if name == spec.name:
             continue
         try:
-            other = PoolSpec.from_dict(rec.decode(kv.value))
+            other = PoolSpec.decode(kv.value)
         except (IpwardError, ValueError) as e:
             raise InvalidConfig(
                 f"pool {name}'s stored spec is unreadable ({e}), so pool {spec.name} cannot"
@@ -98,7 +99,7 @@ def create_pool(store: Store, spec: PoolSpec) -> None:
             )
         compares, ops = coverage_guard(store.get, store.range, spec)
         testpoints.pause("pool-create")
-        done = store.txn([absent(key), *compares], [Put(key, rec.encode(spec.to_dict())), *ops])
+        done = store.txn([absent(key), *compares], [Put(key, spec.encode()), *ops])
         if done.succeeded:
             log.info("pool created", pool=spec.name, capacity=spec.attachments_capacity())
             return
@@ -179,7 +180,7 @@ def stale_state(spec: PoolSpec, kvs: Sequence[KeyValue]) -> list[KeyValue]:
         elif kind == keys.FILL:
             family = keys.fill_parts(kv.key)[1]
             keep = family in {str(f) for f in families} and current_block(
-                rec.decode(kv.value).get("block", "")
+                FillRecord.decode(kv.value).block
             )
         elif kind == keys.BLOCK_CURSOR:
             keep = keys.last(kv.key) in {str(f) for f in families}
@@ -220,7 +221,7 @@ def prune(store: Store, name: str, fence: Sequence[Compare] = ()) -> tuple[int, 
     kv = store.get(key)
     if kv is None:
         return 0, 0
-    spec = PoolSpec.from_dict(rec.decode(kv.value))
+    spec = PoolSpec.decode(kv.value)
     if spec.deleting:
         return 0, 0
     pinned = [*fence, at_revision(key, kv.mod_revision)]
@@ -244,7 +245,7 @@ def prune(store: Store, name: str, fence: Sequence[Compare] = ()) -> tuple[int, 
         return len(stale), 0
     pruned = len(spec.retired) - len(kept)
     spec.retired = kept
-    if not store.txn(pinned, [Put(key, rec.encode(spec.to_dict()))]).succeeded:
+    if not store.txn(pinned, [Put(key, spec.encode())]).succeeded:
         return len(stale), 0
     log.info(
         "pool layouts pruned",

@@ -10,7 +10,7 @@ from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.addr import Block
 from ipward.core.pool import PoolSpec
-from ipward.core.records import Attachment, PodInfo
+from ipward.core.records import AddressRecord, Attachment, PodInfo
 from ipward.store import schema
 from ipward.store.base import Put, Store
 from ipward.store.sqlite import SqliteStore
@@ -122,8 +122,8 @@ def bulk_fill(
         for filler in fillers:
             ip, cidr = filler.take()
             refs.append(f"{spec.name}/{ip}")
-            record = rec.ip_record(attachment, pod, node, cidr, now, False)
-            ops.append(Put(keys.ip_key(spec.name, ip), rec.encode(record)))
+            record = AddressRecord.new(attachment, pod, node, cidr, now)
+            ops.append(Put(keys.ip_key(spec.name, ip), record.encode()))
         ops.append(Put(attachment.key, rec.encode({"ips": refs})))
         attachments.append(attachment)
         if len(ops) >= batch:

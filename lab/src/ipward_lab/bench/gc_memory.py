@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ipward.core import keys
 from ipward.core.pool import PoolSpec
 from ipward.core.records import PodInfo
 from ipward.store import schema
@@ -98,7 +99,7 @@ class RecordStore:
 
 def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict[str, float]]:
     """Per store, the median seconds (of `repeats`, the stores taking turns) of: the raw
-    `store.range("ips/")` (the reference), one `gc.look` pass (records, registrations,
+    `store.range(keys.ADDRESSES)` (the reference), one `gc.look` pass (records, registrations,
     liveness, every record judged), its parts alone (`snapshot`, `gather`, `judge`),
     and the controller's own `gc_pass` (also the sticky reservations; first pass, so
     nothing is confirmed). Every record must be judged alive."""
@@ -129,7 +130,7 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
                     return Timer(times.setdefault(name, []))
 
                 with timed("raw_range_s"):
-                    kvs, _ = store.range("ips/")
+                    kvs, _ = store.range(keys.ADDRESSES)
                 if len(kvs) != s.records:
                     raise BenchError(f"{len(kvs)} records in {s.path}, expected {s.records}")
                 del kvs

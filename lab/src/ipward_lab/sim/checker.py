@@ -11,6 +11,7 @@ import time
 
 from ipward.core import keys
 from ipward.core import records as rec
+from ipward.core.records import AddressRecord
 from ipward.ipam.check import check
 from ipward.store import Store, StoreError
 from ipward_lab.sim.result import NS, POOL, Result, Violation
@@ -29,11 +30,11 @@ class Checker:
         was read; no two ready pods may share an address."""
         before = self._ready()
         try:
-            kvs, _ = self.store.range(f"ips/{POOL}/")
+            kvs, _ = self.store.range(keys.ips_prefix(POOL))
         except StoreError:
             return []  # the store is down (a fault): nothing to compare against
         after = self._ready()
-        records = {kv.key.rsplit("/", 1)[1]: rec.decode(kv.value) for kv in kvs}
+        records = {keys.ip_parts(kv.key)[1]: rec.decode(kv.value) for kv in kvs}
         found = []
         now = time.time()
         for ip, holders in after.items():
@@ -113,17 +114,17 @@ class Checker:
         waiting = [f"{p.name}:{p.phase}" for p in pods if p.phase != "Running" and not p.terminal]
         held = {a for p in pods if (a := self.sim.address_of(p)) is not None}
         bound = {
-            kv.key.rsplit("/", 1)[1]
-            for kv in self.store.range(f"ips/{POOL}/")[0]
-            if not rec.is_detached(rec.decode(kv.value))
+            keys.ip_parts(kv.key)[1]
+            for kv in self.store.range(keys.ips_prefix(POOL))[0]
+            if not AddressRecord.decode(kv.value).is_detached
         }
         return waiting, held, bound
 
     def empty(self) -> bool:
         return (
             not self.sim.pods(NS)
-            and not self.store.range(f"ips/{POOL}/")[0]
-            and not self.store.range("sticky/")[0]
+            and not self.store.range(keys.ips_prefix(POOL))[0]
+            and not self.store.range(keys.STICKY)[0]
         )
 
     def store_problems(self) -> list[Violation]:
