@@ -28,6 +28,7 @@ Missing binaries raise `LabError` with what to install: the caller fails, never 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import hashlib
 import io
@@ -54,6 +55,34 @@ NETNS_DIR = Path("/var/run/netns")
 CNI_CACHE_DIR = Path("/var/lib/cni")
 RUN_CONTAINERD = Path("/run/containerd")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+MACHINE_LOCK = Path("/run/ipward-containerd-lab.lock")
+
+
+class MachineLock:
+    """containerd 1.6 writes to machine-wide paths (above) that a lab cleans up when it
+    stops: labs of parallel test workers or other checkouts take turns on a file lock.
+    Within one process it is re-entrant: a test may start a second lab beside its
+    module's (each removes only what it created)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: io.TextIOWrapper | None = None
+        self._holders = 0
+
+    def acquire(self) -> None:
+        if self._holders == 0:
+            self._file = open(self.path, "a")  # noqa: SIM115 (held until the last release)
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+        self._holders += 1
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self._file is not None:
+            self._file.close()  # closing releases the flock
+            self._file = None
+
+
+_machine_lock = MachineLock(MACHINE_LOCK)
 K8S_NAMESPACE = "k8s.io"  # containerd namespace of the CRI plugin
 IMAGE_NAME = "ipward.test/pause:lab"
 CNI_VERSION = "1.0.0"  # Debian's bridge 1.1.1 refuses 1.1.0
@@ -442,6 +471,7 @@ class ContainerdLab:
         self.leftovers: list[str] = []  # what teardown could not undo
         self._made_netns = False
         self._existed: dict[Path, bool] = {}
+        self._holds_lock = False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -463,6 +493,8 @@ class ContainerdLab:
                 "a containerd lab needs: " + ", ".join(missing) + " (scripts/setup.sh installs"
                 " the packages)"
             )
+        _machine_lock.acquire()
+        self._holds_lock = True
         if not os.access(self.ipward_plugin, os.X_OK):
             raise LabError(f"the ipward plugin {self.ipward_plugin} is not executable")
         if len(f"{self.address}.ttrpc") > 100:
@@ -692,6 +724,9 @@ class ContainerdLab:
                 step()
             except Exception as e:  # one failed step must not stop the others
                 self.leftovers.append(f"{step.__name__}: {e!r}")
+        if self._holds_lock:
+            self._holds_lock = False
+            _machine_lock.release()
 
     def _known_sandbox_ids(self) -> set[str]:
         ids = set(self.sandbox_ids)

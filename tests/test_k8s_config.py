@@ -158,7 +158,10 @@ def test_rotated_token_reaches_the_watches(kube_server: KubeApi, tmp_path: Path)
     server.tokens["new-token"] = server.tokens.pop("old-token")
     token.write_text("new-token")
     server.cut_streams()
-    wait_for(lambda: source.nodes.lists >= 2, "a relist with the new token")
+    wait_for(
+        lambda: all(r.lists >= 2 and r.available for r in source.reflectors),
+        "every cache relisted with the new token",
+    )
     assert "n1" in source.cluster_view().nodes
 
 

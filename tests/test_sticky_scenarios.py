@@ -246,8 +246,12 @@ def test_exact_capacity_churn_with_controller_kills(watched: tuple[World, Watche
             controllers.append(w.controller(f"c{step + 3}"))
         wait_for(lambda: len(running_pods(w)) == 18, f"18 running after step {step}", 120)
     wait_for(
-        lambda: len(w.sim.pods(NS)) == 18 and len(running_pods(w)) == 18,
-        "18 pods, all running, the scaled-down ones gone",
+        lambda: (
+            len(settled := w.sim.pods(NS)) == 18
+            and all(p.deleted_at is None for p in settled)
+            and len(running_pods(w)) == 18
+        ),
+        "18 pods, all running, none being deleted",
     )
     stateful = {n: a for n, a in running_pods(w).items() if n.startswith("s")}
     for pod in w.sim.pods(NS):

@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 TYPE_CHECKING = False
@@ -109,16 +109,7 @@ class EtcdServer:
             return False
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.healthy():
-            if self.proc is None or self.proc.poll() is not None:
-                code = None if self.proc is None else self.proc.returncode
-                raise RuntimeError(f"etcd {self.name} exited ({code}):\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"etcd {self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}"
-                )
-            time.sleep(0.05)
+        wait_serving(f"etcd {self.name}", self.healthy, self.proc, self.log_tail, timeout, 0.05)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -164,6 +155,26 @@ class EtcdServer:
 
     def etcdctl(self, *args: str, stdin: str = "") -> str:
         return run_etcdctl([self.endpoint], *args, stdin=stdin)
+
+
+def wait_serving(
+    what: str,
+    ready: Callable[[], bool],
+    proc: subprocess.Popen[bytes] | None,
+    log_tail: Callable[[], str],
+    timeout: float,
+    poll: float,
+) -> None:
+    """Wait until `ready()`; RuntimeError with the log's tail when the process exits
+    first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc is None or proc.poll() is not None:
+            code = None if proc is None else proc.returncode
+            raise RuntimeError(f"{what} exited ({code}):\n{log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{log_tail()}")
+        time.sleep(poll)
 
 
 def run_etcdctl(endpoints: Sequence[str], *args: str, stdin: str = "") -> str:

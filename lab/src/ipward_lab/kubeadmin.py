@@ -1,15 +1,24 @@
 """Plays the rest of a cluster against an API server (the real kube-apiserver or the test
 server, over HTTP alike): makes namespaces, nodes, pods and StatefulSets, and does what
 a kubelet would (pod status updates, the final delete with grace 0), since neither
-server runs a kubelet or a controller-manager here."""
+server runs a kubelet or a controller-manager here. The simulated cluster publishes
+through it (`ipward_lab.simcluster.mirror`)."""
 
 from __future__ import annotations
 
+import math
+import time
 import uuid
 
 from ipward.cluster.k8s.client import ApiClient
 
 IMAGE = "example.invalid/pause:1"
+
+
+def api_time(at: float) -> str:
+    """`at` (seconds since the epoch) as the API writes times: RFC 3339 in whole seconds,
+    rounded up, so a time the API shows is never earlier than the one it stands for."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(math.ceil(at)))
 
 
 def _meta(name: str, annotations: dict[str, str] | None) -> dict:
@@ -48,14 +57,17 @@ class KubeAdmin:
         owner: tuple[str, str] | None = None,
         annotations: dict[str, str] | None = None,
         grace: int = 30,
+        owner_uid: str = "",
     ) -> str:
-        """Create a pod bound to `node`; its UID. `owner` (kind, name): the controlling
-        ownerReference (a StatefulSet must exist: its UID is looked up)."""
+        """Create a pod bound to `node`; its UID (the server's: a UID sent is ignored).
+        `owner` (kind, name): the controlling ownerReference, with `owner_uid`, else a
+        StatefulSet's looked up (it must exist) and any other kind's made up (a
+        ReplicaSet, a Job: no server here checks them)."""
         meta = _meta(name, annotations)
         if owner is not None:
             kind, owner_name = owner
-            uid = str(uuid.uuid4())  # an owner no server here checks (a ReplicaSet, a Job)
-            if kind == "StatefulSet":
+            uid = owner_uid or str(uuid.uuid4())
+            if kind == "StatefulSet" and not owner_uid:
                 path = f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{owner_name}"
                 uid = self.client.request("GET", path)["metadata"]["uid"]
             meta["ownerReferences"] = [
@@ -79,11 +91,23 @@ class KubeAdmin:
         created = self.client.request("POST", f"/api/v1/namespaces/{namespace}/pods", body=body)
         return str(created["metadata"]["uid"])
 
+    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
+        """Merge `annotations` into the pod's (None removes a key)."""
+        self.client.request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            body={"metadata": {"annotations": annotations}},
+        )
+
     def pod_phase(self, namespace: str, name: str, phase: str, finished_at: str = "") -> None:
         """Set the pod's phase as its kubelet would; a terminal phase with `finished_at`
-        (RFC 3339) records the container's terminated state."""
-        if phase in ("Succeeded", "Failed"):
-            state: dict = {
+        (RFC 3339) records the container's terminated state, without it the container
+        waits to restart (no `finishedAt`: the pod is not finished); Running with
+        `finished_at` records it as the container's start; Pending: it is being made."""
+        if phase in ("Succeeded", "Failed") and not finished_at:
+            state: dict = {"waiting": {"reason": "CrashLoopBackOff"}}
+        elif phase in ("Succeeded", "Failed"):
+            state = {
                 "terminated": {
                     "exitCode": 0 if phase == "Succeeded" else 1,
                     "reason": "Completed" if phase == "Succeeded" else "Error",
@@ -91,8 +115,10 @@ class KubeAdmin:
                     "finishedAt": finished_at,
                 }
             }
+        elif phase == "Running":
+            state = {"running": {"startedAt": finished_at}} if finished_at else {"running": {}}
         else:
-            state = {"running": {"startedAt": finished_at}} if phase == "Running" else {}
+            state = {"waiting": {"reason": "ContainerCreating"}}
         status = {
             "phase": phase,
             "containerStatuses": [
@@ -110,14 +136,16 @@ class KubeAdmin:
             "PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status", body={"status": status}
         )
 
-    def delete_pod(self, namespace: str, name: str, grace: int = 0) -> None:
-        self.client.request(
-            "DELETE",
-            f"/api/v1/namespaces/{namespace}/pods/{name}",
-            body={"gracePeriodSeconds": grace},
-        )
+    def delete_pod(self, namespace: str, name: str, grace: int = 0, uid: str = "") -> None:
+        """Delete the pod (grace 0: at once, as a kubelet does once it is stopped); with
+        `uid`, only that pod (a precondition: 409 when the name is another pod's now)."""
+        body: dict = {"gracePeriodSeconds": grace}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        self.client.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body=body)
 
-    def statefulset(self, namespace: str, name: str, replicas: int) -> None:
+    def statefulset(self, namespace: str, name: str, replicas: int) -> str:
+        """Create a StatefulSet; its UID."""
         labels = {"app": name}
         body = {
             "metadata": {"name": name},
@@ -131,7 +159,8 @@ class KubeAdmin:
                 },
             },
         }
-        self.client.request("POST", f"/apis/apps/v1/namespaces/{namespace}/statefulsets", body=body)
+        path = f"/apis/apps/v1/namespaces/{namespace}/statefulsets"
+        return str(self.client.request("POST", path, body=body)["metadata"]["uid"])
 
     def scale(self, namespace: str, name: str, replicas: int) -> None:
         self.client.request(

@@ -9,11 +9,14 @@ reads one snapshot; a token older than the history window gets 410 with a fresh 
 `fieldSelector=spec.nodeName=X` for pods; metadata-only answers
 (`Accept: ...;as=PartialObjectMetadataList` / `PartialObjectMetadata`); watches as
 chunked streams, one JSON event per line, with BOOKMARK events every
-`bookmark_interval` when asked, an ERROR event with a 410 Status when the requested
-resourceVersion is older than the history window, and a clean end at `timeoutSeconds`;
-writes (POST, PUT of `/status`, merge PATCH, DELETE with `gracePeriodSeconds`: a pod's
-graceful delete only sets `deletionTimestamp`, as without a kubelet); Status bodies for
-401, 403, 404, 409, 410.
+`bookmark_interval` when asked (on every watch, unlike the real 1.26 server, which sends
+none on a watch of a resource that has not changed: `tests/test_kube_sim.py`,
+`test_a_quiet_resource_stays_current_on_the_real_server`), an ERROR event with a 410
+Status when the requested resourceVersion is older than the history window, and a clean
+end at `timeoutSeconds`;
+writes (POST, PUT of `/status`, merge PATCH, DELETE with `gracePeriodSeconds` and a UID
+precondition: a pod's graceful delete only sets `deletionTimestamp`, as without a
+kubelet); Status bodies for 401, 403, 404, 409, 410.
 
 Faults, on demand: `expire_history` (every open watch and the next watch from before now
 get 410, continue tokens too), `cut_streams` (open watches end without their last
@@ -208,13 +211,26 @@ class KubeStore:
             self._record(resource, "MODIFIED", obj)
             return obj
 
-    def delete(self, resource: str, namespace: str, name: str, grace: int | None = None) -> dict:
+    def delete(
+        self, resource: str, namespace: str, name: str, grace: int | None = None, uid: str = ""
+    ) -> dict:
         """As the real server: a pod's delete first sets its deletionTimestamp (now +
         grace; grace 0 for a pod not on a node or already terminal), a MODIFIED event;
         with grace 0 the pod is then removed (DELETED, carrying that last state). With a
-        grace > 0 it stays terminating: no kubelet here finishes the job."""
+        grace > 0 it stays terminating: no kubelet here finishes the job. `uid`: the
+        precondition of DeleteOptions (409 Conflict when the object is another one)."""
         with self.cond:
             obj = self.get(resource, namespace, name)
+            if uid and obj["metadata"]["uid"] != uid:
+                raise ApiError(
+                    status(
+                        409,
+                        "Conflict",
+                        f"Precondition failed: UID in precondition: {uid}, UID in object"
+                        f" meta: {obj['metadata']['uid']}",
+                        details={"name": name, "kind": resource},
+                    )
+                )
             if resource == "pods":
                 spec, state = obj.get("spec") or {}, obj.get("status") or {}
                 if grace is None:
@@ -456,11 +472,14 @@ class _Handler(BaseHTTPRequestHandler):
         elif method == "PATCH" and name:
             self._send(200, store.update(resource, namespace, name, self._body()))
         elif method == "DELETE" and name:
-            grace = self._body().get(
-                "gracePeriodSeconds", query.get("gracePeriodSeconds", [None])[0]
-            )
+            options = self._body()
+            grace = options.get("gracePeriodSeconds", query.get("gracePeriodSeconds", [None])[0])
+            uid = str((options.get("preconditions") or {}).get("uid") or "")
             self._send(
-                200, store.delete(resource, namespace, name, None if grace is None else int(grace))
+                200,
+                store.delete(
+                    resource, namespace, name, None if grace is None else int(grace), uid=uid
+                ),
             )
         else:
             raise ApiError(status(405, "MethodNotAllowed", f"{method} is not supported here"))

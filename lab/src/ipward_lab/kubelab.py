@@ -2,7 +2,8 @@
 `$KUBE_APISERVER` with a self-signed serving certificate, a static token file, a client
 CA (`ipward_lab.pki`) and service-account keys made with `openssl`; ready when `/readyz`
 answers; a kubeconfig written for it. Everything is stopped and removed when the
-context manager exits, also on failure.
+context manager exits, also on failure. The server alone can be stopped and started
+again (`stop`, `start`): the soak's `api-down` on the real thing.
 
 No controller-manager and no kubelet run: nothing creates a StatefulSet's pods or
 removes a gracefully deleted pod (tests do what a kubelet would: status updates, delete
@@ -19,13 +20,12 @@ import shutil
 import ssl
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from ipward_lab.etcdlab import etcd_server, free_port
+from ipward_lab.etcdlab import etcd_server, free_port, wait_serving
 from ipward_lab.pki import ClientPki, client_pki, openssl
 
 READY_TIMEOUT = 90.0
@@ -55,8 +55,30 @@ class KubeLab:
         self.kubeconfig = root / "kubeconfig"
         self.log_path = root / "kube-apiserver.log"
         self.tokens = dict(TOKENS)
+        self.args: list[str] = []  # its command line, once set up
         self.proc: subprocess.Popen[bytes] | None = None
         self.client_pki: ClientPki | None = None  # client certificates it accepts
+
+    def start(self) -> None:
+        """Start the server (again: same port, certificates and etcd); not waiting."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, SIGKILL after 15 s); its etcd keeps the objects."""
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        wait_serving("kube-apiserver", self.ready, self.proc, self.log_tail, timeout, 0.2)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -106,7 +128,7 @@ def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[Kub
             (root / "tokens.csv").write_text(
                 "".join(f'{t},{user},{user},"{groups}"\n' for t, (user, groups) in TOKENS.items())
             )
-            args = [
+            lab.args = [
                 executable,
                 f"--etcd-servers=http://{etcd.endpoint}",
                 f"--secure-port={lab.port}",
@@ -122,30 +144,12 @@ def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[Kub
                 "--service-cluster-ip-range=10.96.0.0/16",
                 "--disable-admission-plugins=ServiceAccount",
             ]
-            with open(lab.log_path, "ab") as log:
-                lab.proc = subprocess.Popen(
-                    args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-                )
+            lab.start()
             try:
-                deadline = time.monotonic() + READY_TIMEOUT
-                while not lab.ready():
-                    if lab.proc.poll() is not None:
-                        raise RuntimeError(
-                            f"kube-apiserver exited ({lab.proc.returncode}):\n{lab.log_tail()}"
-                        )
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"kube-apiserver not ready in {READY_TIMEOUT:.0f}s:\n{lab.log_tail()}"
-                        )
-                    time.sleep(0.2)
+                lab.wait_ready()
                 lab.write_kubeconfig()
                 yield lab
             finally:
-                lab.proc.terminate()
-                try:
-                    lab.proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    lab.proc.kill()
-                    lab.proc.wait()
+                lab.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)

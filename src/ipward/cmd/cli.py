@@ -888,12 +888,31 @@ def import_command(c: Context, file: str, batch_keys: int) -> None:
     help="The runtime's CNI bin dir (e.g. /opt/cni/bin).",
 )
 @click.option("--name", default="ipward", show_default=True, help="Executable name.")
-def install_cni(bin_dir: str, name: str) -> None:
+@click.option(
+    "--standalone",
+    is_flag=True,
+    help="Write one self-contained file for a host without ipward (a Kubernetes node): it"
+    " runs on the host's /usr/bin/python3 and forwards every call to the node agent.",
+)
+@click.option(
+    "--host-root",
+    default="/",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="With --standalone: where the host's root is mounted, to check its python3.",
+)
+def install_cni(bin_dir: str, name: str, standalone: bool, host_root: str) -> None:
     """Install the plugin executable into a CNI bin dir."""
-    from ipward.cmd.install import write_launcher
+    from ipward.cmd import install, standalone_build
 
     target = Path(bin_dir) / name
-    write_launcher(target)
+    if not standalone:
+        install.write_launcher(target)
+    else:
+        problem = standalone_build.host_python_problem(Path(host_root))
+        if problem:
+            raise click.BadParameter(problem, param_hint="--host-root")
+        install.write_executable(target, standalone_build.standalone_plugin())
     click.echo(f"installed {target}")
 
 

@@ -24,7 +24,6 @@ from ipward.core.pool import PoolSpec, check_name, check_routes, default_gateway
 from ipward.core.records import Attachment, PodInfo
 
 DEFAULT_STORE = "sqlite:///var/lib/ipward/ipward.db"
-SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 # Bounds of every field (README: limits). Names and IDs in characters, the rest in bytes.
 MAX_CONTAINER_ID = 256
 MAX_NAME = 253  # network, pool and node names (a DNS subdomain's length)

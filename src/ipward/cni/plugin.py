@@ -28,6 +28,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import _socket
     from collections.abc import Mapping
+    from typing import NoReturn
 
 _S_IFMT, _S_IFSOCK = 0o170000, 0o140000
 
@@ -108,7 +109,7 @@ def _connect(sock: _socket.socket, path: str, timeout: float) -> None:
 
 def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exception) -> bytes:
     """The error object when the agent gave no answer (never success: nothing was done)."""
-    from ipward.cni.verbs import error_output
+    from ipward.cni.cniio import error_output
     from ipward.core.errors import IoFailure, IpwardError, NotAvailable, TryAgainLater
 
     reason = f"{type(error).__name__}: {error}"
@@ -123,26 +124,42 @@ def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exceptio
     return error_output(answer, stdin).encode()
 
 
-def main() -> None:
-    stdin = read_stdin()
-    environ = posix.environ
-    command = environ.get(b"CNI_COMMAND")
-    path = None
-    if len(stdin) <= MAX_CONFIG and command != b"VERSION":
-        try:
-            path = agent_socket(jsonc.loads(stdin))
-        except Exception:  # not JSON: the in-process path answers that (code 6)
-            path = None
-    if path is None:
-        from ipward.cni.verbs import main as in_process
+def configured_socket(stdin: bytes, command: bytes | None) -> str | None:
+    """The agent socket a call goes to: the `ipam.agentSocket` of a config within its
+    limit that parses. None for VERSION (it needs no agent) and for anything else."""
+    if len(stdin) > MAX_CONFIG or command == b"VERSION":
+        return None
+    try:
+        return agent_socket(jsonc.loads(stdin))
+    except Exception:  # not JSON: answered without an agent (code 6)
+        return None
 
-        in_process(stdin)
-        return
+
+def send(path: str, stdin: bytes, command: bytes | None) -> NoReturn:
+    """Forward the call to the agent at `path`, print its answer (or why none came) and
+    exit with its status."""
+    environ = posix.environ
     env = {name: environ[name.encode()] for name in FORWARDED if name.encode() in environ}
     try:
         status, out = forward(path, env, stdin)
     except Exception as e:  # any failure to get an answer is an error, never success
         status, out = 1, _unreachable(stdin, path, command, e)
+    finish(status, out)
+
+
+def finish(status: int, out: bytes) -> NoReturn:
     sys.stdout.buffer.write(out)
     sys.stdout.flush()
     posix._exit(status)
+
+
+def main() -> None:
+    stdin = read_stdin()
+    command = posix.environ.get(b"CNI_COMMAND")
+    path = configured_socket(stdin, command)
+    if path is None:
+        from ipward.cni.verbs import main as in_process
+
+        in_process(stdin)
+        return
+    send(path, stdin, command)

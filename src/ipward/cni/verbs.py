@@ -16,21 +16,27 @@ from __future__ import annotations
 import os
 import sys
 
-from ipward.cni.config import (
+from ipward.cni.cniio import (
     SUPPORTED_VERSIONS,
+    check_size,
+    decode,
+    dump,
+    error_output,
+    version_output,
+)
+from ipward.cni.config import (
     Call,
     IpamConfig,
     container_id_problem,
     ifname_problem,
 )
-from ipward.cni.wire import MAX_CONFIG, environment
-from ipward.core import jsonc, log
+from ipward.cni.wire import environment
+from ipward.core import log
 from ipward.core.addr import format_ip, parse_cidr, parse_ip
 from ipward.core.errors import (
     DecodeFailure,
     IncompatibleStore,
     IncompatibleVersion,
-    InputTooLarge,
     InvalidConfig,
     InvalidEnvironment,
     IpwardError,
@@ -47,7 +53,6 @@ if TYPE_CHECKING:
 
 COMMANDS = ("ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION")
 INTERNAL_ERROR = 999
-MAX_MESSAGE = 2000  # characters of an error's msg (and details): messages quote input
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -64,24 +69,17 @@ def run(
     passes its own `ledger` (its store, its node) and, with a cluster source, the
     `directory` of pods ADD reads annotations and owners from; the plugin opens a
     ledger on SQLite."""
-    if len(stdin) > MAX_CONFIG:
-        raise InputTooLarge(
-            f"network configuration on stdin is larger than the limit of {MAX_CONFIG} bytes"
-        )
+    check_size(stdin)
     command = env.get("CNI_COMMAND", "")
     if command not in COMMANDS:
         raise InvalidEnvironment(f"CNI_COMMAND {command!r} is not one of {', '.join(COMMANDS)}")
-    try:
-        raw = jsonc.loads(stdin) if stdin.strip() else None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise DecodeFailure(f"network configuration on stdin is not JSON: {e}") from None
+    raw = decode(stdin)
     if ledger is None:
         # In-process only: the agent keeps its own log; a config's logFile must not
         # redirect (or reopen, per request) the log of a process serving many calls.
         _configure_log(raw)
     if command == "VERSION":
-        requested = raw.get("cniVersion", "1.1.0") if isinstance(raw, dict) else "1.1.0"
-        return _dump({"cniVersion": requested, "supportedVersions": list(SUPPORTED_VERSIONS)})
+        return version_output(raw)
     if raw is None:
         raise DecodeFailure("no network configuration on stdin")
     config = IpamConfig(raw)
@@ -112,7 +110,7 @@ def run(
 
         pools, requested, sticky = choose(ledger, config, call, directory)
         allocations = ledger.allocate(pools, call.attachment, call.pod, requested, sticky)
-        return _dump(_result(config, pools, allocations))
+        return dump(_result(config, pools, allocations))
     if command == "DEL":
         ledger.release(call.attachment)
         return ""
@@ -240,32 +238,6 @@ def _status(config: IpamConfig, ledger: Ledger | None) -> None:
             ledger.get_pool(name, fresh=True)
     except IpwardError as e:
         raise NotAvailable(f"cannot serve ADD: {e.msg}") from e
-
-
-def _dump(obj: dict) -> str:
-    return jsonc.dumps(obj) + "\n"
-
-
-def _error_version(stdin: bytes) -> str:
-    """The cniVersion to answer an error in (parsed again only on the error path)."""
-    version = None
-    if len(stdin) <= MAX_CONFIG:
-        try:
-            version = jsonc.loads(stdin).get("cniVersion")
-        except Exception:  # whatever the input: an error answer must still go out
-            version = None
-    return version if version in SUPPORTED_VERSIONS else SUPPORTED_VERSIONS[-1]
-
-
-def error_output(error: IpwardError, stdin: bytes) -> str:
-    """What the plugin prints for `error`: the CNI error object, in the cniVersion the
-    config on `stdin` asks for if we support it (else the latest). Messages quote the
-    input, so msg and details are cut to MAX_MESSAGE characters."""
-    out = error.to_cni(_error_version(stdin))
-    for field in ("msg", "details"):
-        if len(out.get(field, "")) > MAX_MESSAGE:
-            out[field] = out[field][:MAX_MESSAGE] + " [...]"
-    return _dump(out)
 
 
 def answer(

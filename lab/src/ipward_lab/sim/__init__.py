@@ -8,10 +8,21 @@ election), the installed plugin executable, and the simulated cluster
 rolling, StatefulSets scaled down and up fast (sticky addresses), Jobs completing, pods
 deleted and restarted, at `--rate` actions per second, for `--duration` seconds.
 
+With `--api test` or `--api real` the simulated cluster is published to a Kubernetes API
+server (the loopback test server, or the kube-apiserver named by KUBE_APISERVER): agents
+read pods, annotations and owners through `--cluster k8s://` and their runtime through
+`--liveness sim://`, controllers the cluster through `--liveness k8s://`, as in a real
+cluster. The checks read the simulated cluster's own truth, as without.
+
 Faults, at random times (seeded), each enabled kind at least once: SIGKILL an agent (it
 comes back after a few seconds), SIGKILL the leading controller (a new one starts),
 SIGKILL an etcd member (three-member etcd only; restarted), stall a node's runtime,
-drop a pod's DELs, delay a pod's DELs past the GC grace.
+drop a pod's DELs, delay a pod's DELs past the GC grace; with an API server: `api-expire`
+(410 on every watch: relist), `api-cut` (every watch stream cut), `api-down` (down 4 s,
+then back: relist; the real kube-apiserver is stopped and started again), `api-stall` (no
+events, no bookmarks, until a controller's garbage collection finds its source stale,
+a violation if none does within 60 s). `--faults all` is every kind the run can make; a
+kind named that it cannot make is refused.
 
 Checked all along, every 0.1 s: no address is held by two ready pods; no ready pod's
 address record is gone or owned by another sandbox (what GC must never do), confirmed

@@ -12,8 +12,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ipward_lab.sim.result import BACKENDS, FAULTS, Options
-from ipward_lab.sim.soak import Soak
+from ipward_lab.sim.result import APIS, BACKENDS, FAULTS, Options, fault_unavailable
+from ipward_lab.sim.soak import Soak, SoakError
 from ipward_lab.sim.view import summary, write_report
 
 
@@ -31,7 +31,9 @@ def _workdir(path: str | None, keep: bool) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _faults(text: str) -> tuple[str, ...]:
+def _faults(text: str, backend: str, api: str) -> tuple[str, ...]:
+    """The faults asked for: `all` (those this run can make), `none`, or a list, each
+    of which this run must be able to make."""
     if text == "all":
         return FAULTS
     if text == "none":
@@ -39,7 +41,14 @@ def _faults(text: str) -> tuple[str, ...]:
     chosen = tuple(t.strip() for t in text.split(",") if t.strip())
     unknown = [t for t in chosen if t not in FAULTS]
     if unknown:
-        raise click.BadParameter(f"unknown fault {unknown[0]!r}; choose from {', '.join(FAULTS)}")
+        raise click.BadParameter(
+            f"unknown fault {unknown[0]!r}; choose from {', '.join(FAULTS)}",
+            param_hint="--faults",
+        )
+    for kind in chosen:
+        why = fault_unavailable(kind, backend, api)
+        if why is not None:
+            raise click.BadParameter(f"fault {kind!r} {why}", param_hint="--faults")
     return chosen
 
 
@@ -77,6 +86,16 @@ def _faults(text: str) -> tuple[str, ...]:
     help="A fresh store: SQLite, one etcd, or a three-member etcd on loopback.",
 )
 @click.option(
+    "--api",
+    type=click.Choice(APIS),
+    default="none",
+    show_default=True,
+    help="Publish the cluster to a Kubernetes API server, read through k8s:// by agents"
+    " (--cluster) and controllers (--liveness): the loopback test server (with its faults),"
+    " or the real kube-apiserver named by KUBE_APISERVER (api-down only). none: the state"
+    " file (sim://) only.",
+)
+@click.option(
     "--report", "report_dir", type=click.Path(file_okay=False), help="Write report.html here."
 )
 @click.option("--workdir", type=click.Path(file_okay=False), help="Keep logs and state here.")
@@ -89,6 +108,7 @@ def sim_command(
     seed: int,
     faults_text: str,
     backend: str,
+    api: str,
     report_dir: str | None,
     workdir: str | None,
     no_live: bool,
@@ -101,12 +121,16 @@ def sim_command(
         rate=rate,
         duration=duration,
         seed=seed,
-        faults=_faults(faults_text),
+        faults=_faults(faults_text, backend, api),
         backend=backend,
+        api=api,
     )
     console = Console(stderr=True)
     with _workdir(workdir, keep=False) as where:
-        result = Soak(options, where, console).run(live=not no_live and console.is_terminal)
+        try:
+            result = Soak(options, where, console).run(live=not no_live and console.is_terminal)
+        except SoakError as e:
+            raise click.UsageError(str(e)) from e
         out = Console()
         out.print(summary(result))
         for v in result.violations:

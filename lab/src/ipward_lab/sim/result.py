@@ -7,8 +7,18 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-FAULTS = ("kill-agent", "kill-leader", "kill-etcd", "stall-runtime", "drop-del", "delay-del")
+API_FAULTS = ("api-expire", "api-cut", "api-down", "api-stall")
+FAULTS = (
+    "kill-agent",
+    "kill-leader",
+    "kill-etcd",
+    "stall-runtime",
+    "drop-del",
+    "delay-del",
+    *API_FAULTS,
+)
 BACKENDS = ("sqlite", "etcd", "etcd-cluster")
+APIS = ("none", "test", "real")  # where the cluster is published: file only, or an API server
 NS = "soak"
 NETWORK = "soaknet"
 POOL = "soak"
@@ -27,15 +37,28 @@ class Options:
     seed: int = 1
     faults: tuple[str, ...] = FAULTS
     backend: str = "sqlite"
+    api: str = "none"
     grace: float = 3.0  # ADD grace of agents and controllers
     gc_interval: float = 0.5
     settle: float = 120.0  # longest wait for convergence at the end
 
 
+def fault_unavailable(kind: str, backend: str, api: str) -> str | None:
+    """Why fault `kind` cannot be made in a run on this store and API server; None when
+    it can."""
+    if kind == "kill-etcd" and backend != "etcd-cluster":
+        return "needs --store etcd-cluster (a member of three to kill)"
+    if kind in API_FAULTS and api == "none":
+        return "needs an API server (--api test or real)"
+    if kind in API_FAULTS and api == "real" and kind != "api-down":
+        return "needs --api test (the real kube-apiserver can only be restarted: api-down)"
+    return None
+
+
 @dataclass
 class Violation:
     at: float
-    kind: str  # shared-address, live-loss, not-converged, check, leak
+    kind: str  # shared-address, live-loss, not-converged, check, leak, stale-answered
     address: str
     detail: str
     history: list[str] = field(default_factory=list)

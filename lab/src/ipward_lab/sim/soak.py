@@ -1,7 +1,7 @@
 """The soak's driver: the store, agents and controllers (real processes), the
-simulated cluster, the workload's random actions and the faults at their seeded times,
-for the run's duration; then the end (faults off, convergence, teardown), each checked
-by `checker.Checker`."""
+simulated cluster (published to an API server with `--api`), the workload's random
+actions and the faults at their seeded times, for the run's duration; then the end
+(faults off, convergence, teardown), each checked by `checker.Checker`."""
 
 from __future__ import annotations
 
@@ -19,18 +19,44 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
+from ipward.cluster.k8s.client import ApiClient
+from ipward.cluster.k8s.config import from_kubeconfig
 from ipward.cluster.liveness import Pod
 from ipward.cmd.install import write_launcher
 from ipward.core import keys
 from ipward.core.pool import PoolSpec
 from ipward.ipam.pools import create_pool
 from ipward.store import Store, StoreError, open_store
-from ipward_lab import fleet
+from ipward_lab import fleet, kubelab
 from ipward_lab.etcdlab import EtcdCluster, EtcdServer
+from ipward_lab.kubeadmin import KubeAdmin
+from ipward_lab.kubeapi import KubeApiServer, kube_api_server
 from ipward_lab.sim.checker import Checker
-from ipward_lab.sim.result import GC_REASONS, NETWORK, NS, POOL, Options, Result, Sample, Violation
+from ipward_lab.sim.result import (
+    GC_REASONS,
+    NETWORK,
+    NS,
+    POOL,
+    Options,
+    Result,
+    Sample,
+    Violation,
+    fault_unavailable,
+)
 from ipward_lab.sim.view import live_view
 from ipward_lab.simcluster import SimCluster
+
+# The k8s:// sources' options. The test server sends a bookmark every second on every
+# watch and has no watch cache to lag: stale after 4 s quiet (api-stall goes past it),
+# as_of 1 s before an event. The real one gets the defaults, as in a real cluster.
+K8S_OPTIONS = {"test": "&stale=4&margin=1", "real": ""}
+API_DOWN = 4.0  # seconds an api-down lasts
+STALL_NOTICED = 60.0  # longest api-stall before the controllers must have said it is stale
+GC_BLIND = "garbage collection: no liveness source answered; nothing judged"
+
+
+class SoakError(Exception):
+    """The run cannot be set up as asked (a missing binary)."""
 
 
 class Soak:
@@ -55,6 +81,12 @@ class Soak:
         self._seen_calls = 0
         self._checker: Checker | None = None
         self.run_dir = Path(tempfile.mkdtemp(prefix="ipw-sim-"))  # short socket paths
+        self._exits = contextlib.ExitStack()  # the API server, when there is one
+        self.kube_server: KubeApiServer | None = None  # --api test
+        self.kube_lab: kubelab.KubeLab | None = None  # --api real
+        self.k8s_url = ""  # what agents (--cluster) and controllers (--liveness) read
+        self.kube_admin: KubeAdmin | None = None  # the simulated cluster publishes with it
+        self._stall_looked = 0.0  # when the controllers' logs were last read for api-stall
 
     @property
     def checker(self) -> Checker:
@@ -65,6 +97,7 @@ class Soak:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._start_api()  # first: a server that cannot be had stops the run before anything
         self.url = self._start_store()
         self.store = open_store(self.url)
         bin_dir = self.workdir / "bin"
@@ -90,6 +123,7 @@ class Soak:
             grace=1.0,
             retry_delay=0.5,
             seed=self.o.seed,
+            api=self.kube_admin,
         )
         self._checker = Checker(self.sim, self.store, self.result)
         for i in range(1, self.o.nodes + 1):
@@ -117,13 +151,37 @@ class Soak:
         self.etcd = cluster
         return cluster.url
 
+    def _start_api(self) -> None:
+        """With `--api`: the API server the simulated cluster is published to, and the
+        `k8s://` URL agents and controllers read it with."""
+        if self.o.api == "none":
+            return
+        where = self.workdir / "kube"
+        where.mkdir(exist_ok=True)
+        if self.o.api == "test":
+            self.kube_server = self._exits.enter_context(kube_api_server(where))
+            kubeconfig = self.kube_server.kubeconfig(where / "kubeconfig")
+        else:
+            executable = kubelab.binary()
+            if executable is None:
+                raise SoakError("--api real needs KUBE_APISERVER naming a kube-apiserver binary")
+            self.kube_lab = self._exits.enter_context(kubelab.kube_apiserver(executable, where))
+            kubeconfig = self.kube_lab.kubeconfig
+        self.k8s_url = f"k8s://?kubeconfig={kubeconfig}{K8S_OPTIONS[self.o.api]}"
+        client = ApiClient(from_kubeconfig(str(kubeconfig)), timeout=5.0)
+        self._exits.callback(client.close)
+        self.kube_admin = KubeAdmin(client)
+
     def _start_agent(self, node: str) -> fleet.Agent:
         liveness = f"sim://{self.workdir / 'cluster.json'}"
+        # The runtime is the node's own (the state file, as CRI would be); the pods, their
+        # annotations and owners come from the API when there is one.
+        cluster = self.k8s_url or liveness
         extra = (
             "--liveness",
             liveness,
             "--cluster",
-            liveness,
+            cluster,
             "--add-grace",
             str(self.o.grace),
             "--reconcile-interval",
@@ -149,7 +207,7 @@ class Soak:
             "--ready-delay",
             "1",
             "--liveness",
-            f"sim://{self.workdir / 'cluster.json'}",
+            self.k8s_url or f"sim://{self.workdir / 'cluster.json'}",
             "--add-grace",
             str(self.o.grace),
             "--gc-interval",
@@ -229,7 +287,9 @@ class Soak:
     def fault_schedule(self) -> list[tuple[float, str]]:
         """(seconds into the run, kind): every enabled kind at least once, spread over
         10%..80% of the run, in a seeded order; more rounds when the run is long."""
-        kinds = [k for k in self.o.faults if k != "kill-etcd" or self.o.backend == "etcd-cluster"]
+        kinds = [
+            k for k in self.o.faults if fault_unavailable(k, self.o.backend, self.o.api) is None
+        ]
         if not kinds:
             return []
         rounds = max(1, int(self.o.duration // 120))
@@ -268,6 +328,8 @@ class Soak:
             node = self.rng.choice(sorted(self.agents))
             self.sim.stall_runtime(node, 5.0)
             return f"runtime of {node} stalls 5s"
+        if kind.startswith("api-"):
+            return self._inject_api(kind, now)
         pod = self._random_pod()
         if pod is None:
             return "no pod to fault"
@@ -281,12 +343,69 @@ class Soak:
             return f"DELs of {pod.name} delayed {self.o.grace + 3.0:g}s"
         return f"{pod.name} went away first"
 
+    def _inject_api(self, kind: str, now: float) -> str:
+        """The API server's faults: made by the test server; the real one can only be
+        stopped and started again (`api-down`)."""
+        if kind == "api-down":
+            if self.kube_lab is not None:
+                self.kube_lab.stop()
+            else:
+                assert self.kube_server is not None
+                self.kube_server.go_down()
+            self._restarts.append((now + API_DOWN, "api", None))
+            return f"API server down {API_DOWN:g}s"
+        assert self.kube_server is not None
+        if kind == "api-expire":
+            self.kube_server.expire_history()
+            return "watch history expired: 410 on every watch"
+        if kind == "api-cut":
+            self.kube_server.cut_streams()
+            return "every watch stream cut"
+        self.kube_server.stall()
+        self._restarts.append((now, "unstall", (time.time(), now + STALL_NOTICED)))
+        return "watches stalled (no events, no bookmarks) until GC finds the cluster stale"
+
+    def _stale_noticed(self, since: float) -> bool:
+        """Whether a controller's garbage collection found its k8s:// source stale (and
+        so judged nothing) since `since`. Its logs are read at most twice a second."""
+        if time.monotonic() < self._stall_looked + 0.5:
+            return False
+        self._stall_looked = time.monotonic()
+        return any(
+            entry.get("ts", 0) >= since and "nothing heard" in str(entry.get("cluster"))
+            for ctl in self.controllers
+            for entry in ctl.logged(GC_BLIND)
+        )
+
     def _due_restarts(self, final: bool = False) -> None:
         now = time.monotonic()
         for item in [r for r in self._restarts if final or r[0] <= now]:
-            self._restarts.remove(item)
             _, what, arg = item
-            if what == "agent":
+            if what == "unstall" and not final and not self._stale_noticed(arg[0]):
+                if now < arg[1]:
+                    continue  # stalled on: no controller found its source stale yet
+                self.checker.record(
+                    [
+                        Violation(
+                            time.time(),
+                            "stale-answered",
+                            "-",
+                            f"watches stalled {STALL_NOTICED:g}s and no controller's k8s://"
+                            " source answered unavailable",
+                        )
+                    ]
+                )
+            self._restarts.remove(item)
+            if what == "unstall":
+                assert self.kube_server is not None
+                self.kube_server.unstall()
+            elif what == "api":
+                if self.kube_lab is not None:
+                    self.kube_lab.start()  # not waited for: everyone retries until it answers
+                else:
+                    assert self.kube_server is not None
+                    self.kube_server.come_back()
+            elif what == "agent":
                 self._start_agent(arg).wait_ready()
             elif what == "controller":
                 self._start_controller()
@@ -439,6 +558,7 @@ class Soak:
             self.sim.stop()
         for p in [*self.controllers, *self.agents.values()]:
             p.kill()
+        self._exits.close()
         if self.store is not None:
             self.store.close()
         if self.etcd is not None:

@@ -12,6 +12,12 @@ from rich.table import Table
 
 from ipward_lab.sim.result import Options, Result
 
+API_SERVERS = {
+    "none": "none (the cluster from the state file, sim://)",
+    "test": "loopback test server (k8s://)",
+    "real": "kube-apiserver (k8s://)",
+}
+
 
 def live_view(r: Result, o: Options) -> Group:
     """The live view: the last seconds' pods, records, allocation rate and latency,
@@ -19,7 +25,8 @@ def live_view(r: Result, o: Options) -> Group:
     last = r.samples[-1] if r.samples else None
     window = r.samples[-5:]
     latencies = [ms for s in window for ms in s.add_ms]
-    table = Table(title=f"ipward sim ({o.backend}, seed {o.seed})", show_header=False)
+    where = "" if o.api == "none" else f", API {o.api}"
+    table = Table(title=f"ipward sim ({o.backend}{where}, seed {o.seed})", show_header=False)
     table.add_row("elapsed", f"{last.at:.0f}s of {o.duration:g}s" if last else "-")
     table.add_row("pods", f"{last.running} running of {last.pods}" if last else "-")
     table.add_row("records", str(last.records) if last else "-")
@@ -43,6 +50,7 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
     failed = ", ".join(f"code {k}: {v}" for k, v in sorted(result.add_failures.items()))
     rows = [
         ("store", o.backend),
+        ("API server", API_SERVERS[o.api]),
         (
             "nodes / pods / rate / duration",
             f"{o.nodes} / {o.pods} / {o.rate:g}/s / {o.duration:g}s",

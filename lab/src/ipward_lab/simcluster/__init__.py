@@ -15,7 +15,10 @@ Parts (`SimCluster` is them put together, in `cluster`, with the driver):
   * `workloads`: Deployments, StatefulSets, Jobs reconciled, and the scheduler;
   * `kubelet`: sandboxes, the plugin exec'd (ADD; DEL at stop and again at remove);
   * `faults`: lagging, failing, stalling liveness; dropped and delayed DELs;
-  * `publishing`: snapshots, composed with the faults, written for readers;
+  * `publishing`: snapshots, composed with the faults, written for readers; with an API
+    server, the thread keeping it in step with the model;
+  * `mirror`: what the model wants an API server to hold, and the requests that get it
+    there (`KubeMirror`, through `ipward_lab.kubeadmin`);
   * `source`: the state file's format, its writer and the `sim://` source reading it.
 
 Model
@@ -46,6 +49,15 @@ background thread runs, `publish()` writes the state in `SimFileSource`'s format
 cluster part holds the pods (with their annotations), the nodes, the StatefulSets'
 replicas and the annotations of the namespaces given to `set_namespace`; all of it is one
 snapshot, so `lag_cluster` lags namespaces and annotations as it lags pods.
+
+With an API server (`SimCluster(api=KubeAdmin(...))`: the loopback test server or the
+real kube-apiserver), the model's namespaces, nodes, pods and StatefulSets are kept in
+step there by a thread (`wait_mirrored` waits for it), as a cluster's controllers and
+kubelets would write them (see `mirror`); a pod's UID is the one the server gave it, and
+its kubelet runs it only once the server has it. The state file then carries the
+runtimes only (its cluster part is an error naming the server), as in a real cluster the
+pods come from the API and the sandboxes from each node's runtime. While the server is
+down the model goes on (pods it creates wait; deletions are sent once it is back).
 
 Faults, each a method: `lag_cluster`, `lag_runtime` (a part published from the history of
 snapshots), `fail_cluster`, `fail_runtime`, `stall_runtime`, `clear_faults`; they change

@@ -20,11 +20,17 @@ class SimCluster(Workloads, Kubelet, Faults, Publishing):
 
     def start(self) -> SimCluster:
         """Run `tick` in a background thread, and publish at least every
-        `publish_interval` seconds, so `as_of` advances while nothing changes."""
+        `publish_interval` seconds, so `as_of` advances while nothing changes; with an
+        API server, keep it in step in another thread."""
         if self._thread is not None or self._closed:
             raise RuntimeError("simulated cluster already started or stopped")
         self._thread = threading.Thread(target=self._run, name="simcluster", daemon=True)
         self._thread.start()
+        if self._mirror is not None:
+            self._mirror_thread = threading.Thread(
+                target=self._mirror_loop, name="simcluster-api", daemon=True
+            )
+            self._mirror_thread.start()
         return self
 
     def stop(self) -> None:
@@ -32,8 +38,11 @@ class SimCluster(Workloads, Kubelet, Faults, Publishing):
         new ones start), and publish the final state. The cluster cannot be restarted."""
         self._stopping.set()
         self._wake.set()
+        self._mirror_wake.set()
         if self._thread is not None:
             self._thread.join()
+        if self._mirror_thread is not None:
+            self._mirror_thread.join()  # a request ends within the client's timeout
         with self._cond:
             self._closed = True
             kubelets = [n.kubelet for n in self._nodes.values()]

@@ -214,11 +214,13 @@ class Kubelet(ClusterModel):
                 changed |= self._complete(pod, now)
             elif (
                 pod.sandbox is None
+                and pod.in_api
                 and pod.phase in (PENDING, RUNNING)
                 and now >= pod.retry_at
                 and all(s.stopped for s in mine)
             ):
-                # The kubelet starts a new sandbox once the pod's old ones are stopped.
+                # The kubelet starts a new sandbox once the pod's old ones are stopped (and
+                # runs only pods the API shows: with an API server, once created there).
                 sandbox = SimSandbox(
                     id=f"{self._rng.getrandbits(256):064x}",
                     pod_uid=pod.uid,

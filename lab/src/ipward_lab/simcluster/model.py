@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipward.cluster.liveness import TERMINAL_PHASES, Pod, Sandbox
+from ipward_lab.simcluster.mirror import KubeMirror
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward_lab.kubeadmin import KubeAdmin
 
 PENDING = "Pending"
 RUNNING = "Running"
@@ -80,6 +85,7 @@ class SimPod:
     del_delay: float | None = None
     annotations: dict[str, str] = field(default_factory=dict)  # replaced, never mutated
     failed_until: float | None = None  # a restart's Failed phase ends then (then Pending)
+    in_api: bool = True  # with an API server: created there (its kubelet may run it)
 
     @property
     def key(self) -> str:
@@ -225,6 +231,7 @@ class ClusterModel:
         cni_timeout: float = 60.0,
         seed: int | None = None,
         log_limit: int = 100_000,
+        api: KubeAdmin | None = None,
     ) -> None:
         """`plugin_path`: the installed plugin, exec'd unless `cni_exec` replaces the
         exec. `grace`: default termination grace of pods. `exit_after`: seconds after a
@@ -232,6 +239,8 @@ class ClusterModel:
         `drop_del_rate`: probability that a sandbox's teardown sends no DEL at all (also
         settable later as an attribute). `history_seconds`: how far back (clock time)
         snapshots are kept for lag faults. `seed`: for uids, sandbox ids, names and drops.
+        `api`: a Kubernetes API server to keep in step with the model (`mirror`); the
+        state file then carries the runtimes only.
         """
         if plugin_path is None and cni_exec is None:
             raise ValueError("SimCluster needs plugin_path or cni_exec")
@@ -279,6 +288,12 @@ class ClusterModel:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._last_publish = 0.0
+        self._mirror = KubeMirror(api) if api is not None else None
+        self._mirror_wake = threading.Event()
+        self._mirror_thread: threading.Thread | None = None
+        self._mirrored_version = -1  # the model's version the API server last caught up with
+        self.mirror_failure = ""  # why the last round of API requests stopped, "" if none
+        self._aliases: dict[str, str] = {}  # a pod's UID before the API server gave it one
         self._publish(None)  # readers find a state from the start
 
     # -- nodes -----------------------------------------------------------------------
@@ -420,7 +435,8 @@ class ClusterModel:
     # -- observation -----------------------------------------------------------------
 
     def pods(self, namespace: str | None = None) -> list[Pod]:
-        """The pods in the API now (in creation order)."""
+        """The pods in the API now (in creation order). With an API server, the model's:
+        the server follows (`wait_mirrored`)."""
         with self._cond:
             found = sorted(self._pods.values(), key=lambda p: p.seq)
             return [p.public() for p in found if namespace in (None, p.namespace)]
@@ -474,7 +490,7 @@ class ClusterModel:
             elif "/" in ref:
                 uid = self._resolve(ref).uid
             else:
-                uid = ref
+                uid = self._aliases.get(ref, ref)
             return list(dict.fromkeys(c.sandbox for c in self._calls if c.uid == uid))
 
     # -- the model (under the lock) ----------------------------------------------------
@@ -492,6 +508,7 @@ class ClusterModel:
         self._version += 1
         self._cond.notify_all()
         self._wake.set()
+        self._mirror_wake.set()
         return self._version
 
     def _event(self, kind: str, detail: str) -> None:
@@ -514,12 +531,12 @@ class ClusterModel:
 
     def _resolve(self, ref: PodRef) -> SimPod:
         if isinstance(ref, Pod):
-            found = self._pods.get(ref.uid)
-        elif "/" in ref:
+            ref = ref.uid
+        if "/" in ref:
             namespace, _, name = ref.partition("/")
             found = self._named(namespace, name)
         else:
-            found = self._pods.get(ref)
+            found = self._pods.get(self._aliases.get(ref, ref))
         if found is None:
             raise KeyError(f"no pod {ref} in the API")
         return found
@@ -564,6 +581,7 @@ class ClusterModel:
         )
         if owner is not None:
             pod.annotations = dict(owner.annotations)
+        pod.in_api = self._mirror is None
         self._pods[pod.uid] = pod
         self._event("pod", f"created {pod.key} {pod.uid}")
         return pod
