@@ -24,7 +24,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parent.parent
-IPWARD = [sys.executable, "-m", "ipward.cli"]
+IPWARD = [sys.executable, "-m", "ipward"]
 
 
 @pytest.fixture
@@ -156,7 +156,7 @@ class KubeApi:
 
     def source(self, *options: str, node: str = "", kubeconfig: Path | None = None) -> Any:
         """A `k8s://` source on this server (closed at the end of the test)."""
-        from ipward.liveness import open_source
+        from ipward.cluster.liveness import open_source
 
         query = "&".join([f"kubeconfig={kubeconfig or self.kubeconfig}", *options])
         source = open_source(f"k8s://?{query}", node=node)

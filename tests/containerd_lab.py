@@ -48,7 +48,7 @@ from typing import Any
 
 import grpc
 
-from ipward.cri import CriClient, CriError
+from ipward.cluster.cri import CriClient, CriError
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 NETNS_DIR = Path("/var/run/netns")

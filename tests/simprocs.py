@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import run_cli, wait_for
-from ipward import records as rec
+from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab import fleet
 from ipward_lab.simcluster import SimCluster

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from ipward.addr import (
+from ipward.core.addr import (
     BITS,
     V4,
     V6,
@@ -29,8 +29,8 @@ from ipward.addr import (
     parse_cidr,
     parse_ip,
 )
-from ipward.errors import InvalidConfig
-from ipward.pool import PoolSpec, overlap
+from ipward.core.errors import InvalidConfig
+from ipward.core.pool import PoolSpec, overlap
 
 # Documented defaults (module docstring of ipward.addr): /26 for IPv4, /122 for IPv6.
 DEFAULT_BLOCK = {V4: 26, V6: 122}

@@ -26,12 +26,14 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import blocks
-from ipward import records as rec
-from ipward.agent import MAX_READING_PER_PROCESS
-from ipward.pool import PoolSpec
+from ipward.agent.server import MAX_READING_PER_PROCESS
+from ipward.cni.wire import REQUEST_MAGIC, encode_request, read_answer
+from ipward.core import keys
+from ipward.core import records as rec
+from ipward.core.pool import PoolSpec
+from ipward.core.records import AddressRecord
+from ipward.ipam import blocks
 from ipward.store import open_store
-from ipward.wire import REQUEST_MAGIC, encode_request, read_answer
 from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server
 
@@ -121,7 +123,7 @@ def holders(url: str) -> dict[str, list[str]]:
     """container -> the addresses its records hold."""
     out: dict[str, list[str]] = {}
     for ip, record in records(url).items():
-        out.setdefault(rec.record_attachment(record).container, []).append(ip)
+        out.setdefault(AddressRecord.from_dict(record).attachment.container, []).append(ip)
     return out
 
 
@@ -139,7 +141,7 @@ def cni_flow(plugin: Path, url: str, cfg: dict) -> None:
     assert address(again) == ip and again.json == first.json
     [record] = records(url).values()
     assert record["node"] == NODE  # the agent's --node, not the config's
-    assert rec.record_attachment(record) == rec.Attachment("net", "c1", "eth0")
+    assert AddressRecord.from_dict(record).attachment == rec.Attachment("net", "c1", "eth0")
     check = exec_plugin(plugin, "CHECK", {**cfg, "prevResult": first.json}, container="c1")
     assert check.returncode == 0 and check.stdout == b"", check
     status = exec_plugin(plugin, "STATUS", cfg)
@@ -233,7 +235,7 @@ def public_plugin(directory: Path) -> Path:
     """A copy of the plugin another user can run: its package readable by all, wherever
     this checkout lives (a clone in a 0700 directory would make the import fail)."""
     import ipward
-    from ipward.install import LAUNCHER
+    from ipward.cmd.install import LAUNCHER
 
     lib = directory / "lib"
     shutil.copytree(Path(ipward.__file__).parent, lib / "ipward")
@@ -506,7 +508,7 @@ def test_metrics_and_health(plugin, etcd, start_agent):
 
 def test_cli_exposes_the_agent():
     out = subprocess.run(
-        [sys.executable, "-m", "ipward.cli", "agent", "--help"],
+        [sys.executable, "-m", "ipward", "agent", "--help"],
         capture_output=True,
         text=True,
         check=True,
@@ -537,21 +539,21 @@ def test_agent_registers_its_node_and_answers_the_handshake(
     held = exec_plugin(plugin, "ADD", cfg, container="held")
     assert held.returncode == 0, held
     with open_store(sqlite_url) as store:
-        assert wait_for(lambda: store.get(rec.node_key(NODE)), "registration").lease
+        assert wait_for(lambda: store.get(keys.node_key(NODE)), "registration").lease
         spec = PoolSpec.from_dict(rec.decode(store.get("pools/web").value))
         spare = blocks.assign(store, spec, 4, NODE)
         busy = "10.5.0.0/28"
         for cidr in (spare, busy):
-            kv = store.get(rec.block_key("web", cidr))
+            kv = store.get(keys.block_key("web", cidr))
             assert blocks.mark(store, "web", kv, time.time())
 
         def state(cidr: str) -> str:
-            return rec.decode(store.get(rec.block_key("web", cidr)).value)["state"]
+            return rec.decode(store.get(keys.block_key("web", cidr)).value)["state"]
 
         wait_for(lambda: state(spare) == rec.READY, "ready for the empty block")
         wait_for(lambda: state(busy) == rec.REFUSED, "refused for the block in use")
         assert agent.stop() == 0
-        assert wait_for(lambda: store.get(rec.node_key(NODE)) is None, "deregistration")
+        assert wait_for(lambda: store.get(keys.node_key(NODE)) is None, "deregistration")
 
 
 # -- batches and the store's transaction limits --------------------------------------------

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ipward.check import check
-from ipward.install import write_launcher
-from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.cmd.install import write_launcher
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
+from ipward.ipam.check import check
+from ipward.ipam.ledger import Ledger
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench import (
     ETCD,
@@ -428,7 +428,7 @@ def test_plugin_and_agent_do_not_load_matplotlib() -> None:
         [
             sys.executable,
             "-c",
-            "import sys, ipward.cli, ipward.cni, ipward.plugin, ipward_lab.report;"
+            "import sys, ipward.cmd.cli, ipward.cni.verbs, ipward.cni.plugin, ipward_lab.report;"
             " print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))",
         ],
         capture_output=True,
@@ -462,7 +462,7 @@ def test_report_quick_run(tmp_path: Path) -> None:
     """`ipward bench --report DIR --quick --no-etcd` as a subprocess."""
     out = tmp_path / "report"
     done = subprocess.run(
-        [sys.executable, "-m", "ipward.cli", "bench", "--report", str(out), "--quick", "--no-etcd"],
+        [sys.executable, "-m", "ipward", "bench", "--report", str(out), "--quick", "--no-etcd"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,17 +1,18 @@
 """Blocks with node affinity and the release handshake, step by step on a real store:
-the ledger of two nodes, and the controller's and agent's steps from `ipward.blocks`."""
+the ledger of two nodes, and the controller's and agent's steps from `ipward.ipam.blocks`."""
 
 from __future__ import annotations
 
 import pytest
 
-from ipward import blocks
-from ipward import records as rec
-from ipward.check import check
-from ipward.errors import PoolExhausted
-from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.core import keys
+from ipward.core import records as rec
+from ipward.core.errors import PoolExhausted
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
+from ipward.ipam import blocks
+from ipward.ipam.check import check
+from ipward.ipam.ledger import Ledger
 
 
 class Clock:
@@ -45,16 +46,16 @@ def stored(store, pool: PoolSpec) -> PoolSpec:
 def rec_put(pool: PoolSpec):
     from ipward.store.base import Put
 
-    return Put(rec.pool_key(pool.name), rec.encode(pool.to_dict()))
+    return Put(keys.pool_key(pool.name), rec.encode(pool.to_dict()))
 
 
 def block_state(store, cidr: str) -> dict | None:
-    kv = store.get(rec.block_key("p", cidr))
+    kv = store.get(keys.block_key("p", cidr))
     return None if kv is None else rec.decode(kv.value)
 
 
 def owned(store, node: str) -> list[str]:
-    return [blocks.cidr_of(kv.key) for kv in store.range(rec.affinity_prefix("p", node))[0]]
+    return [keys.cidr_of(kv.key) for kv in store.range(keys.affinity_prefix("p", node))[0]]
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ def test_exhaustion_without_borrow_and_a_borrowed_address_with_it(sqlite_store, 
         a.allocate([pool], att("more"), PodInfo())
     lending = spec(borrow=True)
     borrowed = a.allocate([lending], att("borrower"), PodInfo())[0].ip
-    record = rec.decode(sqlite_store.get(rec.ip_key("p", borrowed)).value)
+    record = rec.decode(sqlite_store.get(keys.ip_key("p", borrowed)).value)
     assert record["node"] == "node-a"
     assert block_state(sqlite_store, record["block"])["node"] == "node-b"
     # released, it goes back to the owner's queue
@@ -114,7 +115,7 @@ def test_full_handshake_releases_an_empty_block(sqlite_store, a, clock):
     pool = stored(sqlite_store, spec())
     a.allocate([pool], att("x"), PodInfo())
     extra = blocks.assign(sqlite_store, pool, 4, "node-a")
-    kv = sqlite_store.get(rec.block_key("p", extra))
+    kv = sqlite_store.get(keys.block_key("p", extra))
     assert blocks.mark(sqlite_store, "p", kv, clock.now)
     kv = sqlite_store.get(kv.key)
     assert blocks.answer(sqlite_store, pool, kv, clock.now) == rec.READY
@@ -122,7 +123,7 @@ def test_full_handshake_releases_an_empty_block(sqlite_store, a, clock):
     assert blocks.release(sqlite_store, pool, kv)
     assert block_state(sqlite_store, extra) is None
     assert owned(sqlite_store, "node-a") == ["10.0.0.0/28"]
-    assert [blocks.cidr_of(k.key) for k in sqlite_store.range("blockfree/p/4/")[0]] == [extra]
+    assert [keys.cidr_of(k.key) for k in sqlite_store.range("blockfree/p/4/")[0]] == [extra]
     # the released block is claimed again before any new one
     assert blocks.assign(sqlite_store, pool, 4, "node-b") == extra
     assert check(sqlite_store)[0] == []
@@ -131,7 +132,7 @@ def test_full_handshake_releases_an_empty_block(sqlite_store, a, clock):
 def test_agent_refuses_a_block_holding_allocations(sqlite_store, a, clock):
     pool = stored(sqlite_store, spec())
     a.allocate([pool], att("x"), PodInfo())
-    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    kv = sqlite_store.get(keys.block_key("p", "10.0.0.0/28"))
     assert blocks.mark(sqlite_store, "p", kv, clock.now)
     kv = sqlite_store.get(kv.key)
     assert blocks.answer(sqlite_store, pool, kv, clock.now) == rec.REFUSED
@@ -147,7 +148,7 @@ def test_mark_stops_allocation_in_the_block(sqlite_store, a, clock):
     pool = stored(sqlite_store, spec())
     a.allocate([pool], att("x"), PodInfo())  # fills 10.0.0.0/28
     assert blocks.assign(sqlite_store, pool, 4, "node-a") == "10.0.0.16/28"
-    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    kv = sqlite_store.get(keys.block_key("p", "10.0.0.0/28"))
     assert blocks.mark(sqlite_store, "p", kv, clock.now)
     got = [a.allocate([pool], att(f"y{i}"), PodInfo())[0].ip for i in range(5)]
     assert all(16 <= int(ip.rsplit(".")[-1]) < 32 for ip in got), got
@@ -160,7 +161,7 @@ def test_node_needing_space_takes_its_block_back(sqlite_store, a, clock):
     )
     a.allocate([pool], att("x"), PodInfo())
     a.release(att("x"))
-    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    kv = sqlite_store.get(keys.block_key("p", "10.0.0.0/28"))
     blocks.mark(sqlite_store, "p", kv, clock.now)
     kv = sqlite_store.get(kv.key)
     assert blocks.answer(sqlite_store, pool, kv, clock.now) == rec.READY
@@ -184,7 +185,7 @@ def test_take_back_after_partial_cleanup_loses_no_address(sqlite_store, a, clock
         a.allocate([pool], att(f"x{i}"), PodInfo())
     for i in range(14):
         a.release(att(f"x{i}"))
-    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    kv = sqlite_store.get(keys.block_key("p", "10.0.0.0/28"))
     blocks.mark(sqlite_store, "p", kv, clock.now)
     blocks.answer(sqlite_store, pool, sqlite_store.get(kv.key), clock.now)
     ready = sqlite_store.get(kv.key)
@@ -210,7 +211,7 @@ def test_borrowing_takes_another_nodes_freed_address(sqlite_store, a, b):
     b.release(att("b3"))
     got = a.allocate([pool], att("borrower"), PodInfo())[0].ip
     assert got == "10.0.0.4"
-    record = rec.decode(sqlite_store.get(rec.ip_key("p", got)).value)
+    record = rec.decode(sqlite_store.get(keys.ip_key("p", got)).value)
     assert record["node"] == "node-a" and record["block"] == "10.0.0.0/28"
     a.release(att("borrower"))
     assert [kv.key.rsplit("/", 1)[-1] for kv in sqlite_store.range("freeq/p/4/node-b/")[0]] == [got]
@@ -227,7 +228,7 @@ def test_one_claim_walk_skips_blocks_without_an_address(sqlite_store, b):
     assert blocks.assign(sqlite_store, pool, 4, "node-a") == "10.0.0.32/28"
     assert b.allocate([pool], att("b0"), PodInfo())[0].ip == "10.0.0.48"
     assert blocks.assign(sqlite_store, pool, 4, "node-a") is None  # nothing left
-    assert sorted(blocks.cidr_of(kv.key) for kv in sqlite_store.range("blocks/")[0]) == [
+    assert sorted(keys.cidr_of(kv.key) for kv in sqlite_store.range("blocks/")[0]) == [
         "10.0.0.32/28",
         "10.0.0.48/28",
     ]
@@ -266,7 +267,7 @@ def test_a_block_whose_every_address_is_queued_is_taken_back(sqlite_store, a, cl
             order.append(f"x{i}")
             a.release(att(f"x{i}"))
             clock.now += 1
-    kv = sqlite_store.get(rec.block_key("p", "10.0.0.0/28"))
+    kv = sqlite_store.get(keys.block_key("p", "10.0.0.0/28"))
     assert blocks.mark(sqlite_store, "p", kv, clock.now)
     assert blocks.answer(sqlite_store, pool, sqlite_store.get(kv.key), clock.now) == rec.READY
     got = a.allocate([pool], att("y"), PodInfo())[0].ip

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, run_cli
-from ipward import records as rec
+from ipward.core import records as rec
 from ipward.store import open_backend, open_store
 from ipward.store.base import Put
 from ipward_lab.etcdlab import etcd_server

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, run_cli, wait_for
-from ipward import records as rec
+from ipward.core import keys
+from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab.etcdlab import etcd_server
 from ipward_lab.netlab import NetLab, Pod, bridge_network_config, skip_reason
@@ -141,9 +142,9 @@ def test_three_nodes_and_the_controller(cluster, cni_bin: Path) -> None:
         for n, pod in pods:
             ip = results[pod.name]
             assert labs[n].addresses(pod) == [f"{ip}/16"]
-            record = rec.decode(store.get(rec.ip_key(POOL, ip)).value)
+            record = rec.decode(store.get(keys.ip_key(POOL, ip)).value)
             assert record["node"] == NODES[n]
-            block = rec.decode(store.get(rec.block_key(POOL, record["block"])).value)
+            block = rec.decode(store.get(keys.block_key(POOL, record["block"])).value)
             assert block["node"] == NODES[n]
     for n, pod in pods:
         neighbours = [p for m, p in pods if m == n and p is not pod]

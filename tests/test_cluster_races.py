@@ -33,9 +33,10 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, run_cli, wait_for
-from ipward import blocks, log, testpoints
-from ipward import records as rec
-from ipward.pool import PoolSpec
+from ipward.core import keys, log, testpoints
+from ipward.core import records as rec
+from ipward.core.pool import PoolSpec
+from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT, Delete, Put
 from ipward_lab.etcdlab import EtcdCluster, etcd_cluster, etcd_server
@@ -241,7 +242,7 @@ def create_pool(url: str, name: str, subnet: str, *extra: str) -> PoolSpec:
     proc = run_cli(*args, *extra, store=url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open_store(url) as store:
-        return PoolSpec.from_dict(rec.decode(store.get(rec.pool_key(name)).value))
+        return PoolSpec.from_dict(rec.decode(store.get(keys.pool_key(name)).value))
 
 
 def assert_check_clean(url: str) -> None:
@@ -274,12 +275,12 @@ def pool_state(store, pool: str) -> tuple[dict[str, dict], dict[str, list[str]],
     """The pool's blocks (cidr -> record), affinity (cidr -> nodes listing it) and
     records (ip -> record)."""
     block_records = {
-        blocks.cidr_of(kv.key): rec.decode(kv.value) for kv in store.range(f"blocks/{pool}/")[0]
+        keys.cidr_of(kv.key): rec.decode(kv.value) for kv in store.range(f"blocks/{pool}/")[0]
     }
     affinity: dict[str, list[str]] = {}
     for kv in store.range(f"affinity/{pool}/")[0]:
         node = kv.key.split("/")[2]
-        affinity.setdefault(blocks.cidr_of(kv.key), []).append(node)
+        affinity.setdefault(keys.cidr_of(kv.key), []).append(node)
     records = {
         kv.key.rsplit("/", 1)[1]: rec.decode(kv.value) for kv in store.range(f"ips/{pool}/")[0]
     }
@@ -402,8 +403,8 @@ def test_two_agents_race_for_the_only_block(plugin, etcd, agents, borrow):
                 assert by_node[loser].code == 100, by_node[loser]
                 assert list(records) == [by_node[winner].address]
                 # The failed ADD wrote nothing: no index, no fill record of its own.
-                assert store.get(rec.attach_key("net", f"{pool}-{loser}", "eth0")) is None
-                assert store.get(rec.fill_key(pool, 4, loser)) is None
+                assert store.get(keys.attach_key("net", f"{pool}-{loser}", "eth0")) is None
+                assert store.get(keys.fill_key(pool, 4, loser)) is None
                 continue
             assert by_node[loser].ok, by_node[loser]
             borrowed = records[by_node[loser].address]
@@ -412,7 +413,7 @@ def test_two_agents_race_for_the_only_block(plugin, etcd, agents, borrow):
             # Released, the borrowed address goes to the owner's queue, not the borrower's.
             assert call(plugin, "DEL", cni_config(sockets[loser], pool), f"{pool}-{loser}").ok
             queued = [kv.key for kv in store.range(f"freeq/{pool}/")[0]]
-            assert len(queued) == 1 and queued[0].startswith(rec.queue_prefix(pool, 4, winner)), (
+            assert len(queued) == 1 and queued[0].startswith(keys.queue_prefix(pool, 4, winner)), (
                 queued
             )
             assert queued[0].endswith("/" + by_node[loser].address)
@@ -927,7 +928,7 @@ def test_mark_versus_allocate(plugin, etcd, agents, monkeypatch):
                     elif state == rec.REFUSED:
                         done = blocks.resume(store, "mv", kv)
                         counts["resumed" if done else "resume lost"] += 1
-                owned = len(store.range(rec.affinity_prefix("mv", "M"))[0])
+                owned = len(store.range(keys.affinity_prefix("mv", "M"))[0])
                 while owned < WARM_BLOCKS and not stop.is_set():
                     if blocks.assign(store, spec, 4, "M") is None:
                         counts["assign lost"] += 1
@@ -1013,7 +1014,7 @@ def test_release_after_a_take_back_is_no_alarm(plugin, etcd, agents, monkeypatch
     assert first.ok and call(plugin, "DEL", cfg, "first").ok  # its block is empty now
     cidr = "10.5.0.0/28"
     with open_store(etcd.url) as store:
-        key = rec.block_key("tb", cidr)
+        key = keys.block_key("tb", cidr)
         assert blocks.mark(store, "tb", store.get(key), time.time())
 
         def read_ready():
@@ -1068,7 +1069,7 @@ def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
     )
     try:
         with open_store(etcd.url) as store:
-            key = rec.block_key("ab", "10.6.0.0/28")
+            key = keys.block_key("ab", "10.6.0.0/28")
 
             def state() -> str | None:
                 kv = store.get(key)

@@ -1,5 +1,5 @@
 """ipward under a real containerd (1.6, CRI plugin, runc, Debian's bridge), driven through
-CRI with `ipward.cri.CriClient`; and `CriSource`, the CRI liveness source, against that
+CRI with `ipward.cluster.cri.CriClient`; and `CriSource`, the CRI liveness source, against that
 containerd and against a stand-in CRI server (hung, failing, slow).
 
 The containerd tests (marked `net`) share one containerd per module (tests/containerd_lab.py);
@@ -30,10 +30,10 @@ import pytest
 import containerd_lab
 from conftest import exec_plugin, run_cli
 from containerd_lab import ContainerdLab, LabError, machine_state
-from ipward import cri
-from ipward.cri import CriClient, CriError, CriSource
-from ipward.errors import InvalidConfig
-from ipward.liveness import LivenessUnavailable, NotCovered, Sandbox, open_source
+from ipward.cluster import cri
+from ipward.cluster.cri import CriClient, CriError, CriSource
+from ipward.cluster.liveness import LivenessUnavailable, NotCovered, Sandbox, open_source
+from ipward.core.errors import InvalidConfig
 from ipward.store import open_store
 from ipward_lab import fleet
 

@@ -21,13 +21,15 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, wait_for
-from ipward import blocks
-from ipward import records as rec
-from ipward.controller import LEADER_KEY, Controller, Election, Metrics
-from ipward.errors import IpwardError, TryAgainLater
-from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.controller.passes import Controller, Election, Metrics
+from ipward.core import keys
+from ipward.core import records as rec
+from ipward.core.errors import IpwardError, TryAgainLater
+from ipward.core.keys import LEADER_KEY
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
+from ipward.ipam import blocks
+from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Delete, Put, at_revision
 from ipward_lab import fleet
@@ -92,7 +94,7 @@ def create_pool(url: str, options: str) -> None:
 
 
 def pool_spec(store: Store) -> PoolSpec:
-    kv = store.get(rec.pool_key("p"))
+    kv = store.get(keys.pool_key("p"))
     assert kv is not None
     spec = PoolSpec.from_dict(rec.decode(kv.value))
     spec.revision = kv.mod_revision
@@ -114,7 +116,7 @@ def leader_id(store: Store) -> str | None:
 
 
 def block_states(store: Store) -> dict[str, dict]:
-    return {blocks.cidr_of(kv.key): rec.decode(kv.value) for kv in store.range("blocks/p/")[0]}
+    return {keys.cidr_of(kv.key): rec.decode(kv.value) for kv in store.range("blocks/p/")[0]}
 
 
 def of_node(store: Store, node: str, state: str | None = None) -> list[str]:
@@ -126,7 +128,7 @@ def of_node(store: Store, node: str, state: str | None = None) -> list[str]:
 
 
 def released(store: Store) -> list[str]:
-    return sorted(blocks.cidr_of(kv.key) for kv in store.range("blockfree/p/")[0])
+    return sorted(keys.cidr_of(kv.key) for kv in store.range("blockfree/p/")[0])
 
 
 def free_of(store: Store, node: str, family: int) -> int:
@@ -139,7 +141,7 @@ def free_of(store: Store, node: str, family: int) -> int:
         per_block[cidr] = per_block.get(cidr, 0) + 1
     total = 0
     for cidr in of_node(store, node, rec.ACTIVE):
-        block = blocks.block_of(spec, cidr)
+        block = spec.block_by_cidr(cidr)
         assert block is not None
         if block.range_set.family == family:
             total += block.usable_count() - per_block.get(cidr, 0)
@@ -212,7 +214,7 @@ class AgentStandIn:
                     if state["node"] == self.node and state["state"] == rec.MARKED:
                         answer = blocks.answer(self.store, spec, kv, time.time())
                         if answer:
-                            self.answers.append((blocks.cidr_of(kv.key), answer))
+                            self.answers.append((keys.cidr_of(kv.key), answer))
             except StoreError:
                 continue  # a busy store: try again, as an agent would
 
@@ -375,10 +377,10 @@ def test_a_refused_block_is_resumed(store_url, store, spawn):
     [cidr] = wait_for(lambda: of_node(store, "n1"), "a block assigned to n1", TAKEOVER)
     spec = pool_spec(store)
     ip = Ledger(store, "n1").allocate([spec], att("x"), PodInfo())[0].ip
-    assert rec.decode(store.get(rec.ip_key("p", ip)).value)["block"] == cidr
+    assert rec.decode(store.get(keys.ip_key("p", ip)).value)["block"] == cidr
     # A mark decided on a record count read before this allocation (as a controller's
     # pass can): the agent finds the address allocated and refuses.
-    kv = store.get(rec.block_key("p", cidr))
+    kv = store.get(keys.block_key("p", cidr))
     assert blocks.mark(store, "p", kv, time.time())
     assert blocks.answer(store, spec, store.get(kv.key), time.time()) == rec.REFUSED
     wait_for(
@@ -391,7 +393,7 @@ def test_a_refused_block_is_resumed(store_url, store, spawn):
     )
     assert [e["block"] for e in ctl.logged("block resumed")] == [cidr]
     assert "marked_at" not in block_states(store)[cidr]
-    assert store.get(rec.ip_key("p", ip)) is not None
+    assert store.get(keys.ip_key("p", ip)) is not None
     assert ctl.terminate() == 0
     assert_single_owners(store)
     assert_check_clean(store_url)
@@ -412,14 +414,14 @@ def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
     [cidr] = of_node(store, "n1")
     ctl = spawn(store_url, "c1", ready_delay=60)  # it would release a ready block only later
     wait_for(lambda: of_node(store, "n1", rec.MARKED), "the surplus block marked", TAKEOVER)
-    kv = store.get(rec.block_key("p", cidr))
+    kv = store.get(keys.block_key("p", cidr))
     assert blocks.answer(store, spec, kv, time.time()) == rec.READY
     ready = store.get(kv.key)
     # The node needs an address and the marked block is its only room: it takes it back.
     ip = ledger.allocate([spec], att("y"), PodInfo())[0].ip
     state = block_states(store)[cidr]
     assert state["state"] == rec.ACTIVE and state["node"] == "n1"
-    assert rec.decode(store.get(rec.ip_key("p", ip)).value)["block"] == cidr
+    assert rec.decode(store.get(keys.ip_key("p", ip)).value)["block"] == cidr
     # The release the controller would make, at the revision it read, fails its CAS.
     assert not blocks.release(store, spec, ready)
     wait_for(
@@ -464,14 +466,14 @@ def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
 
     # Killed after the agent answered: ready blocks with no controller alive...
     for cidr in marked:
-        kv = store.get(rec.block_key("p", cidr))
+        kv = store.get(keys.block_key("p", cidr))
         assert blocks.answer(store, spec, kv, time.time()) == rec.READY
     # ...and killed during a release: the first cleanup chunk of a ready block done (the
     # very transaction `blocks.release` makes first), the rest not.
-    kv = store.get(rec.block_key("p", marked[0]))
-    block = blocks.block_of(spec, marked[0])
+    kv = store.get(keys.block_key("p", marked[0]))
+    block = spec.block_by_cidr(marked[0])
     assert block is not None
-    frees = [f for ip in blocks.addresses(block) if (f := store.get(rec.free_key("p", ip)))]
+    frees = [f for ip in blocks.addresses(block) if (f := store.get(keys.free_key("p", ip)))]
     ops: list[Put | Delete] = []
     for free in frees[: blocks.CLEANUP_CHUNK]:
         ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
@@ -689,7 +691,7 @@ def test_the_controller_leaves_a_pool_being_deleted_alone(store_url, store, spaw
     """A pool marked `deleting` gets no block (an assignment also compares the spec it
     read), so `pool delete` finishes with nothing written behind it."""
     create_pool(store_url, "--range 10.0.0.0/24 --block-v4 28 --warm 20")
-    kv = store.get(rec.pool_key("p"))
+    kv = store.get(keys.pool_key("p"))
     store.txn([], [Put(kv.key, rec.encode({**rec.decode(kv.value), "state": "deleting"}))])
     register(store, "n1")
     ctl = spawn(store_url, "c1")

@@ -112,7 +112,7 @@ def test_container_args_are_accepted_by_the_cli(kind: str, name: str, container:
     values have the right types), so a renamed option cannot break the deployment."""
     import click
 
-    from ipward.cli import cli
+    from ipward.cmd.cli import cli
 
     args = _container_args(render(RENDERINGS["base"]), kind, name, container)
     command_name, rest = args[0], args[1:]

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
-from ipward import records as rec
-from ipward import schema
-from ipward.store import open_backend, open_store
+from ipward.core import keys
+from ipward.core import records as rec
+from ipward.store import open_backend, open_store, schema
 from ipward.store.base import Put, StoreMissing
 from ipward_lab.etcdlab import etcd_server
 
@@ -62,7 +62,7 @@ def build_ledger(plugin: Path, url: str) -> None:
         store.txn(
             [],
             [
-                Put(rec.node_key("n1"), rec.encode({"node": "n1"}), lease=lease),
+                Put(keys.node_key("n1"), rec.encode({"node": "n1"}), lease=lease),
                 Put("controller/leader", rec.encode({"id": "c"}), lease=lease),
             ],
         )
@@ -120,11 +120,11 @@ def test_import_only_into_an_empty_store(plugin: Path, tmp_path: Path, sqlite_ur
     other = f"sqlite://{tmp_path}/other.db"
     run_cli("pool", "create", "x", "--range", "10.1.0.0/24", store=other, check=True)
     with open_store(other) as store:
-        before = store.snapshot(rec.PREFIXES)
+        before = store.snapshot(keys.PREFIXES)
     proc = run_cli("import", str(tmp_path / "a.jsonl"), store=other)
     assert proc.returncode == 2 and "not empty: it holds pools/x" in proc.stderr, proc
     with open_store(other) as store:
-        assert store.snapshot(rec.PREFIXES) == before
+        assert store.snapshot(keys.PREFIXES) == before
 
 
 def write_export(path: Path, header: dict, entries: list[object]) -> Path:

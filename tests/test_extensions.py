@@ -14,8 +14,8 @@ import click
 import pytest
 
 from conftest import IPWARD, REPO
-from ipward.errors import InvalidConfig
-from ipward.liveness import open_source
+from ipward.cluster.liveness import open_source
+from ipward.core.errors import InvalidConfig
 from ipward_lab.simcluster import SimFileSource
 
 LAB_COMMANDS = ("bench", "demo", "sim")
@@ -57,17 +57,17 @@ def test_without_the_lab_its_commands_and_source_are_absent(product_alone: str) 
     python = [sys.executable, "-S"]
     hidden = run(python, product_alone, "-c", "import ipward_lab")
     assert hidden.returncode != 0 and "No module named 'ipward_lab'" in hidden.stderr
-    listed = run([*python, "-m", "ipward.cli"], product_alone, "--help")
+    listed = run([*python, "-m", "ipward"], product_alone, "--help")
     assert listed.returncode == 0, listed.stderr
     commands = listed_commands(listed.stdout)
     assert {"agent", "controller", "pool"} <= commands and not commands & set(LAB_COMMANDS)
-    missing = run([*python, "-m", "ipward.cli"], product_alone, "sim")
+    missing = run([*python, "-m", "ipward"], product_alone, "sim")
     assert missing.returncode == 2 and "No such command 'sim'" in missing.stderr
     source = run(
         python,
         product_alone,
         "-c",
-        "from ipward.liveness import open_source\n"
+        "from ipward.cluster.liveness import open_source\n"
         "try:\n    open_source('sim:///x')\nexcept Exception as e:\n    print(e)",
     )
     assert "unknown scheme 'sim' (known: cri://, k8s://)" in source.stdout, source
@@ -95,7 +95,7 @@ def test_a_bad_liveness_url_names_the_known_schemes(url: str, what: str) -> None
 
 EXTRA_MODULE = """\
 import click
-from ipward.liveness import LivenessSource
+from ipward.cluster.liveness import LivenessSource
 
 
 @click.command()
@@ -136,6 +136,6 @@ def test_any_distribution_can_add_a_command_and_a_source(tmp_path: Path) -> None
         [sys.executable],
         path,
         "-c",
-        "from ipward.liveness import open_source; print(type(open_source('nothing://x')).__name__)",
+        "from ipward.cluster.liveness import open_source; print(type(open_source('nothing://x')).__name__)",
     )
     assert opened.stdout == "Nothing\n", opened

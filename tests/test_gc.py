@@ -11,17 +11,19 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from ipward import gc
-from ipward import records as rec
-from ipward.ledger import Ledger
-from ipward.liveness import (
+from ipward.cluster.liveness import (
     ClusterView,
     LivenessUnavailable,
     NodeView,
     Pod,
     Sandbox,
 )
-from ipward.pool import PoolSpec
+from ipward.core import keys
+from ipward.core import records as rec
+from ipward.core.pool import PoolSpec
+from ipward.core.records import AddressRecord
+from ipward.gc import rules as gc
+from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put
 from ipward_lab.simcluster import SimFileSource, write_sim_state
 
@@ -46,7 +48,7 @@ def held(
         "block": "10.0.0.0/26",
         "created_at": created_at,
     }
-    return gc.Held("p", "10.0.0.5", revision, record)
+    return gc.Held("p", "10.0.0.5", revision, AddressRecord.from_dict(record))
 
 
 def runtime(*sandboxes: Sandbox, as_of: float = T0 + 60, node: str = "n1") -> NodeView:
@@ -173,7 +175,7 @@ def test_confirmation_needs_two_passes_at_one_revision() -> None:
 
 def make_pool(store) -> PoolSpec:
     spec = PoolSpec.from_dict({"name": "p", "ranges": [[{"subnet": "10.0.0.0/24"}]], "cooldown": 0})
-    store.txn([], [Put(rec.pool_key(spec.name), rec.encode(spec.to_dict()))])
+    store.txn([], [Put(keys.pool_key(spec.name), rec.encode(spec.to_dict()))])
     return spec
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, run_cli, wait_for
-from ipward import records as rec
+from ipward.core import keys
+from ipward.core import records as rec
 from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server
 from simprocs import GRACE, INTERVAL, NS, World
@@ -264,7 +265,7 @@ def test_node_down_freed_only_after_lease_expired_and_node_gone(world: World) ->
     held = {w.running(f"ns/on-n2-{i}") for i in range(3)}
     w.sim.node_down("n2")
     n2.kill()
-    wait_for(lambda: w.store.get(rec.node_key("n2")) is None, "n2's lease to expire")
+    wait_for(lambda: w.store.get(keys.node_key("n2")) is None, "n2's lease to expire")
     time.sleep(GRACE + 4 * INTERVAL)  # many passes: the cluster still lists n2
     assert held <= set(w.records())
     w.sim.delete_node("n2")

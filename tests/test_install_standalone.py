@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import install, standalone_build
+from ipward.cmd import install, standalone_build
+from ipward.cni.wire import MAX_CONFIG
 from ipward.store import open_store
-from ipward.wire import MAX_CONFIG
 from ipward_lab import fleet
 
 RANGES = {"ranges": [[{"subnet": "10.91.0.0/24"}]]}
@@ -31,12 +31,14 @@ RANGES = {"ranges": [[{"subnet": "10.91.0.0/24"}]]}
 # made here and in standalone_build.STANDALONE_MODULES) and the C modules they use.
 ALLOWED_IMPORTS = {
     "ipward",
-    "ipward.cniio",
-    "ipward.errors",
-    "ipward.jsonc",
-    "ipward.plugin",
-    "ipward.standalone",
-    "ipward.wire",
+    "ipward.cni",
+    "ipward.cni.cniio",
+    "ipward.cni.plugin",
+    "ipward.cni.standalone",
+    "ipward.cni.wire",
+    "ipward.core",
+    "ipward.core.errors",
+    "ipward.core.jsonc",
     "__future__",
     "_json",
     "_socket",
@@ -95,7 +97,7 @@ def imports_of(plugin: Path, command: str, config: dict | bytes) -> set[str]:
     stdin = config if isinstance(config, bytes) else json.dumps(config).encode()
     bare = imported([interpreter, "-X", "importtime", "-I", "-S", "-c", "pass"], b"")
     found = imported([interpreter, "-X", "importtime", argument, path], stdin)
-    assert "ipward.standalone" in found, found  # the plugin ran
+    assert "ipward.cni.standalone" in found, found  # the plugin ran
     return found - bare - {"module"}  # "module": the header line
 
 
@@ -222,7 +224,11 @@ def test_a_host_python_of_another_version_runs_the_sources(
 
 def loaded_from(plugin: Path) -> set[str]:
     """The suffixes of the files the plugin's modules were imported from."""
-    modules = [f"ipward.{m}" for m in standalone_build.STANDALONE_MODULES if m != "__init__"]
+    modules = [
+        "ipward." + m.replace("/", ".")
+        for m in standalone_build.STANDALONE_MODULES
+        if not m.endswith("__init__")
+    ]
     code = (
         f"import sys; sys.path.insert(0, {str(plugin)!r}); import {', '.join(modules)};"
         " print(' '.join(m.__file__ for n, m in sys.modules.items() if n.startswith('ipward')))"

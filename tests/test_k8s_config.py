@@ -16,8 +16,8 @@ from conftest import KubeApi, wait_for
 from ipward.cluster.k8s.client import ApiClient, ApiError, ApiUnreachable
 from ipward.cluster.k8s.config import from_kubeconfig, in_cluster
 from ipward.cluster.k8s.source import Settings
-from ipward.errors import InvalidConfig
-from ipward.liveness import LivenessUnavailable, open_source
+from ipward.cluster.liveness import LivenessUnavailable, open_source
+from ipward.core.errors import InvalidConfig
 from test_k8s_source import wait_watching
 
 

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from conftest import KubeApi, wait_for
-from ipward import gc
 from ipward.cluster.k8s.reflector import BACKOFF_MAX, BACKOFF_MIN
-from ipward.errors import TryAgainLater
-from ipward.liveness import ClusterView, LivenessUnavailable, NotCovered
+from ipward.cluster.liveness import ClusterView, LivenessUnavailable, NotCovered
+from ipward.core.errors import TryAgainLater
+from ipward.core.records import AddressRecord
+from ipward.gc import rules as gc
 
 
 def view_or_none(source: Any) -> ClusterView | None:
@@ -307,7 +308,9 @@ def test_server_down_is_unavailable_and_frees_nothing_then_relists(kube_server: 
     wait_view(source, lambda v: deleted in v.pods, "the first list")
     server.go_down()
     wait_for(lambda: view_or_none(source) is None, "the source to notice")
-    held = gc.Held("p", "10.0.0.9", 7, {"node": "n1", "created_at": 0.0, "pod": {"uid": "x"}})
+    record = {"network": "net", "container": "c9", "ifname": "eth0", "node": "n1"}
+    record.update(created_at=0.0, pod={"uid": "x"})
+    held = gc.Held("p", "10.0.0.9", 7, AddressRecord.from_dict(record))
     evidence = gc.gather(source, [], grace=0)
     assert isinstance(evidence.cluster, str)
     assert gc.judge(held, evidence).reason is None  # nothing may be freed
@@ -534,7 +537,9 @@ def test_gc_judges_on_the_kubernetes_view(kube: KubeApi) -> None:
     view = wait_view(source, lambda v: deleted not in v.pods and done in v.pods, "the view")
 
     def record(uid: str, node: str = n1) -> gc.Held:
-        return gc.Held("p", "10.0.0.1", 1, {"node": node, "created_at": 0.0, "pod": {"uid": uid}})
+        record = {"network": "net", "container": "c1", "ifname": "eth0", "created_at": 0.0}
+        record.update(node=node, pod={"uid": uid})
+        return gc.Held("p", "10.0.0.1", 1, AddressRecord.from_dict(record))
 
     evidence = gc.Evidence(grace=1.0, cluster=view, registered=frozenset({n1}))
     assert gc.judge(record(running), evidence).reason is None

@@ -19,7 +19,7 @@ from ipward.cluster.k8s.client import ApiClient
 from ipward.cluster.k8s.config import from_kubeconfig
 from ipward.cluster.k8s.reflector import Reflector
 from ipward.cluster.k8s.source import NODES
-from ipward.liveness import LivenessUnavailable, Pod
+from ipward.cluster.liveness import LivenessUnavailable, Pod
 from ipward_lab import kubelab
 from ipward_lab.kubeadmin import KubeAdmin
 from ipward_lab.sim import Options, Soak

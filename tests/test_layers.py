@@ -1,9 +1,11 @@
 """The layer contracts of pyproject.toml's [tool.importlinter], checked by `lint-imports`:
 the product (`ipward`) never imports the labs (`ipward_lab`). Shown to bite: the same
-check on a copy of the tree with one forbidden import added fails, naming it."""
+check on a copy of the tree with one forbidden import added fails, naming it. And the
+store's key layout is spelled in `ipward.core.keys` only."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from ipward.core import keys
 
 LINT_IMPORTS = str(Path(sys.executable).parent / "lint-imports")
 
@@ -59,3 +62,47 @@ def test_a_product_import_of_the_labs_breaks_the_contract(tmp_path: Path, leak: 
     assert done.returncode == 1, done.stdout + done.stderr
     assert "the product never imports the labs BROKEN" in done.stdout
     assert "ipward.leak -> ipward_lab.fleet" in done.stdout
+
+
+def spelled_key_prefixes(source: str) -> list[str]:
+    """The string literals (f-string parts included, docstrings aside) of a module that
+    start with one of the store's key prefixes."""
+    tree = ast.parse(source)
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [
+        f"line {node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+        and node.value.startswith(keys.PREFIXES)
+    ]
+
+
+def test_only_the_key_layout_spells_a_key_prefix() -> None:
+    """Every other module builds and parses keys through `ipward.core.keys`, so the layout
+    changes in one place (with a schema version)."""
+    spelled = {}
+    for root in (REPO / "src" / "ipward", REPO / "lab" / "src" / "ipward_lab"):
+        for path in sorted(root.rglob("*.py")):
+            if path == REPO / "src" / "ipward" / "core" / "keys.py":
+                continue
+            found = spelled_key_prefixes(path.read_text())
+            if found:
+                spelled[str(path.relative_to(REPO))] = found
+    assert spelled == {}
+
+
+@pytest.mark.parametrize(
+    "source",
+    ['store.range("ips/")\n', 'key = f"blocks/{pool}/{cidr}"\n', "PREFIX = 'freeq/'\n"],
+    ids=["literal", "f-string", "constant"],
+)
+def test_a_spelled_key_prefix_is_found(source: str) -> None:
+    assert spelled_key_prefixes('"""ips/ in a docstring is prose."""\n' + source) != []
+    assert spelled_key_prefixes('"""ips/ in a docstring is prose."""\n') == []

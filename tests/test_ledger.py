@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from ipward import records as rec
-from ipward.check import check
-from ipward.errors import (
+from ipward.core import keys as layout
+from ipward.core import records as rec
+from ipward.core.errors import (
     AddressOutsidePool,
     AddressTaken,
     InvalidConfig,
     OwnerChanged,
     PoolExhausted,
 )
-from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
+from ipward.ipam.check import check
+from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put
 
 
@@ -199,19 +200,19 @@ def test_release_never_frees_an_address_owned_by_another_attachment(ledger, sqli
     # Corrupt on purpose: attachment 2's index claims the address of attachment 1.
     sqlite_store.txn([], [Put(att(2).key, rec.encode({"ips": [f"p/{ip}"]}))])
     assert ledger.release(att(2)) == []
-    assert sqlite_store.get(rec.ip_key("p", ip)) is not None
+    assert sqlite_store.get(layout.ip_key("p", ip)) is not None
     assert sqlite_store.get(att(2).key) is None  # the stray index entry is dropped
 
 
 def test_release_address_compares_revision(ledger, sqlite_store):
     spec = pool()
     ip = add(ledger, spec, 1)
-    kv = sqlite_store.get(rec.ip_key("p", ip))
+    kv = sqlite_store.get(layout.ip_key("p", ip))
     with pytest.raises(OwnerChanged):
         ledger.release_address("p", ip, kv.mod_revision - 1, "test")
-    assert sqlite_store.get(rec.ip_key("p", ip)) is not None
+    assert sqlite_store.get(layout.ip_key("p", ip)) is not None
     ledger.release_address("p", ip, kv.mod_revision, "test")
-    assert sqlite_store.get(rec.ip_key("p", ip)) is None
+    assert sqlite_store.get(layout.ip_key("p", ip)) is None
     assert sqlite_store.get(att(1).key) is None
     assert check(sqlite_store)[0] == []
 
@@ -247,18 +248,18 @@ class TestCheck:
         ledger.release(att(2))
         other = PoolSpec("q", [[{"subnet": "10.0.0.0/24"}]])
         sqlite_store.txn([], [Put("pools/q", rec.encode(other.to_dict()))])
-        record = rec.decode(sqlite_store.get(rec.ip_key("p", ip1)).value)
+        record = rec.decode(sqlite_store.get(layout.ip_key("p", ip1)).value)
         sqlite_store.txn(
             [],
             [
                 # same address on the same network through an overlapping pool
-                Put(rec.ip_key("q", ip1), rec.encode({**record, "container": "dup"})),
+                Put(layout.ip_key("q", ip1), rec.encode({**record, "container": "dup"})),
                 # an index pointing at nothing
                 Put(att(7).key, rec.encode({"ips": ["p/10.0.0.77"]})),
                 # a record outside its pool
-                Put(rec.ip_key("p", "192.168.1.1"), rec.encode({**record, "container": "x"})),
+                Put(layout.ip_key("p", "192.168.1.1"), rec.encode({**record, "container": "x"})),
                 # freed and allocated at once
-                Put(rec.ip_key("p", ip2), rec.encode({**record, "container": "y"})),
+                Put(layout.ip_key("p", ip2), rec.encode({**record, "container": "y"})),
             ],
         )
         kinds = {p.kind for p in check(sqlite_store)[0]}
@@ -317,7 +318,7 @@ class TestMemory:
     def test_a_pool_deleted_behind_a_long_lived_ledger_is_unknown_not_busy(
         self, ledger, sqlite_store
     ):
-        from ipward.errors import UnknownPool
+        from ipward.core.errors import UnknownPool
         from ipward.store.base import Delete
 
         sqlite_store.txn([], [Put("pools/p", rec.encode(pool().to_dict()))])
@@ -478,7 +479,7 @@ def test_a_changed_subnet_is_a_new_version_and_old_records_stay_valid(ledger, sq
     assert (again.ip, again.prefix) == (old, 24)
     # Its DEL frees it without queueing it: the pool no longer hands it out.
     assert ledger.release(att("old")) == [f"net/{old}"]
-    assert sqlite_store.get(rec.free_key("net", old)) is None
+    assert sqlite_store.get(layout.free_key("net", old)) is None
     assert check(sqlite_store)[0] == []
     # The new /26 serves its whole capacity: 62 addresses, then 100.
     got = {new} | {add_to(ledger, inline("10.30.0.0/26"), f"n{i}") for i in range(61)}
@@ -543,12 +544,12 @@ def test_plain_adds_and_dels_never_write_the_coverage_key(ledger, sqlite_store):
     """Only a write that stores a pool or adds addresses to one serialises on
     `poolcoverage`: the hot path adds no contention."""
     add_to(ledger, inline("10.20.0.0/24"), "first")  # stores the pool
-    written = sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision
+    written = sqlite_store.get(layout.POOL_COVERAGE_KEY).mod_revision
     for i in range(70):  # across a block claim
         add_to(ledger, inline("10.20.0.0/24"), i)
     for i in range(70):
         ledger.release(att(i))
     add_to(ledger, inline("10.20.0.0/24", routes=[{"dst": "0.0.0.0/0"}]), "routes")  # not ranges
-    assert sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision == written
+    assert sqlite_store.get(layout.POOL_COVERAGE_KEY).mod_revision == written
     add_to(ledger, inline("10.20.0.0/23"), "wider")  # grows: tested and written
-    assert sqlite_store.get(rec.POOL_COVERAGE_KEY).mod_revision > written
+    assert sqlite_store.get(layout.POOL_COVERAGE_KEY).mod_revision > written

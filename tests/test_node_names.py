@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, run_cli
-from ipward import gc
-from ipward.config import MAX_NODE_NAME, node_name_problem
-from ipward.liveness import ClusterView, Pod
+from ipward.cluster.liveness import ClusterView, Pod
+from ipward.core.names import MAX_NODE_NAME, node_name_problem
+from ipward.core.records import AddressRecord
+from ipward.gc import rules as gc
 from ipward.store import open_store
 
 BAD_NAMES = ["a/b", "../n1", "node 1", "n1\n", "n\x01", "-n1", "n1.", "x" * (MAX_NODE_NAME + 1)]
@@ -86,6 +87,7 @@ def test_a_record_naming_an_impossible_node_is_never_node_gone() -> None:
     live = Pod(uid="u1", namespace="ns", name="web-0", phase="Running", node="n1")
     cluster = ClusterView(t0 + 600, {"u1": live}, frozenset({"n1"}))
     evidence = gc.Evidence(10.0, {}, cluster, frozenset({"n1"}))
-    assert gc.judge(gc.Held("p", "10.0.0.5", 7, record), evidence).reason is None
-    gone = {**record, "node": "n2"}
-    assert gc.judge(gc.Held("p", "10.0.0.6", 8, gone), evidence).reason == gc.NODE_GONE
+    live_record = gc.Held("p", "10.0.0.5", 7, AddressRecord.from_dict(record))
+    assert gc.judge(live_record, evidence).reason is None
+    gone = gc.Held("p", "10.0.0.6", 8, AddressRecord.from_dict({**record, "node": "n2"}))
+    assert gc.judge(gone, evidence).reason == gc.NODE_GONE

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import PluginResult, wait_for
-from ipward import records as rec
-from ipward import wire
-from ipward.errors import CODES
-from ipward.plugin import forward
+from ipward.cni import wire
+from ipward.cni.plugin import forward
+from ipward.core import keys
+from ipward.core.errors import CODES
 from ipward.store import open_store
 from ipward_lab import fleet
 
@@ -236,7 +236,7 @@ def both(tmp_path: Path, plugin: Path, local: tuple[Path, str]) -> Iterator[dict
     try:
         agent.wait_ready()
         with open_store(agent_url) as store:
-            wait_for(lambda: store.get(rec.node_key("prop-node")), "the node's registration")
+            wait_for(lambda: store.get(keys.node_key("prop-node")), "the node's registration")
         configs = {
             "in-process": json.dumps(base_config({"store": local[1]})).encode(),
             "agent": json.dumps(base_config({"agentSocket": str(agent.socket)})).encode(),
@@ -314,7 +314,7 @@ def lone_agent(tmp_path: Path) -> Iterator[tuple[fleet.Agent, str]]:
     try:
         agent.wait_ready()
         with open_store(url) as store:
-            wait_for(lambda: store.get(rec.node_key("frame-node")), "the node's registration")
+            wait_for(lambda: store.get(keys.node_key("frame-node")), "the node's registration")
         yield agent, url
     finally:
         agent.kill()

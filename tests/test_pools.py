@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
-from ipward import records as rec
-from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.core import records as rec
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
+from ipward.ipam.ledger import Ledger
 from ipward.store import open_store
 from ipward.store.base import Delete, Put
 
@@ -373,7 +373,7 @@ def test_a_crashed_delete_is_reported_and_finished_by_running_it_again(
 
 def churn(url: str, node: str, tag: str, stop: threading.Event, errors: list) -> None:
     """ADD then DEL, over and over, in pool `p`, as a node's agent would."""
-    from ipward.errors import IpwardError
+    from ipward.core.errors import IpwardError
 
     with open_store(url) as store:
         ledger = Ledger(store, node)
@@ -485,7 +485,7 @@ def test_check_names_orphans_and_removal_leaves_it_clean(sqlite_url: str) -> Non
 def test_prune_drops_a_layout_only_once_no_record_holds_it(sqlite_url: str, old_range: str) -> None:
     """`prune` drops a retired layout only once no record holds one of its addresses,
     and the stale state of the old ranges with it."""
-    from ipward import lifecycle
+    from ipward.ipam import pools
 
     with open_store(sqlite_url) as store:
         ledger = Ledger(store, "n1")
@@ -495,13 +495,13 @@ def test_prune_drops_a_layout_only_once_no_record_holds_it(sqlite_url: str, old_
         ledger.allocate([old], Attachment("net", "b", "eth0"), PodInfo())
         ledger.release(Attachment("net", "b", "eth0"))  # a free entry of the old range
         ledger.allocate([new], Attachment("net", "c", "eth0"), PodInfo())
-        keys, layouts = lifecycle.prune(store, "net")
+        keys, layouts = pools.prune(store, "net")
         assert layouts == 0  # "a" still holds an address of the old range
         assert keys >= 4  # its block, affinity, free and queue entries (its fill too)
         assert len(ledger.get_pool("net", fresh=True).retired) == 1
         assert_clean(sqlite_url)
         ledger.release(Attachment("net", "a", "eth0"))
-        assert lifecycle.prune(store, "net")[1] == 1
+        assert pools.prune(store, "net")[1] == 1
         assert ledger.get_pool("net", fresh=True).retired == []
         assert_clean(sqlite_url)
 
@@ -510,7 +510,7 @@ def test_prune_and_delete_of_a_large_pool_fit_etcd_transactions(tmp_path: Path) 
     """On a real etcd (128 operations per transaction at most): a pool with hundreds of
     free entries and several blocks in an earlier layout is pruned, then deleted, in
     bounded transactions, and nothing of it is left."""
-    from ipward import lifecycle
+    from ipward.ipam import pools
     from ipward_lab.etcdlab import etcd_server
 
     with etcd_server(tmp_path / "etcd") as server, open_store(server.url) as store:
@@ -523,11 +523,11 @@ def test_prune_and_delete_of_a_large_pool_fit_etcd_transactions(tmp_path: Path) 
             ledger.release(Attachment("net", f"o{i}", "eth0"))
         for i in range(200):
             ledger.allocate([new], Attachment("net", f"n{i}", "eth0"), PodInfo())
-        keys, layouts = lifecycle.prune(store, "net")
+        keys, layouts = pools.prune(store, "net")
         assert layouts == 1 and keys >= 600  # 300 free and 300 queue entries, 5 blocks...
         assert_clean(server.url)
         for i in range(200):
             ledger.release(Attachment("net", f"n{i}", "eth0"))
-        assert lifecycle.delete_pool(store, "net") >= 400
+        assert pools.delete_pool(store, "net") >= 400
         assert pool_keys(server.url, "net") == []
         assert_clean(server.url)

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
-from ipward import records as rec
-from ipward import schema
-from ipward.ledger import Ledger
-from ipward.records import Attachment, PodInfo
-from ipward.store import open_backend, open_store
+from ipward.core import keys
+from ipward.core.records import Attachment, PodInfo
+from ipward.ipam.ledger import Ledger
+from ipward.store import open_backend, open_store, schema
 from ipward.store.base import Delete, Put
 from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server
@@ -83,7 +82,7 @@ def make_unversioned(url: str) -> None:
     """Turn the store into one made before the schema key existed (version 0): no key,
     and on SQLite no mark in the file, exactly as the code before both wrote it."""
     with open_backend(url) as store:
-        assert store.txn([], [Delete(rec.SCHEMA_KEY)]).succeeded
+        assert store.txn([], [Delete(keys.SCHEMA_KEY)]).succeeded
     if url.startswith("sqlite://"):
         with sqlite3.connect(url[len("sqlite://") :]) as db:
             db.execute("PRAGMA application_id = 0")
@@ -134,21 +133,21 @@ def refused_everywhere(url: str, tmp_path: Path, plugin: Path, needles: list[str
 
 def test_a_new_store_gets_the_schema_key_as_its_first_write(url: str) -> None:
     with open_store(url) as store:
-        kv = store.get(rec.SCHEMA_KEY)
+        kv = store.get(keys.SCHEMA_KEY)
         assert kv is not None and json.loads(kv.value) == {"version": schema.VERSION}
         watch = store.watch("", 1)
         try:
             first = next(iter(watch))
         finally:
             watch.cancel()
-    assert first.kv.key == rec.SCHEMA_KEY
+    assert first.kv.key == keys.SCHEMA_KEY
 
 
 def test_a_store_from_before_the_schema_key_is_refused_until_migrated(
     url: str, tmp_path: Path, plugin: Path
 ) -> None:
     fill(url)
-    kept = {k: v for k, v in dump(url)[0].items() if k != rec.SCHEMA_KEY}
+    kept = {k: v for k, v in dump(url)[0].items() if k != keys.SCHEMA_KEY}
     make_unversioned(url)
     refused_everywhere(url, tmp_path, plugin, ["schema version 0", "ipward migrate"])
 
@@ -166,7 +165,7 @@ def test_a_store_from_before_the_schema_key_is_refused_until_migrated(
     assert "nothing to do" in again.stdout
 
     kvs, _ = dump(url)
-    assert json.loads(kvs.pop(rec.SCHEMA_KEY)) == {"version": schema.VERSION}
+    assert json.loads(kvs.pop(keys.SCHEMA_KEY)) == {"version": schema.VERSION}
     assert kvs == kept  # the migration wrote the key and nothing else
     assert run_cli("check", store=url).returncode == 0
     listed = json.loads(run_cli("--json", "alloc", "list", store=url, check=True).stdout)
@@ -184,7 +183,7 @@ def test_a_newer_schema_is_refused_naming_both_versions(
 ) -> None:
     fill(url)
     with open_store(url) as store:
-        store.txn([], [Put(rec.SCHEMA_KEY, schema.record(schema.VERSION + 41))])
+        store.txn([], [Put(keys.SCHEMA_KEY, schema.record(schema.VERSION + 41))])
     needles = [f"schema version {schema.VERSION + 41}", f"({schema.VERSION})", "upgrade ipward"]
     refused_everywhere(url, tmp_path, plugin, needles)
     migrate = run_cli("migrate", store=url)
@@ -268,7 +267,7 @@ def test_many_first_uses_at_once_make_one_store(tmp_path: Path, plugin: Path) ->
     assert all(p.returncode == 0 for p in procs.values()), answers
     assert len({a["ips"][0]["address"] for a in answers.values()}) == len(procs)
     kvs, _ = dump(url)
-    assert json.loads(kvs[rec.SCHEMA_KEY]) == {"version": schema.VERSION}
+    assert json.loads(kvs[keys.SCHEMA_KEY]) == {"version": schema.VERSION}
     assert run_cli("check", store=url).returncode == 0
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward import records as rec
-from ipward.liveness import Pod
+from ipward.cluster.liveness import Pod
+from ipward.core import keys
+from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab import fleet
 from ipward_lab.simcluster import write_sim_state
@@ -46,7 +47,7 @@ class Cluster:
         # The agent registers its node (a write) on its own thread: done before a test
         # compares store revisions.
         with open_store(url) as store:
-            wait_for(lambda: store.get(rec.node_key(NODE)), "the agent's node registration")
+            wait_for(lambda: store.get(keys.node_key(NODE)), "the agent's node registration")
 
     def publish(self) -> None:
         cluster = (
@@ -199,7 +200,7 @@ def test_sticky_when_statefulset_annotation_or_config(
     pod = cluster.pod("db", "db-0", **kw)
     (ip,) = address(cluster.add(pod, cluster.config(**config)))
     with open_store(cluster.url) as store:
-        kv = store.get(rec.sticky_key("net", "db", "db-0"))
+        kv = store.get(keys.sticky_key("net", "db", "db-0"))
         assert kv is not None
         held = rec.decode(kv.value)
     assert held["ips"] == [f"blue/{ip}"] and held["owner_kind"] == owner and held["ttl"] == ttl

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import IPWARD, wait_for
-from ipward import records as rec
+from ipward.core import keys
 from ipward.store.base import Delete, at_revision
 from ipward_lab.sim import FAULTS, NS, POOL, Options, Soak
 from ipward_lab.sim.result import fault_unavailable
@@ -76,7 +76,7 @@ def test_the_checker_catches_a_lost_live_address(tmp_path: Path) -> None:
         wait_for(lambda: len(s.sim.ready_addresses()) == 2, "2 pods ready")  # type: ignore[union-attr]
         assert s.checker.check_once() == []
         ip = sorted(s.sim.ready_addresses())[0]
-        kv = s.store.get(rec.ip_key(POOL, ip))
+        kv = s.store.get(keys.ip_key(POOL, ip))
         assert kv is not None
         s.store.txn([at_revision(kv.key, kv.mod_revision)], [Delete(kv.key)])
         found = s.checker.check_once()

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from conftest import run_cli
-from ipward import records as rec
-from ipward.liveness import LivenessUnavailable, Pod
+from ipward.cluster.liveness import LivenessUnavailable, Pod
+from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab.simcluster import SimCluster, SimFileSource
 from simprocs import ManualClock, agents

@@ -10,13 +10,15 @@ import json
 import pytest
 
 from conftest import run_cli
-from ipward import gc
-from ipward import records as rec
-from ipward.check import check
-from ipward.errors import OwnerChanged, TryAgainLater
-from ipward.ledger import Ledger
-from ipward.liveness import ClusterView, Pod
-from ipward.pool import PoolSpec
+from ipward.cluster.liveness import ClusterView, Pod
+from ipward.core import keys
+from ipward.core import records as rec
+from ipward.core.errors import OwnerChanged, TryAgainLater
+from ipward.core.pool import PoolSpec
+from ipward.core.records import AddressRecord, ReservationRecord
+from ipward.gc import rules as gc
+from ipward.ipam.check import check
+from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put
 
 NET = "net"
@@ -27,7 +29,7 @@ def pool(sqlite_store) -> PoolSpec:
     spec = PoolSpec.from_dict(
         {"name": "p", "ranges": [[{"subnet": "10.0.0.0/24"}], [{"subnet": "fd00::/64"}]]}
     )
-    sqlite_store.txn([], [Put(rec.pool_key("p"), rec.encode(spec.to_dict()))])
+    sqlite_store.txn([], [Put(keys.pool_key("p"), rec.encode(spec.to_dict()))])
     return spec
 
 
@@ -53,14 +55,14 @@ def test_reserved_with_the_first_allocation_and_taken_over(sqlite_store, pool) -
     first = ips(
         ledger.allocate([pool], sandbox(1), rec.PodInfo("db", "db-0", "u1"), sticky=identity())
     )
-    held = rec.decode(sqlite_store.get(rec.sticky_key(NET, "db", "db-0")).value)
+    held = rec.decode(sqlite_store.get(keys.sticky_key(NET, "db", "db-0")).value)
     assert held["attachment"] == sandbox(1).key and len(held["ips"]) == 2  # dual stack
     assert_clean(sqlite_store)
     # DEL detaches: the reservation keeps both addresses, no index.
     assert sorted(ledger.release(sandbox(1))) == sorted(held["ips"])
     assert sqlite_store.get(sandbox(1).key) is None
     assert all(
-        rec.is_detached(rec.decode(sqlite_store.get(rec.ip_key(*rec.split_pool_ip(r))).value))
+        AddressRecord.decode(sqlite_store.get(keys.ip_key(*rec.split_pool_ip(r))).value).is_detached
         for r in held["ips"]
     )
     assert_clean(sqlite_store)
@@ -120,7 +122,7 @@ def test_no_takeover_from_a_pod_that_may_be_live(sqlite_store, pool) -> None:
 def test_free_sticky_only_when_detached_and_unchanged(sqlite_store, pool) -> None:
     ledger = Ledger(sqlite_store, "n1")
     ledger.allocate([pool], sandbox(1), rec.PodInfo("db", "db-0", "u1"), sticky=identity())
-    key = rec.sticky_key(NET, "db", "db-0")
+    key = keys.sticky_key(NET, "db", "db-0")
     with pytest.raises(OwnerChanged, match="bound"):
         ledger.free_sticky(key, sqlite_store.get(key).mod_revision, "test")
     ledger.release(sandbox(1))
@@ -145,14 +147,16 @@ def test_gc_of_a_bound_sticky_record_detaches_it(sqlite_store, pool) -> None:
     assert gc.free(ledger, verdicts[0], "test")
     assert len(sqlite_store.range("ips/")[0]) == 2
     assert gc.snapshot(sqlite_store) == []  # detached: not judged as leaked again
-    assert rec.decode(sqlite_store.get(rec.sticky_key(NET, "db", "db-0")).value)["attachment"] == ""
+    assert (
+        rec.decode(sqlite_store.get(keys.sticky_key(NET, "db", "db-0")).value)["attachment"] == ""
+    )
     assert_clean(sqlite_store)
 
 
 def reservation(**held: object) -> gc.Reservation:
     base = {"ips": ["p/10.0.0.5"], "attachment": "", "detached_at": 1000.0, "ttl": None}
     base.update(held)
-    return gc.Reservation("sticky/net/db/db-2", 3, base)
+    return gc.Reservation("sticky/net/db/db-2", 3, ReservationRecord.from_dict(base))
 
 
 def view(*pods: Pod, sets: dict[str, int] | None = None, as_of: float = 1100.0) -> ClusterView:

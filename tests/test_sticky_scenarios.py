@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import exec_plugin, wait_for
-from ipward import records as rec
+from ipward.core import keys
+from ipward.core import records as rec
 from simprocs import INTERVAL, NS, World
 
 
@@ -164,7 +165,7 @@ def test_statefulset_scale_3_to_1_frees_ordinals_1_and_2(watched: tuple[World, W
         "ordinals 1 and 2 freed",
     )
     print(f"scale down: addresses freed {time.time() - gone_at:.2f}s after the pods left")
-    assert set(reservations(w)) == {rec.sticky_key("simnet", NS, "db-0")}
+    assert set(reservations(w)) == {keys.sticky_key("simnet", NS, "db-0")}
     assert running_pods(w) == {"db-0": held["db-0"]}
     assert ctl.metric("ipward_gc_freed_total", reason="ordinal-out-of-range") == 2
     watcher.stop()

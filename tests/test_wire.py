@@ -1,4 +1,4 @@
-"""The plugin <-> agent path: the wire format (`ipward.wire`) cannot be confused by any
+"""The plugin <-> agent path: the wire format (`ipward.cni.wire`) cannot be confused by any
 byte of any value; the thin path judges a call exactly as the in-process path does; only
 `ipam.agentSocket` sends a call anywhere, and only to a socket and an agent of root or of
 the plugin's own user; an old plugin and a new agent (and the reverse) say so instead of
@@ -22,8 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, PluginResult, exec_plugin, wait_for
-from ipward import records as rec
-from ipward import wire
+from ipward.cni import wire
+from ipward.core import keys
+from ipward.core.records import AddressRecord
 from ipward.store import open_backend, open_store
 from ipward_lab import fleet
 from test_agent import exec_as, public_plugin
@@ -51,7 +52,7 @@ def agent(tmp_path: Path, run_dir: Path, sqlite_url: str) -> Iterator[fleet.Agen
     try:
         started.wait_ready()
         with open_store(sqlite_url) as store:  # its registration: the last write of its own
-            wait_for(lambda: store.get(rec.node_key("wire-node")), "the node's registration")
+            wait_for(lambda: store.get(keys.node_key("wire-node")), "the node's registration")
         yield started
     finally:
         started.kill()
@@ -84,8 +85,7 @@ def holder_of(url: str) -> dict[str, str]:
     with open_store(url) as store:
         kvs, _ = store.range("ips/")
     return {
-        rec.record_attachment(rec.decode(kv.value)).container: kv.key.rsplit("/", 1)[1]
-        for kv in kvs
+        AddressRecord.decode(kv.value).attachment.container: kv.key.rsplit("/", 1)[1] for kv in kvs
     }
 
 
@@ -194,6 +194,10 @@ def protocol_1_tree(tmp: Path) -> Path:
             ).stdout
             tmp.mkdir(parents=True, exist_ok=True)
             subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+            # fleet starts agents with `python -m ipward`; that tree predates its __main__.
+            main = tmp / "src" / "ipward" / "__main__.py"
+            if not main.exists():
+                main.write_text("from ipward.cli import main\n\nmain()\n")
             return tmp / "src"
     pytest.skip("no commit with wire protocol 1 in this history")
 

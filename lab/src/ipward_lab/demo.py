@@ -138,7 +138,7 @@ class Demo:
             self.command(shown)
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "ipward.cli", "--store", self.store_url, *args],
+                [sys.executable, "-m", "ipward", "--store", self.store_url, *args],
                 capture_output=True,
                 text=True,
                 timeout=CLI_TIMEOUT,
@@ -181,7 +181,7 @@ class Demo:
                 f"{db} exists already (an earlier run's store); give an empty --state-dir"
             )
         self.command(f"ipward install-cni --bin-dir {self.bin_dir}")
-        cmd = [sys.executable, "-m", "ipward.cli", "install-cni", "--bin-dir", str(self.bin_dir)]
+        cmd = [sys.executable, "-m", "ipward", "install-cni", "--bin-dir", str(self.bin_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CLI_TIMEOUT, check=False)
         self.block(proc.stdout)
         plugin = self.bin_dir / "ipward"

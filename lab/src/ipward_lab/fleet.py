@@ -15,10 +15,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ipward.plugin import forward
-from ipward.wire import WireError
+from ipward.cni.plugin import forward
+from ipward.cni.wire import WireError
 
-IPWARD = [sys.executable, "-m", "ipward.cli"]
+IPWARD = [sys.executable, "-m", "ipward"]
 _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 

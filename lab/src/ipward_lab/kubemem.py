@@ -25,7 +25,7 @@ import gc, json, sys, time
 def rss():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
-from ipward.liveness import open_source
+from ipward.cluster.liveness import open_source
 import ipward.cluster.k8s.source
 gc.collect()
 before = rss()

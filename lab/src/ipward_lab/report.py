@@ -11,7 +11,7 @@ as base64 PNG), so a report can be mailed, archived or opened offline as it is.
 Every piece of text is HTML-escaped. Plots are drawn with matplotlib on its Agg
 backend (no display), imported only inside the plotting functions: importing this
 module loads no matplotlib, so commands that merely sit next to a report command in
-`ipward.cli` (the agent, the controller) never pay for it; the CNI plugin never imports
+`ipward.cmd.cli` (the agent, the controller) never pay for it; the CNI plugin never imports
 this module at all.
 """
 

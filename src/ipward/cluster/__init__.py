@@ -1,2 +1,3 @@
-"""Where ipward reads its cluster from: liveness and pod-metadata sources (the Kubernetes
-API in `k8s`; the container runtime and the simulated cluster move in here later)."""
+"""What ipward knows of the cluster: who is alive (liveness sources and their views: the
+container runtime over CRI in `cri`, the Kubernetes API in `k8s`, and the schemes other
+distributions add), what an ADD may read of its pod, and leader election."""

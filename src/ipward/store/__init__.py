@@ -1,6 +1,6 @@
 """Store backends behind one contract (see `base`). `open_store` picks one by URL,
 `sqlite:///path/to/file.db` or `etcd://host:port[,host:port...]?ca=&cert=&key=&user=&password=`,
-and checks that it holds a ledger this code may use (`ipward.schema`).
+and checks that it holds a ledger this code may use (`ipward.store.schema`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def open_store(url: str, *, create: bool = True) -> Store:
     """The store at `url`, checked: ipward's, at the schema version this code knows, no
     import in progress (else StoreIncompatible). `create`: a store that is not there is
     made (file, tables, schema key); without it, StoreMissing and nothing is created."""
-    from ipward import schema
+    from ipward.store import schema
 
     store = open_backend(url, create=create)
     try:
@@ -55,7 +55,7 @@ def open_store_waiting(url: str, stop: Event) -> Store | None:
     serve: retried while the store cannot be reached (after 1 s, doubling up to 30 s,
     each wait logged), until `stop` is set (then None). A store that is not usable
     (StoreIncompatible) raises at once."""
-    from ipward import log
+    from ipward.core import log
 
     delay = 1.0
     while True:

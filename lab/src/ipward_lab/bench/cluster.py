@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from ipward.lifecycle import create_pool
-from ipward.pool import PoolSpec
+from ipward.core.pool import PoolSpec
+from ipward.ipam.pools import create_pool
 from ipward.store import open_store
 from ipward.store.base import Put, Store, at_revision
 from ipward_lab.bench.common import (
@@ -84,7 +84,7 @@ class _Client:
         self.examples: dict[str, str] = {}
 
     def call(self, command: str, container: str) -> tuple[bool, float]:
-        from ipward.plugin import forward
+        from ipward.cni.plugin import forward
 
         env = dict(self.base_env, CNI_COMMAND=command, CNI_CONTAINERID=container)
         start = time.perf_counter()

@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from ipward import records as rec
-from ipward import schema
-from ipward.addr import Block
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.core import keys
+from ipward.core import records as rec
+from ipward.core.addr import Block
+from ipward.core.pool import PoolSpec
+from ipward.core.records import AddressRecord, Attachment, PodInfo
+from ipward.store import schema
 from ipward.store.base import Put, Store
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (
@@ -73,13 +74,13 @@ class _BlockFiller:
         out: list[Put] = []
         for cidr, next_offset in self.last.items():
             state = {"node": self.node, "state": rec.ACTIVE, "next": next_offset}
-            out.append(Put(rec.block_key(name, cidr), rec.encode(state)))
-            out.append(Put(rec.affinity_key(name, self.node, cidr), b""))
+            out.append(Put(keys.block_key(name, cidr), rec.encode(state)))
+            out.append(Put(keys.affinity_key(name, self.node, cidr), b""))
         if self.block is not None:
             out.append(
-                Put(rec.fill_key(name, family, self.node), rec.encode({"block": self.block.cidr}))
+                Put(keys.fill_key(name, family, self.node), rec.encode({"block": self.block.cidr}))
             )
-            out.append(Put(rec.block_cursor_key(name, family), rec.encode({"next": self.claimed})))
+            out.append(Put(keys.block_cursor_key(name, family), rec.encode({"next": self.claimed})))
         return out
 
 
@@ -110,8 +111,8 @@ def bulk_fill(
     # The first ADD of a declared pool stores it, with the overlap guard's key.
     coverage = rec.encode({"generation": 1, "pool": spec.name})
     ops: list[Put] = [
-        Put(rec.pool_key(spec.name), rec.encode(spec.to_dict())),
-        Put(rec.POOL_COVERAGE_KEY, coverage),
+        Put(keys.pool_key(spec.name), rec.encode(spec.to_dict())),
+        Put(keys.POOL_COVERAGE_KEY, coverage),
     ]
     attachments = []
     for i in range(count):
@@ -121,8 +122,8 @@ def bulk_fill(
         for filler in fillers:
             ip, cidr = filler.take()
             refs.append(f"{spec.name}/{ip}")
-            record = rec.ip_record(attachment, pod, node, cidr, now, False)
-            ops.append(Put(rec.ip_key(spec.name, ip), rec.encode(record)))
+            record = AddressRecord.new(attachment, pod, node, cidr, now)
+            ops.append(Put(keys.ip_key(spec.name, ip), record.encode()))
         ops.append(Put(attachment.key, rec.encode({"ips": refs})))
         attachments.append(attachment)
         if len(ops) >= batch:

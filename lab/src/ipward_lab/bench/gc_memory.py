@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ipward import schema
-from ipward.pool import PoolSpec
-from ipward.records import PodInfo
+from ipward.core import keys
+from ipward.core.pool import PoolSpec
+from ipward.core.records import PodInfo
+from ipward.store import schema
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (
     AGENT_READY_TIMEOUT,
@@ -98,13 +99,13 @@ class RecordStore:
 
 def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict[str, float]]:
     """Per store, the median seconds (of `repeats`, the stores taking turns) of: the raw
-    `store.range("ips/")` (the reference), one `gc.look` pass (records, registrations,
+    `store.range(keys.ADDRESSES)` (the reference), one `gc.look` pass (records, registrations,
     liveness, every record judged), its parts alone (`snapshot`, `gather`, `judge`),
     and the controller's own `gc_pass` (also the sticky reservations; first pass, so
     nothing is confirmed). Every record must be judged alive."""
-    from ipward import gc
-    from ipward.controller import Controller, Election, Metrics
-    from ipward.ledger import ADD_GRACE
+    from ipward.controller.passes import Controller, Election, Metrics
+    from ipward.core.policy import ADD_GRACE
+    from ipward.gc import rules as gc
 
     samples: dict[int, dict[str, list[float]]] = {s.records: {} for s in stores}
     sessions = []
@@ -129,7 +130,7 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
                     return Timer(times.setdefault(name, []))
 
                 with timed("raw_range_s"):
-                    kvs, _ = store.range("ips/")
+                    kvs, _ = store.range(keys.ADDRESSES)
                 if len(kvs) != s.records:
                     raise BenchError(f"{len(kvs)} records in {s.path}, expected {s.records}")
                 del kvs

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
+from ipward.ipam.ledger import Ledger
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (
     NODE,

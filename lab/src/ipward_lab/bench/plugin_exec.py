@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ipward.install import write_launcher
+from ipward.cmd.install import write_launcher
 from ipward_lab.bench.common import (
     CNI_BIN_DIR,
     HOST_LOCAL,

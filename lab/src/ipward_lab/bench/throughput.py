@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ipward.ledger import Ledger
-from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.core.pool import PoolSpec
+from ipward.core.records import Attachment, PodInfo
+from ipward.ipam.ledger import Ledger
 from ipward.store.base import Put, Store, StoreError, at_revision
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (

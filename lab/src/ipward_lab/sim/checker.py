@@ -9,8 +9,10 @@ from __future__ import annotations
 import threading
 import time
 
-from ipward import records as rec
-from ipward.check import check
+from ipward.core import keys
+from ipward.core import records as rec
+from ipward.core.records import AddressRecord
+from ipward.ipam.check import check
 from ipward.store import Store, StoreError
 from ipward_lab.sim.result import NS, POOL, Result, Violation
 from ipward_lab.simcluster import SimCluster
@@ -28,11 +30,11 @@ class Checker:
         was read; no two ready pods may share an address."""
         before = self._ready()
         try:
-            kvs, _ = self.store.range(f"ips/{POOL}/")
+            kvs, _ = self.store.range(keys.ips_prefix(POOL))
         except StoreError:
             return []  # the store is down (a fault): nothing to compare against
         after = self._ready()
-        records = {kv.key.rsplit("/", 1)[1]: rec.decode(kv.value) for kv in kvs}
+        records = {keys.ip_parts(kv.key)[1]: rec.decode(kv.value) for kv in kvs}
         found = []
         now = time.time()
         for ip, holders in after.items():
@@ -65,7 +67,7 @@ class Checker:
 
     def history(self, ip: str, wait: float = 3.0) -> list[str]:
         """Every version of the address's record, with its revision."""
-        key = rec.ip_key(POOL, ip)
+        key = keys.ip_key(POOL, ip)
         end = self.store.revision()
         watch = self.store.watch(key, 1)
         timer = threading.Timer(wait, watch.cancel)
@@ -112,17 +114,17 @@ class Checker:
         waiting = [f"{p.name}:{p.phase}" for p in pods if p.phase != "Running" and not p.terminal]
         held = {a for p in pods if (a := self.sim.address_of(p)) is not None}
         bound = {
-            kv.key.rsplit("/", 1)[1]
-            for kv in self.store.range(f"ips/{POOL}/")[0]
-            if not rec.is_detached(rec.decode(kv.value))
+            keys.ip_parts(kv.key)[1]
+            for kv in self.store.range(keys.ips_prefix(POOL))[0]
+            if not AddressRecord.decode(kv.value).is_detached
         }
         return waiting, held, bound
 
     def empty(self) -> bool:
         return (
             not self.sim.pods(NS)
-            and not self.store.range(f"ips/{POOL}/")[0]
-            and not self.store.range("sticky/")[0]
+            and not self.store.range(keys.ips_prefix(POOL))[0]
+            and not self.store.range(keys.STICKY)[0]
         )
 
     def store_problems(self) -> list[Violation]:

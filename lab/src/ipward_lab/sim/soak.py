@@ -21,10 +21,11 @@ from rich.live import Live
 
 from ipward.cluster.k8s.client import ApiClient
 from ipward.cluster.k8s.config import from_kubeconfig
-from ipward.install import write_launcher
-from ipward.lifecycle import create_pool
-from ipward.liveness import Pod
-from ipward.pool import PoolSpec
+from ipward.cluster.liveness import Pod
+from ipward.cmd.install import write_launcher
+from ipward.core import keys
+from ipward.core.pool import PoolSpec
+from ipward.ipam.pools import create_pool
 from ipward.store import Store, StoreError, open_store
 from ipward_lab import fleet, kubelab
 from ipward_lab.etcdlab import EtcdCluster, EtcdServer
@@ -428,7 +429,7 @@ class Soak:
                 self.result.add_failures[code.group(1) if code else "no answer"] += 1
         ok = [c for c in adds if c.returncode == 0]
         try:
-            records = len(self.store.range(f"ips/{POOL}/")[0])
+            records = len(self.store.range(keys.ips_prefix(POOL))[0])
         except StoreError:
             records = self.result.samples[-1].records if self.result.samples else 0
         s = Sample(
@@ -534,8 +535,8 @@ class Soak:
         if self._wait(self.checker.empty, self.o.settle):
             self.result.emptied_after = time.monotonic() - started
         else:
-            left = [kv.key for kv in self.store.range(f"ips/{POOL}/")[0]]
-            left += [kv.key for kv in self.store.range("sticky/")[0]]
+            left = [kv.key for kv in self.store.range(keys.ips_prefix(POOL))[0]]
+            left += [kv.key for kv in self.store.range(keys.STICKY)[0]]
             self.checker.record(
                 [Violation(time.time(), "leak", "-", f"left after teardown: {left[:20]}")]
             )

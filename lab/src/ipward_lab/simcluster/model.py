@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipward.liveness import TERMINAL_PHASES, Pod, Sandbox
+from ipward.cluster.liveness import TERMINAL_PHASES, Pod, Sandbox
 from ipward_lab.simcluster.mirror import KubeMirror
 
 TYPE_CHECKING = False

@@ -13,7 +13,7 @@ import traceback
 from typing import Any
 
 from ipward.cluster.k8s.client import ApiError, ApiUnreachable
-from ipward.liveness import Pod, Sandbox
+from ipward.cluster.liveness import Pod, Sandbox
 from ipward_lab.simcluster.mirror import Wanted, WantedPod, replica_set_name, status_of
 from ipward_lab.simcluster.model import TICK, ClusterModel, SimPod, Snapshot, StatefulSet
 from ipward_lab.simcluster.source import write_sim_state

@@ -12,8 +12,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from ipward.errors import InvalidConfig
-from ipward.liveness import (
+from ipward.cluster.liveness import (
     ClusterView,
     LivenessSource,
     LivenessUnavailable,
@@ -22,6 +21,7 @@ from ipward.liveness import (
     Sandbox,
     string_dict,
 )
+from ipward.core.errors import InvalidConfig
 
 
 def open_sim_source(url: str, node: str = "", timeout: float = 2.0) -> SimFileSource:

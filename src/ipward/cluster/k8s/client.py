@@ -20,7 +20,7 @@ import urllib3
 from urllib3.exceptions import HTTPError
 
 from ipward.cluster.k8s.config import Connection
-from ipward.errors import InvalidConfig
+from ipward.core.errors import InvalidConfig
 
 JSON = "application/json"
 # Metadata only (nodes, namespaces): a list asks for the List kind, a watch for the item.

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from ipward.errors import InvalidConfig
+from ipward.core.errors import InvalidConfig
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 

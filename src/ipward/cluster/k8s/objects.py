@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from datetime import datetime
 
-from ipward.liveness import TERMINAL_PHASES, Pod
+from ipward.cluster.liveness import TERMINAL_PHASES, Pod
 
 ANNOTATION_PREFIX = "ipward.io/"  # the only annotations kept (pool selection, sticky)
 DEFAULT_GRACE = 30.0  # the API's default terminationGracePeriodSeconds

@@ -41,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from ipward import log
 from ipward.cluster.k8s.client import (
     JSON,
     METADATA,
@@ -51,7 +50,8 @@ from ipward.cluster.k8s.client import (
     ApiUnreachable,
     WatchStream,
 )
-from ipward.liveness import LivenessUnavailable
+from ipward.cluster.liveness import LivenessUnavailable
+from ipward.core import log
 
 V = TypeVar("V")
 

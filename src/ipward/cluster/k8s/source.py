@@ -33,8 +33,7 @@ from ipward.cluster.k8s.objects import (
     parse_statefulset,
 )
 from ipward.cluster.k8s.reflector import MIN_STALE_AFTER, Reflector, Resource
-from ipward.errors import InvalidConfig, TryAgainLater
-from ipward.liveness import (
+from ipward.cluster.liveness import (
     ClusterView,
     LivenessSource,
     LivenessUnavailable,
@@ -42,7 +41,8 @@ from ipward.liveness import (
     NotCovered,
     Pod,
 )
-from ipward.selection import PodDirectory, PodMeta
+from ipward.cni.selection import PodDirectory, PodMeta
+from ipward.core.errors import InvalidConfig, TryAgainLater
 
 NAMESPACES = Resource("namespaces", "/api/v1/namespaces", parse_namespace, metadata_only=True)
 NODES = Resource("nodes", "/api/v1/nodes", parse_node, metadata_only=True)

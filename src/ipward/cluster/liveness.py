@@ -1,0 +1,181 @@
+"""Liveness sources: who is alive, behind one interface (DESIGN 1, 5.4, 5.5).
+
+A source answers two questions, each with a view or `LivenessUnavailable`:
+  * `node_view(node)`: the pod sandboxes the container runtime of `node` holds, ready or
+    not (the runtime: CRI `ListPodSandbox`);
+  * `cluster_view()`: the orchestrator's pods (UID, phase, deletion, node, owner), its
+    nodes, and its StatefulSets' replicas.
+"Could not list" is always `LivenessUnavailable`, never an empty view (invariant 8). A
+source that cannot see something at all (a CRI socket sees one node and no cluster)
+raises `NotCovered`, a kind of `LivenessUnavailable`.
+
+Every view carries `as_of`: a time such that everything that existed before it is in
+the view. A caller keeps a record whenever the view is not newer than the record's
+creation plus the ADD grace, so a lagging source (an old `as_of`) frees nothing.
+
+Sources by URL (`open_source`):
+  * `cri:///run/containerd/containerd.sock`: containerd's CRI over its socket (ipward.cluster.cri);
+  * `k8s://` (in a pod) or `k8s://?kubeconfig=PATH&context=NAME`: the Kubernetes API
+    (ipward.cluster.k8s; with a node, that node's pods only);
+  * any scheme an installed distribution adds (`extensions.LIVENESS_SOURCES`): the labs
+    add `sim:///path/state.json`, the simulated cluster's published state
+    (`ipward_lab.simcluster.source`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from ipward.core import extensions
+from ipward.core.errors import InvalidConfig
+
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+class LivenessUnavailable(Exception):
+    """The source could not answer: nothing may be reclaimed on its account."""
+
+
+class NotCovered(LivenessUnavailable):
+    """The source does not see this at all (another node's runtime, or no cluster)."""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """A pod sandbox as the runtime lists it. Its `id` is the CNI container ID."""
+
+    id: str
+    ready: bool
+    namespace: str = ""
+    name: str = ""
+    uid: str = ""
+    created_at: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sandbox:
+        return cls(
+            id=str(d["id"]),
+            ready=bool(d["ready"]),
+            namespace=str(d.get("namespace", "")),
+            name=str(d.get("name", "")),
+            uid=str(d.get("uid", "")),
+            created_at=float(d.get("created_at", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A pod as the orchestrator knows it."""
+
+    uid: str
+    namespace: str
+    name: str
+    phase: str  # Pending, Running, Succeeded, Failed
+    node: str = ""
+    deleted_at: float | None = None  # deletion requested
+    grace: float = 30.0  # termination grace, seconds
+    finished_at: float | None = None  # when it became Succeeded or Failed
+    owner_kind: str = ""  # StatefulSet, ReplicaSet, Job, ...
+    owner_name: str = ""
+    annotations: dict[str, str] = field(default_factory=dict, hash=False)
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL_PHASES
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Pod:
+        return cls(
+            uid=str(d["uid"]),
+            namespace=str(d["namespace"]),
+            name=str(d["name"]),
+            phase=str(d["phase"]),
+            node=str(d.get("node", "")),
+            deleted_at=_float_or_none(d.get("deleted_at")),
+            grace=float(d.get("grace", 30.0)),
+            finished_at=_float_or_none(d.get("finished_at")),
+            owner_kind=str(d.get("owner_kind", "")),
+            owner_name=str(d.get("owner_name", "")),
+            annotations=string_dict(d.get("annotations", {})),
+        )
+
+
+def string_dict(value: object) -> dict[str, str]:
+    """A JSON object's entries as strings (annotations); anything else gives none."""
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _float_or_none(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+@dataclass
+class NodeView:
+    node: str
+    as_of: float
+    sandboxes: dict[str, Sandbox] = field(default_factory=dict)
+
+    def duplicate_pods(self) -> dict[str, list[str]]:
+        """Pod UIDs with more than one ready sandbox: sandbox IDs per UID. A runtime
+        showing this is not to be trusted (DESIGN 5.5)."""
+        by_uid: dict[str, list[str]] = {}
+        for sandbox in self.sandboxes.values():
+            if sandbox.ready and sandbox.uid:
+                by_uid.setdefault(sandbox.uid, []).append(sandbox.id)
+        return {uid: sorted(ids) for uid, ids in by_uid.items() if len(ids) > 1}
+
+
+@dataclass
+class ClusterView:
+    as_of: float
+    pods: dict[str, Pod] = field(default_factory=dict)  # by UID
+    nodes: frozenset[str] = frozenset()
+    statefulsets: dict[str, int] = field(default_factory=dict)  # "ns/name" -> replicas
+    namespaces: dict[str, dict[str, str]] = field(default_factory=dict)  # annotations
+
+    def pods_named(self, namespace: str, name: str) -> list[Pod]:
+        return [p for p in self.pods.values() if p.namespace == namespace and p.name == name]
+
+
+class LivenessSource(ABC):
+    @abstractmethod
+    def node_view(self, node: str) -> NodeView:
+        """The sandboxes of `node`'s runtime; raises LivenessUnavailable."""
+
+    @abstractmethod
+    def cluster_view(self) -> ClusterView:
+        """The orchestrator's pods and nodes; raises LivenessUnavailable."""
+
+    def close(self) -> None:  # noqa: B027 (most sources hold nothing)
+        pass
+
+
+def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSource:
+    """A source from its URL; `node` is the node a runtime socket belongs to. `cri://` and
+    `k8s://` are the product's own; other schemes are those installed distributions add
+    (`extensions.LIVENESS_SOURCES`: the labs' `sim://`)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme == "k8s":
+        from ipward.cluster.k8s.source import open_k8s  # urllib3 and yaml only when used
+
+        return open_k8s(url, node=node, timeout=timeout)
+    if sep and scheme == "cri":
+        if not rest:
+            raise InvalidConfig(f"liveness source {url!r}: expected cri:///PATH")
+        if not node:
+            raise InvalidConfig(
+                f"liveness source {url!r}: a runtime's socket answers for one node only;"
+                " name its node (ipward gc --node; a controller judges the whole cluster: use k8s://)"
+            )
+        from ipward.cluster.cri import CriSource  # grpc stays out of everything else's imports
+
+        return CriSource(rest, node=node, timeout=timeout)
+    added = extensions.added(extensions.LIVENESS_SOURCES)
+    if sep and scheme in added:
+        opened: LivenessSource = added[scheme].load()(url, node=node, timeout=timeout)
+        return opened
+    known = ", ".join(f"{name}://" for name in sorted({"cri", "k8s", *added}))
+    what = f"unknown scheme {scheme!r}" if sep else "not a URL"
+    raise InvalidConfig(f"liveness source {url!r}: {what} (known: {known})")

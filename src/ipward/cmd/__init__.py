@@ -1,0 +1,2 @@
+"""The command line: `ipward` and its commands (`cli`), the daemons' shared edge
+(`daemon`), the plugin launcher `install-cni` writes (`install`)."""

@@ -1,0 +1,165 @@
+"""The executable's entry point (`ipward install-cni` writes a launcher calling `main`).
+
+Cluster mode: the network config names the node agent's socket in `ipam.agentSocket`,
+and nowhere else counts. The config is parsed (`jsonc`, CPython's C scanner) and only
+that field of the `ipam` section is read: a key of that name anywhere else, such as in
+`args.cni`, which Multus fills from pod annotations, is only data. The call is then sent
+(`ipward.cni.wire`) and the agent's answer printed as is, but only to an agent the plugin
+can trust: the socket file must be owned by root or by the plugin's own user, and so
+must the process listening on it (SO_PEERCRED, read after connecting and before a byte
+is sent). Anything else is refused with code 5 and nothing is sent. This path imports
+only `_socket`, `posix` (the C module under `os`, whose Python layer alone costs
+~0.8 ms), `jsonc` and `wire`, so it costs little over the interpreter's own start.
+
+Everything else runs `ipward.cni.verbs` in-process on SQLite (single-node mode), which also
+answers VERSION (it needs no agent) and a configuration over `wire.MAX_CONFIG` (107),
+whatever the config says, so both paths give the same answers to the same input.
+"""
+
+from __future__ import annotations
+
+import posix
+import sys
+
+from ipward.cni.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, agent_socket
+from ipward.core import jsonc
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import _socket
+    from collections.abc import Mapping
+    from typing import NoReturn
+
+_S_IFMT, _S_IFSOCK = 0o170000, 0o140000
+
+
+def read_stdin() -> bytes:
+    """The network configuration, read up to one byte past its limit (enough to refuse
+    it; a runtime closes stdin, so this never waits for more)."""
+    try:
+        return sys.stdin.buffer.read(MAX_CONFIG + 1)
+    except (AttributeError, OSError, ValueError):  # no stdin at all
+        return b""
+
+
+def trusted_uids() -> tuple[int, ...]:
+    """Whose socket and agent the plugin talks to: root and its own (effective) user."""
+    return (0, posix.geteuid())
+
+
+def forward(
+    path: str, env: Mapping[str, str | bytes], stdin: bytes, timeout: float = CALL_TIMEOUT
+) -> tuple[int, bytes]:
+    """Send one call to the agent at `path`; its exit status and stdout. Raises
+    PermissionError when the socket or the process behind it is not root's or ours
+    (nothing is sent then), other OSErrors and `wire.WireError` when no answer comes."""
+    import _socket
+
+    from ipward.cni.wire import NO_ANSWER, WireError, encode_request, read_answer
+
+    request = encode_request(env, stdin)
+    trusted = trusted_uids()
+    st = posix.stat(path)
+    if st.st_mode & _S_IFMT != _S_IFSOCK:
+        raise PermissionError(f"{path} is not a socket")
+    if st.st_uid not in trusted:
+        raise PermissionError(
+            f"{path} is owned by uid {st.st_uid}; the plugin talks only to a socket of root"
+            f" or of its own uid {trusted[-1]}"
+        )
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        _connect(sock, path, timeout)
+        raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+        peer_pid = int.from_bytes(raw[0:4], sys.byteorder)
+        peer_uid = int.from_bytes(raw[4:8], sys.byteorder)
+        if peer_uid not in trusted:
+            raise PermissionError(
+                f"the process listening on {path} (pid {peer_pid}) runs as uid {peer_uid};"
+                f" the plugin talks only to an agent of root or of its own uid {trusted[-1]}"
+            )
+        try:
+            sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it answered without reading all of it (busy, or refused): read that
+        try:
+            return read_answer(sock.recv)
+        except ConnectionResetError as e:
+            raise WireError(f"{NO_ANSWER}: {e.strerror}") from None
+    finally:
+        sock.close()
+
+
+def _connect(sock: _socket.socket, path: str, timeout: float) -> None:
+    """Connect, waiting while the listen backlog is full: a Unix socket with a timeout
+    says EAGAIN at once then, where a blocking one would wait for room."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.002)
+
+
+def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exception) -> bytes:
+    """The error object when the agent gave no answer (never success: nothing was done)."""
+    from ipward.cni.cniio import error_output
+    from ipward.core.errors import IoFailure, IpwardError, NotAvailable, TryAgainLater
+
+    reason = f"{type(error).__name__}: {error}"
+    answer: IpwardError
+    if command == b"STATUS":
+        answer = NotAvailable(f"cannot serve ADD: ipward agent at {path}: {reason}")
+    elif isinstance(error, PermissionError):  # retrying cannot help
+        answer = IoFailure(f"ipward agent at {path} not usable ({reason}); nothing was sent")
+    else:
+        what = "nothing was released; retry the DEL" if command == b"DEL" else "try again later"
+        answer = TryAgainLater(f"ipward agent at {path} unreachable ({reason}); {what}")
+    return error_output(answer, stdin).encode()
+
+
+def configured_socket(stdin: bytes, command: bytes | None) -> str | None:
+    """The agent socket a call goes to: the `ipam.agentSocket` of a config within its
+    limit that parses. None for VERSION (it needs no agent) and for anything else."""
+    if len(stdin) > MAX_CONFIG or command == b"VERSION":
+        return None
+    try:
+        return agent_socket(jsonc.loads(stdin))
+    except Exception:  # not JSON: answered without an agent (code 6)
+        return None
+
+
+def send(path: str, stdin: bytes, command: bytes | None) -> NoReturn:
+    """Forward the call to the agent at `path`, print its answer (or why none came) and
+    exit with its status."""
+    environ = posix.environ
+    env = {name: environ[name.encode()] for name in FORWARDED if name.encode() in environ}
+    try:
+        status, out = forward(path, env, stdin)
+    except Exception as e:  # any failure to get an answer is an error, never success
+        status, out = 1, _unreachable(stdin, path, command, e)
+    finish(status, out)
+
+
+def finish(status: int, out: bytes) -> NoReturn:
+    sys.stdout.buffer.write(out)
+    sys.stdout.flush()
+    posix._exit(status)
+
+
+def main() -> None:
+    stdin = read_stdin()
+    command = posix.environ.get(b"CNI_COMMAND")
+    path = configured_socket(stdin, command)
+    if path is None:
+        from ipward.cni.verbs import main as in_process
+
+        in_process(stdin)
+        return
+    send(path, stdin, command)

@@ -1,0 +1,173 @@
+"""Which pools an ADD allocates from, and whether its address is sticky (issue: pool
+selection per workload, sticky identities). On the plugin's path: stdlib only.
+
+Pools, first match wins:
+  1. an address requested by the runtime (`runtimeConfig.ips`, `args.cni.ips`, CNI_ARGS
+     `IP=`): the pools chosen below when they hold it, else the pool that does;
+  2. the pod's annotation `ipward.io/pool` (a name, or a comma list: one pool per family);
+  3. its namespace's annotation `ipward.io/pool`;
+  4. the pool of the CNI config (`pool`, or its inline ranges).
+Every pool chosen must serve the pod's namespace and this node (`PoolSpec.namespaces`,
+`PoolSpec.nodes`), else the ADD fails with code 105 and writes nothing; a list of pools
+holds one pool per family (an attachment gets one address of each), else code 7.
+
+Sticky: the CNI config says `"sticky": true`, or the pod's owner is a StatefulSet, or the
+pod is annotated `ipward.io/sticky: "true"`. The identity is (network, pod namespace,
+pod name). A StatefulSet's reservation lives as long as its ordinal is in range; any
+other lives `stickyTTL` seconds past its last sandbox.
+
+Annotations and owners come from a `PodDirectory` (the agent's `--cluster` source);
+without one, only the config decides. A directory that cannot answer makes the ADD fail
+with code 11: a pod is never put in a pool it did not ask for.
+"""
+
+from __future__ import annotations
+
+from ipward.core.addr import parse_ip
+from ipward.core.errors import AddressOutsidePool, InvalidEnvironment, IpwardError, TryAgainLater
+from ipward.core.pool import check_one_per_family
+from ipward.core.records import Sticky
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.cni.config import Call, IpamConfig
+    from ipward.core.pool import PoolSpec
+    from ipward.ipam.ledger import Ledger
+
+POOL_ANNOTATION = "ipward.io/pool"
+STICKY_ANNOTATION = "ipward.io/sticky"
+
+
+class PodMeta:
+    """What the cluster says about the pod of an ADD."""
+
+    __slots__ = ("annotations", "namespace_annotations", "owner_kind", "owner_name")
+
+    def __init__(
+        self,
+        annotations: dict[str, str],
+        namespace_annotations: dict[str, str],
+        owner_kind: str = "",
+        owner_name: str = "",
+    ) -> None:
+        self.annotations = annotations
+        self.namespace_annotations = namespace_annotations
+        self.owner_kind = owner_kind
+        self.owner_name = owner_name
+
+
+class PodDirectory:
+    """The cluster as an ADD sees it. Both methods raise TryAgainLater when the cluster
+    cannot be read."""
+
+    def meta(self, namespace: str, name: str, uid: str) -> PodMeta:
+        raise NotImplementedError
+
+    def listed(self, namespace: str, name: str, uid: str) -> bool:
+        """Whether the pod with this UID (named namespace/name when it was bound) still
+        exists. The name lets a source that does not cache every pod ask for it."""
+        raise NotImplementedError
+
+
+def choose(
+    ledger: Ledger,
+    config: IpamConfig,
+    call: Call,
+    requested: list[str],
+    directory: PodDirectory | None,
+) -> tuple[list[PoolSpec], Sticky | None]:
+    """(pools, sticky identity or None) for an ADD of the `requested` addresses."""
+    pod = call.pod
+    meta = directory.meta(pod.namespace, pod.name, pod.uid) if directory and pod.name else None
+    annotated = _annotated(meta)
+    try:
+        pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=False)
+    except TryAgainLater:
+        raise
+    except IpwardError:
+        # Maybe judged on pool specs a long-lived ledger remembers (an agent's): a
+        # refusal is only given on the pools as stored now.
+        pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=True)
+    return pools, _sticky(config, call, meta, directory)
+
+
+def _pools(
+    ledger: Ledger,
+    config: IpamConfig,
+    annotated: list[str],
+    requested: list[str],
+    namespace: str,
+    fresh: bool,
+) -> list[PoolSpec]:
+    """The pools annotated, else the config's; then those holding the requested
+    addresses; one per family, each allowed here."""
+    if annotated:
+        pools = [ledger.get_pool(n, fresh) for n in annotated]
+    elif config.inline_pool is not None:
+        pools = [config.inline_pool]  # stored by the allocating transaction itself
+    else:
+        pools = [ledger.get_pool(n, fresh) for n in config.pool_names]
+    if requested:
+        pools = _holding(ledger, pools, requested)
+    check_one_per_family(pools)
+    for pool in pools:
+        pool.check_allowed(namespace, ledger.node)
+    return pools
+
+
+def _annotated(meta: PodMeta | None) -> list[str]:
+    if meta is None:
+        return []
+    value = meta.annotations.get(POOL_ANNOTATION) or meta.namespace_annotations.get(POOL_ANNOTATION)
+    return [n.strip() for n in value.split(",") if n.strip()] if value else []
+
+
+def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> list[PoolSpec]:
+    """The chosen pools when they hold every requested address; else, per address, the
+    pool that holds it. A chosen pool is judged as chosen only: its stored spec may be
+    an earlier version of it (an inline network whose ranges changed), whose addresses
+    new pods no longer get."""
+
+    def holds(pool: PoolSpec, text: str) -> bool:
+        family, value = parse_ip(text)
+        index = pool.set_of(family)
+        return index is not None and pool.range_sets[index].usable(value)
+
+    if all(any(holds(p, ip) for p in pools) for ip in requested):
+        return pools
+    found: list[PoolSpec] = []
+    chosen = {p.name for p in pools}
+    others = [p for p in ledger.stored_pools() if p.name not in chosen]
+    for ip in requested:
+        pool = next((p for p in [*pools, *others] if holds(p, ip)), None)
+        if pool is None:
+            raise AddressOutsidePool(f"requested address {ip} is in no pool")
+        if all(p.name != pool.name for p in found):
+            found.append(pool)
+    return found
+
+
+def _sticky(
+    config: IpamConfig, call: Call, meta: PodMeta | None, directory: PodDirectory | None
+) -> Sticky | None:
+    stateful = meta is not None and meta.owner_kind == "StatefulSet"
+    asked = meta is not None and meta.annotations.get(STICKY_ANNOTATION, "").lower() == "true"
+    if not (config.sticky or stateful or asked):
+        return None
+    pod = call.pod
+    if not pod.namespace or not pod.name:
+        raise InvalidEnvironment(
+            "a sticky address needs the pod's identity: K8S_POD_NAMESPACE and K8S_POD_NAME"
+            " in CNI_ARGS"
+        )
+    return Sticky(
+        config.network,
+        pod.namespace,
+        pod.name,
+        owner_kind=meta.owner_kind if meta is not None else "",
+        owner_name=meta.owner_name if meta is not None else "",
+        ttl=None if stateful else config.sticky_ttl,
+        may_take=None
+        if directory is None
+        else (lambda uid: not directory.listed(pod.namespace, pod.name, uid)),
+    )

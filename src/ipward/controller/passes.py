@@ -1,0 +1,1088 @@
+"""`ipward controller`: one active per cluster. Keeps every registered node's free
+addresses at or above its pool's warm target by assigning blocks, and asks surplus blocks
+back through the release handshake (DESIGN.md 5.3, the steps in `ipward.ipam.blocks`).
+
+Leadership: the key `controller/leader` = {id, since}, put with a lease and only when
+absent (version 0). The leader keeps the lease alive every ttl/3 and checks the key is
+still its own; a keepalive answering <= 0, the key no longer ours, or keepalives failing
+for a whole TTL make it step down at once and go back to waiting. Waiting instances poll
+the key and create it when it is gone (it disappears with its lease), so a successor
+takes over within about one TTL plus one poll of the leader's death. The leader acts
+only while `monotonic() < the send time of its last answered keepalive + TTL` (the
+lease cannot have expired before then), and every write it makes carries the fence
+`controller/leader == <its exact value>`: a leader paused past its lease (GC, SIGSTOP,
+a stalled VM) cannot write when it wakes, whatever its threads believe. A write that
+fails makes it read the key; not ours any more means step down. Stepping down leaves
+the lease alone (it has expired, or the key is not ours; and SQLite hands a deleted
+lease's id out again, so revoking an id no longer held could end someone else's lease).
+Only a clean stop (SIGTERM, SIGINT) resigns: compare-and-delete of the key, then revoke.
+
+A pass (leader only, every --interval), per pool, from one read of its blocks and one
+scan of its records:
+  * handshake steps on blocks of registered nodes: `refused` -> resume (an aborted
+    handshake); `ready` answered at least --ready-delay ago -> release (completed);
+    `marked` waits for the node's agent. A block seen in the handshake and later seen
+    `active` without our resume was taken back by its node (aborted; counted from this
+    process's memory, so a handshake started and taken back between two passes, or
+    across a change of leader, may go uncounted).
+  * per registered node and family: free = sum over its active blocks of usable
+    addresses minus records. While free < warm: assign a block (one per node short
+    of its target per round, so a pool running out is shared). An active block of the
+    node with no record, empty on every pass for at least the pool's release_delay
+    (remembered in memory per block: a new leader starts counting again, which only
+    delays), small enough for the agent's one-transaction answer, and whose addresses
+    the node can do without (free - its size >= warm) is marked.
+Blocks of nodes that are not registered under `nodes/` are left alone but counted in
+the metrics, until the node is known gone (below). A pool being deleted is skipped;
+block assignments compare the spec at the revision the pass read. A pool whose ranges
+changed (retired layouts, or blocks its current layout does not use) is pruned
+(`ipam.pools.prune`, fenced).
+
+Garbage collection (with `--liveness`, every `--gc-interval`; the rules are `ipward.gc`'s):
+records, registrations, then liveness; a record found leaked on two passes in a row at
+one revision is freed by a fenced compare-and-delete. A node whose lease expired and
+that the cluster no longer lists is gone: its records are candidates, and its blocks,
+once empty, are marked and answered `ready` by the controller on its behalf (the same
+transaction the agent would make, comparing every address absent), then released. Node ownership is
+read from the block records themselves (one read, at one revision, and the field every
+step compares), not from the affinity index.
+
+A store error ends the pass (logged, counted, tried again next interval); any other
+error ends only that pool's part of it. Nothing here is needed to resume after a
+crash: every handshake state is in the store, and each step is one compare-and-swap
+that either side can retry or lose.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter as Tally
+from typing import TYPE_CHECKING
+
+import click
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
+from ipward.cmd.daemon import add_grace_option, parse_address, redact, start_http
+from ipward.core import keys, log
+from ipward.core import records as rec
+from ipward.core.errors import InvalidConfig, IpwardError
+from ipward.core.keys import LEADER_KEY
+from ipward.core.names import node_name_problem
+from ipward.core.policy import ADD_GRACE
+from ipward.core.pool import PoolSpec
+from ipward.core.records import (
+    ACTIVE,
+    MARKED,
+    READY,
+    REFUSED,
+    AddressRecord,
+    BlockRecord,
+    FillRecord,
+)
+from ipward.gc import rules as gc
+from ipward.ipam import blocks, pools
+from ipward.ipam.ledger import Ledger
+from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
+from ipward.store.base import VALUE, Compare, Delete, Put, absent
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from ipward.core.addr import Block
+    from ipward.store.base import KeyValue
+
+DEFAULT_METRICS = "127.0.0.1:9311"
+MAX_POLL = 1.0  # a waiting instance looks at the leader key at least this often
+
+
+class ControllerError(IpwardError):
+    """The controller cannot start as asked (the CLI prints the message, exit status 2)."""
+
+
+class NotLeader(Exception):
+    """Leadership is gone (or the controller is stopping): abandon the pass."""
+
+
+# -- leadership --------------------------------------------------------------------------
+
+
+class Election:
+    """Campaign for `controller/leader`, hold it with a lease, and say at every moment
+    whether this instance may act (`fence()`). Runs in a thread of its own, on a store
+    connection of its own, so a slow pass never delays a keepalive."""
+
+    def __init__(
+        self,
+        store: Store,
+        ident: str,
+        ttl: int,
+        on_change: Callable[[bool], None] = lambda leading: None,
+    ) -> None:
+        self.store = store
+        self.ident = ident
+        self.ttl = ttl
+        self.poll = max(0.05, min(MAX_POLL, ttl / 4))
+        self.on_change = on_change
+        self.term = 0  # bumped at every acquisition: the pass starts its memory over
+        self.store_ok_at = 0.0  # monotonic time the store last answered this thread
+        self._lock = threading.Lock()
+        self._value: bytes | None = None
+        self._lease = 0
+        self._valid_until = 0.0
+        self._last_ok = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- what the pass asks
+
+    def value(self) -> bytes | None:
+        with self._lock:
+            return self._value
+
+    def fence(self) -> list[Compare] | None:
+        """The compares every leader write carries, or None when this instance must not
+        act: not leader, stopping, or past the moment its lease could have expired."""
+        with self._lock:
+            if self._value is None or self._stop.is_set() or time.monotonic() >= self._valid_until:
+                return None
+            return [Compare(LEADER_KEY, VALUE, "==", self._value)]
+
+    @property
+    def leading(self) -> bool:
+        return self.fence() is not None
+
+    # -- the thread
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="election", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop campaigning; if leading, resign so a successor need not wait for the
+        lease to expire."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl + 5)
+        self.resign()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            wait = self.poll
+            try:
+                if self.value() is None:
+                    self.campaign()
+                else:
+                    self.keep()
+                    wait = self.ttl / 3
+            except Exception as e:  # never let the election thread die
+                log.error("election step failed; retrying", error=f"{type(e).__name__}: {e}")
+                if self.value() is not None and time.monotonic() - self._last_ok >= self.ttl:
+                    self.step_down(f"election steps failing for {self.ttl}s: {e}")
+            self._stop.wait(wait)
+
+    def campaign(self) -> None:
+        """One try: create the leader key, with a new lease, if it is absent."""
+        kv = self.store.get(LEADER_KEY)
+        self.store_ok_at = time.monotonic()
+        if kv is not None or self._stop.is_set():
+            return
+        started = time.monotonic()
+        lease = self.store.lease_grant(self.ttl)
+        value = rec.encode({"id": self.ident, "since": round(time.time(), 3)})
+        try:
+            won = self.store.txn([absent(LEADER_KEY)], [Put(LEADER_KEY, value, lease=lease)])
+            ok = won.succeeded
+        except StoreUnavailable:
+            # Applied or not, nobody can tell: the key says.
+            kv = self.store.get(LEADER_KEY)
+            ok = kv is not None and kv.value == value
+        if not ok:
+            self._revoke(lease)
+            return
+        with self._lock:
+            self._value = value
+            self._lease = lease
+            self._valid_until = started + self.ttl
+            self._last_ok = started
+            self.term += 1
+        log.info("leadership acquired", id=self.ident, lease=lease, ttl=self.ttl)
+        self.on_change(True)
+
+    def keep(self) -> None:
+        """One keepalive, and a look at the key: still ours, or step down."""
+        with self._lock:
+            value, lease = self._value, self._lease
+        if value is None:
+            return
+        sent = time.monotonic()
+        try:
+            left = self.store.lease_keepalive(lease)
+            kv = self.store.get(LEADER_KEY) if left > 0 else None
+        except StoreError as e:
+            if time.monotonic() - self._last_ok >= self.ttl:
+                self.step_down(f"keepalives failing for {self.ttl}s: {e}")
+            else:
+                log.warning("lease keepalive failed; retrying", error=str(e))
+            return
+        self.store_ok_at = time.monotonic()
+        if left <= 0:
+            self.step_down("lease expired")
+            return
+        if kv is None or kv.value != value:
+            self.step_down("the leader key is no longer ours")
+            return
+        with self._lock:
+            if self._value == value:
+                self._valid_until = sent + min(left, self.ttl)
+                self._last_ok = sent
+
+    def step_down(self, reason: str) -> None:
+        """Stop acting at once; then wait as a candidate again. The lease is not revoked:
+        it is expired or the key is not ours, and a lease id we no longer hold may name
+        someone else's lease by now (SQLite reuses the ids of deleted leases)."""
+        if self._forget() is not None:
+            log.warning("leadership lost", id=self.ident, reason=reason)
+            self.on_change(False)
+
+    def resign(self) -> None:
+        """Step down on purpose (shutting down): delete the key if it is still ours, by
+        compare-and-delete, and only then revoke the lease, which is then certainly ours
+        and alive. The successor need not wait for the lease to expire."""
+        value, lease = self._forget() or (None, 0)
+        if value is None:
+            return
+        try:
+            ours = self.store.txn([Compare(LEADER_KEY, VALUE, "==", value)], [Delete(LEADER_KEY)])
+        except StoreError as e:
+            log.warning("leader key not deleted; it goes with its lease", error=str(e))
+            ours = None
+        if ours is not None and ours.succeeded:
+            self._revoke(lease)
+        log.info("leadership released", id=self.ident, reason="shutting down")
+        self.on_change(False)
+
+    def _forget(self) -> tuple[bytes, int] | None:
+        with self._lock:
+            if self._value is None:
+                return None
+            held = self._value, self._lease
+            self._value = None
+            self._lease = 0
+            self._valid_until = 0.0
+            return held
+
+    def _revoke(self, lease: int) -> None:
+        try:
+            self.store.lease_revoke(lease)
+        except StoreError as e:  # it expires by itself
+            log.warning("lease revoke failed; it will expire", lease=lease, error=str(e))
+
+
+# -- metrics -----------------------------------------------------------------------------
+
+
+class _Snapshot(Collector):
+    """Per-pass gauges, replaced whole at the end of each pass (so a scrape never sees
+    a half-updated set, and label sets of vanished blocks disappear)."""
+
+    def __init__(self, leading: Callable[[], bool]) -> None:
+        self.leading = leading
+        self.blocks: dict[tuple[str, str, str], int] = {}
+        self.deficits: dict[tuple[str, str, str], int] = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        blocks_family = GaugeMetricFamily(
+            "ipward_controller_blocks",
+            "Blocks per pool, node and state (every node's, registered or not), as of the"
+            " last pass of the leader.",
+            labels=["pool", "node", "state"],
+        )
+        deficit_family = GaugeMetricFamily(
+            "ipward_controller_warm_deficit",
+            "Addresses a registered node is short of its pool's warm target, per family,"
+            " after the last pass (left over when the pool has no block to give).",
+            labels=["pool", "node", "family"],
+        )
+        if self.leading():
+            for labels, n in sorted(self.blocks.items()):
+                blocks_family.add_metric(list(labels), n)
+            for labels, n in sorted(self.deficits.items()):
+                deficit_family.add_metric(list(labels), n)
+        yield blocks_family
+        yield deficit_family
+
+
+class Metrics:
+    """The controller's metrics, on a registry of its own."""
+
+    def __init__(self, ident: str, leading: Callable[[], bool]) -> None:
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.leader = Gauge(
+            "ipward_controller_leader",
+            "1 while this instance is the active controller, else 0.",
+            registry=self.registry,
+        )
+        self.handshakes = Counter(
+            "ipward_controller_handshakes",
+            "Block release handshakes: started (marked), completed (released), aborted"
+            " (refused and resumed, or taken back by the node).",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in ("started", "completed", "aborted"):
+            self.handshakes.labels(result=result)
+        self.assigned = Counter(
+            "ipward_controller_blocks_assigned",
+            "Blocks assigned to nodes to keep their warm target.",
+            registry=self.registry,
+        )
+        self.pass_seconds = Histogram(
+            "ipward_controller_pass_seconds",
+            "Time of one pass over every pool.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.pass_errors = Counter(
+            "ipward_controller_pass_errors",
+            "Passes abandoned on an error (logged; the pass runs again next interval).",
+            registry=self.registry,
+        )
+        self.gc_candidates = Gauge(
+            "ipward_gc_candidates",
+            "Records found leaked by the last garbage-collection pass, by reason (freed"
+            " when found again on the next pass at the same revision).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.gc_freed = Counter(
+            "ipward_gc_freed",
+            "Records freed by garbage collection, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.gc_skipped = Counter(
+            "ipward_gc_skipped_passes",
+            "Garbage-collection passes that judged nothing: no liveness source answered.",
+            registry=self.registry,
+        )
+        self.gc_source_errors = Counter(
+            "ipward_gc_source_errors",
+            "Liveness reads that failed (nothing reclaimed on their account), by source.",
+            ["source"],
+            registry=self.registry,
+        )
+        self.gc_seconds = Histogram(
+            "ipward_gc_pass_seconds",
+            "Time of one garbage-collection pass, liveness reads included.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        for reason in (*gc.REASONS, *gc.RETIRE_REASONS):
+            self.gc_candidates.labels(reason=reason).set(0)
+            self.gc_freed.labels(reason=reason)
+        for source in ("runtime", "cluster"):
+            self.gc_source_errors.labels(source=source)
+        self.info = Gauge(
+            "ipward_controller_info", "This instance's id.", ["id"], registry=self.registry
+        )
+        self.info.labels(id=ident).set(1)
+        self.snapshot = _Snapshot(leading)
+        self.registry.register(self.snapshot)
+
+
+# -- the passes --------------------------------------------------------------------------
+
+
+class Controller:
+    """The passes. `run` loops until `stop` is set; `run_pass` is one pass (tests call
+    it directly)."""
+
+    def __init__(
+        self,
+        store: Store,
+        election: Election,
+        metrics: Metrics,
+        *,
+        interval: float,
+        ready_delay: float,
+        liveness: LivenessSource | None = None,
+        add_grace: float = ADD_GRACE,
+        gc_interval: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.liveness = liveness
+        self.add_grace = add_grace
+        self.gc_interval = gc_interval
+        self.gc_due = 0.0  # monotonic time of the next garbage-collection pass
+        self.confirmations = gc.Confirmations()
+        self.retirements = gc.Confirmations()  # of sticky reservations
+        self.gone_nodes: frozenset[str] = frozenset()  # as of the last GC pass
+        self.ledger = Ledger(store, election.ident)
+        self.election = election
+        self.metrics = metrics
+        self.interval = interval
+        self.ready_delay = ready_delay
+        self.clock = clock
+        self.monotonic = monotonic
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self._term = -1
+        # Per (pool, cidr): when first seen empty and active (monotonic); and the
+        # handshake state last seen, to notice a block its node took back.
+        self.empty_since: dict[tuple[str, str], float] = {}
+        self.in_handshake: dict[tuple[str, str], str] = {}
+
+    def on_leadership(self, leading: bool) -> None:
+        self.metrics.leader.set(1 if leading else 0)
+        if leading:
+            self.wake.set()  # act at once, not an interval later
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if self.election.leading:
+                self.run_pass_logged()
+            self.wake.wait(self.interval)
+            self.wake.clear()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.wake.set()
+
+    def run_pass_logged(self) -> None:
+        """One pass; an error is logged and counted, never raised (the next interval
+        tries again from the store)."""
+        started = time.monotonic()
+        try:
+            self.run_pass()
+        except NotLeader:
+            pass
+        except Exception as e:
+            self.metrics.pass_errors.inc()
+            log.error("pass failed; retrying next interval", error=f"{type(e).__name__}: {e}")
+        finally:
+            self.metrics.pass_seconds.observe(time.monotonic() - started)
+
+    # -- leadership checks around every write
+
+    def _fence(self) -> list[Compare]:
+        fence = self.election.fence()
+        if fence is None or self.stopping.is_set():
+            raise NotLeader
+        return fence
+
+    def _after_failed_write(self) -> None:
+        """A step lost its compare-and-swap: a race with the node's agent (fine: the
+        next pass reads again), or our fence (step down)."""
+        mine = self.election.value()
+        if mine is None:
+            raise NotLeader
+        kv = self.store.get(LEADER_KEY)
+        if kv is None or kv.value != mine:
+            self.election.step_down("fenced: a write failed and the leader key is not ours")
+            raise NotLeader
+
+    # -- one pass
+
+    def run_pass(self) -> None:
+        if self.election.term != self._term:
+            # A new term: what an earlier term saw is not evidence any more.
+            self._term = self.election.term
+            self.empty_since.clear()
+            self.in_handshake.clear()
+            self.confirmations = gc.Confirmations()
+            self.retirements = gc.Confirmations()
+            self.gone_nodes = frozenset()
+            self.gc_due = 0.0
+        self._fence()
+        if self.liveness is not None and self.monotonic() >= self.gc_due:
+            self.gc_due = self.monotonic() + self.gc_interval
+            self.gc_pass()
+        nodes = set(gc.registered_nodes(self.store))
+        counts: dict[tuple[str, str, str], int] = {}
+        deficits: dict[tuple[str, str, str], int] = {}
+        seen: set[tuple[str, str]] = set()
+        failed: set[str] = set()
+        for kv in self.store.range(keys.POOLS)[0]:
+            name = keys.pool_name(kv.key)
+            try:
+                spec = PoolSpec.decode(kv.value)
+            except (IpwardError, ValueError) as e:
+                log.error("pool spec unreadable; pool skipped", key=kv.key, error=str(e))
+                failed.add(name)
+                continue
+            # Block assignments compare the spec at this revision: none lands in a pool
+            # being deleted, or in ranges that changed since.
+            spec.revision = kv.mod_revision
+            if spec.deleting:
+                continue  # `ipward pool delete` is removing its keys
+            try:
+                self._pool_pass(spec, nodes, counts, deficits, seen)
+            except (NotLeader, StoreError):
+                raise  # the store or leadership: the whole pass stops here
+            except Exception as e:  # one pool's bad data must not stall the others
+                self.metrics.pass_errors.inc()
+                log.error("pool pass failed", pool=name, error=f"{type(e).__name__}: {e}")
+                failed.add(name)
+        # Forget blocks gone or out of the handshake; keep what a failed pool knew.
+        for memory in (self.empty_since, self.in_handshake):
+            for key in [k for k in memory if k not in seen and k[0] not in failed]:
+                del memory[key]
+        snapshot = self.metrics.snapshot
+        for old_values, new_values in ((snapshot.blocks, counts), (snapshot.deficits, deficits)):
+            new_values.update((k, v) for k, v in old_values.items() if k[0] in failed)
+        snapshot.blocks, snapshot.deficits = counts, deficits
+
+    def gc_pass(self) -> list[gc.Verdict]:
+        """One garbage-collection pass (the rules are `ipward.gc`'s): records, then
+        registrations, then liveness; frees what the previous pass found too, each by
+        compare-and-delete on the revision judged, fenced. Returns what it freed."""
+        started = time.monotonic()
+        seen = gc.look(self.store, self.liveness, self.add_grace)
+        nodes, evidence = seen.nodes, seen.evidence
+        cluster_ok = isinstance(evidence.cluster, ClusterView)
+        runtime_ok = [n for n in nodes if isinstance(evidence.nodes.get(n), NodeView)]
+        if not cluster_ok:
+            self.metrics.gc_source_errors.labels(source="cluster").inc()
+        if len(runtime_ok) < len(nodes):
+            self.metrics.gc_source_errors.labels(source="runtime").inc()
+        if not cluster_ok and not runtime_ok:
+            self.metrics.gc_skipped.inc()
+            self.confirmations = gc.Confirmations()
+            self.retirements = gc.Confirmations()
+            log.warning(
+                "garbage collection: no liveness source answered; nothing judged",
+                cluster=evidence.cluster,
+                records=len(seen.held),
+            )
+            return []
+        if isinstance(evidence.cluster, ClusterView):
+            named = {*nodes, *self._block_nodes()}
+            unnamed = sorted(n for n in named if node_name_problem(n))
+            if unnamed:  # written before names were checked: never judged gone
+                log.error("records name invalid nodes; not judged gone", nodes=unnamed)
+            self.gone_nodes = frozenset(
+                n
+                for n in named.difference(unnamed)
+                if n not in evidence.registered and n not in evidence.cluster.nodes
+            )
+        verdicts, retirements = seen.verdicts, seen.retirements
+        candidates = Tally(
+            [v.reason for v in verdicts if v.reason] + [r.reason for r in retirements if r.reason]
+        )
+        for reason in (*gc.REASONS, *gc.RETIRE_REASONS):
+            self.metrics.gc_candidates.labels(reason=reason).set(candidates[reason])
+        who = f"controller {self.election.ident} gc"
+        freed = []
+        for verdict in self.confirmations.confirm(verdicts):
+            if gc.free(self.ledger, verdict, who, self._fence()):
+                self.metrics.gc_freed.labels(reason=str(verdict.reason)).inc()
+                freed.append(verdict)
+            else:
+                self._after_failed_write()
+        for retirement in self.retirements.confirm(retirements):
+            if gc.retire(self.ledger, retirement, who, self._fence()):
+                self.metrics.gc_freed.labels(reason=str(retirement.reason)).inc()
+            else:
+                self._after_failed_write()
+        self.metrics.gc_seconds.observe(time.monotonic() - started)
+        log.debug(
+            "garbage collection pass",
+            records=len(seen.held),
+            candidates=dict(candidates),
+            freed=len(freed),
+            gone_nodes=sorted(self.gone_nodes),
+        )
+        return freed
+
+    def _block_nodes(self) -> set[str]:
+        nodes = set()
+        for kv in self.store.range(keys.AFFINITY)[0]:
+            node = keys.affinity_parts(kv.key)[1]
+            if node:
+                nodes.add(node)
+        return nodes
+
+    def _pool_pass(
+        self,
+        spec: PoolSpec,
+        nodes: set[str],
+        counts: dict[tuple[str, str, str], int],
+        deficits: dict[tuple[str, str, str], int],
+        seen: set[tuple[str, str]],
+    ) -> None:
+        pool = spec.name
+        now, mono = self.clock(), self.monotonic()
+        gone = self.gone_nodes - nodes
+        # Blocks before records: an allocation of a fresh address after this read moves
+        # the block's revision, so a mark decided on a stale count loses its CAS.
+        block_kvs: dict[str, KeyValue | None] = {}
+        states: dict[str, BlockRecord] = {}
+        for kv in self.store.range(keys.blocks_prefix(pool))[0]:
+            cidr = keys.cidr_of(kv.key)
+            try:
+                states[cidr] = BlockRecord.decode(kv.value)
+            except ValueError:
+                log.error("block record unreadable", key=kv.key)
+                continue
+            block_kvs[cidr] = kv
+        records: Tally[str] = Tally()
+        for kv in self.store.range(keys.ips_prefix(pool))[0]:
+            try:
+                records[AddressRecord.decode(kv.value).block] += 1
+            except ValueError:
+                log.error("address record unreadable", key=kv.key)
+        fills: dict[tuple[int, str], str] = {}
+        for kv in self.store.range(keys.fills_prefix(pool))[0]:
+            _, family_text, filler = keys.fill_parts(kv.key)
+            try:
+                fills[(int(family_text), filler)] = FillRecord.decode(kv.value).block
+            except ValueError:
+                continue
+
+        # 1. Handshake steps on blocks already in the handshake.
+        for cidr in list(states):
+            state = states[cidr]
+            key = (pool, cidr)
+            seen.add(key)
+            st, node = state.state, state.node
+            if st == ACTIVE:
+                if self.in_handshake.pop(key, None) is not None:
+                    self.metrics.handshakes.labels(result="aborted").inc()
+                    log.info(
+                        "handshake aborted",
+                        pool=pool,
+                        block=cidr,
+                        node=node,
+                        reason="the node took the block back (it needs the space)",
+                    )
+                continue
+            if st not in (MARKED, READY, REFUSED):
+                continue
+            self.in_handshake[key] = st
+            self.empty_since.pop(key, None)
+            current = block_kvs[cidr]
+            if current is None:
+                continue
+            if node in gone and st == MARKED:
+                # Its agent will never answer: answer for it, by the same compares.
+                answer = blocks.answer(self.store, spec, current, now, self._fence())
+                if answer is None:
+                    self._after_failed_write()
+                log.info(
+                    "answered for a gone node",
+                    pool=pool,
+                    block=cidr,
+                    node=node,
+                    answer=answer,
+                    reason="node lease expired and the cluster no longer lists it",
+                )
+                continue
+            if node not in nodes and node not in gone:
+                continue  # an unregistered node's block: left alone until known gone
+            if st == REFUSED:
+                if blocks.resume(self.store, pool, current, self._fence()):
+                    self.metrics.handshakes.labels(result="aborted").inc()
+                    del self.in_handshake[key]
+                    states[cidr] = state.resumed()
+                    block_kvs[cidr] = None  # changed: not a candidate again this pass
+                    log.info(
+                        "handshake aborted",
+                        pool=pool,
+                        block=cidr,
+                        node=node,
+                        reason="the node's agent refused: addresses allocated",
+                    )
+                else:
+                    self._after_failed_write()
+            elif st == READY:
+                answered = state.answered_at
+                waited = now - answered if answered is not None else 0.0
+                if waited < self.ready_delay:
+                    continue
+                if blocks.release(self.store, spec, current, self._fence()):
+                    self.metrics.handshakes.labels(result="completed").inc()
+                    del self.in_handshake[key]
+                    del states[cidr]
+                    log.info(
+                        "handshake completed",
+                        pool=pool,
+                        block=cidr,
+                        node=node,
+                        reason=f"answered ready {waited:.1f}s ago (ready delay"
+                        f" {self.ready_delay:g}s)",
+                    )
+                else:
+                    self._after_failed_write()
+
+        # Blocks of gone nodes: emptied by garbage collection, then asked back at once.
+        for cidr, state in states.items():
+            gone_kv = block_kvs.get(cidr)
+            block = spec.block_by_cidr(cidr)
+            if (
+                state.node not in gone
+                or not state.active
+                or records[cidr]
+                or gone_kv is None
+                or block is None
+                or not blocks.releasable(block)
+            ):
+                continue
+            if blocks.mark(self.store, pool, gone_kv, now, self._fence()):
+                self.metrics.handshakes.labels(result="started").inc()
+                self.in_handshake[(pool, cidr)] = MARKED
+                states[cidr] = state.marked(now)
+                log.info(
+                    "handshake started",
+                    pool=pool,
+                    block=cidr,
+                    node=state.node,
+                    reason="its node is gone (lease expired, not listed by the cluster)",
+                )
+            else:
+                self._after_failed_write()
+
+        # 2. Per registered node and family: what is free in its active blocks.
+        by_node: dict[str, list[str]] = {}
+        for cidr, state in states.items():
+            by_node.setdefault(state.node, []).append(cidr)
+        free: dict[tuple[str, int], int] = {}
+        mine: dict[tuple[str, int], list[tuple[str, Block]]] = {}
+        for node in sorted(nodes):
+            for rs in spec.range_sets:
+                own = []
+                for cidr in by_node.get(node, []):
+                    block = rs.block_by_cidr(cidr)
+                    if states[cidr].active and block is not None:
+                        own.append((cidr, block))
+                        if records[cidr] or block_kvs.get(cidr) is None:
+                            self.empty_since.pop((pool, cidr), None)
+                        else:
+                            self.empty_since.setdefault((pool, cidr), mono)
+                mine[(node, rs.family)] = own
+                free[(node, rs.family)] = sum(max(0, b.usable_count() - records[c]) for c, b in own)
+        # 3. Warm target: one block per node short of it per round, so a pool running
+        # out is shared rather than given to the first nodes in name order.
+        short = [nf for nf in free if free[nf] < spec.warm]
+        while short:
+            still = []
+            for node, family in short:
+                before = free[(node, family)]
+                given = blocks.assign(self.store, spec, family, node, self._fence())
+                if given is None:
+                    self._after_failed_write()
+                    log.debug(
+                        "no block assigned (pool exhausted or a race lost); next pass",
+                        pool=pool,
+                        node=node,
+                        family=family,
+                        free=before,
+                        warm=spec.warm,
+                    )
+                    continue
+                block = spec.block_by_cidr(given)
+                free[(node, family)] += block.usable_count() if block is not None else 0
+                states[given] = BlockRecord.claimed(node, 0, spec.version)
+                self.metrics.assigned.inc()
+                log.info(
+                    "warm block assigned",
+                    pool=pool,
+                    block=given,
+                    node=node,
+                    reason=f"{before} free < warm target {spec.warm}",
+                    free=free[(node, family)],
+                )
+                if free[(node, family)] < spec.warm:
+                    still.append((node, family))
+            short = still
+        # 4. Surplus, then what is still missing.
+        for (node, family), own in mine.items():
+            free[(node, family)] = self._surplus(
+                spec,
+                node,
+                own,
+                free[(node, family)],
+                records,
+                block_kvs,
+                states,
+                fills.get((family, node)),
+                now,
+                mono,
+            )
+            deficits[(pool, node, str(family))] = max(0, spec.warm - free[(node, family)])
+        for state in states.values():
+            labels = (pool, state.node, state.state)
+            counts[labels] = counts.get(labels, 0) + 1
+        # 5. After a change of the pool's ranges: what its new layout does not use, and
+        # earlier layouts no record holds any more (`ipam.pools.prune`, fenced).
+        if spec.retired or any(spec.block_by_cidr(cidr) is None for cidr in states):
+            pools.prune(self.store, pool, self._fence())
+
+    def _surplus(
+        self,
+        spec: PoolSpec,
+        node: str,
+        mine: list[tuple[str, Block]],
+        free: int,
+        records: Tally[str],
+        block_kvs: dict[str, KeyValue | None],
+        states: dict[str, BlockRecord],
+        filling: str | None,
+        now: float,
+        mono: float,
+    ) -> int:
+        # The block the node fills fresh addresses from goes last: its agent is likely
+        # about to use it.
+        for cidr, block in sorted(mine, key=lambda cb: (cb[0] == filling, cb[0])):
+            key = (spec.name, cidr)
+            kv = block_kvs.get(cidr)
+            since = self.empty_since.get(key)
+            if kv is None or records[cidr] or since is None or not blocks.releasable(block):
+                continue
+            empty_for = mono - since
+            size = block.usable_count()
+            if empty_for < spec.release_delay or free - size < spec.warm:
+                continue
+            if blocks.mark(self.store, spec.name, kv, now, self._fence()):
+                free -= size
+                self.metrics.handshakes.labels(result="started").inc()
+                self.in_handshake[key] = MARKED
+                self.empty_since.pop(key, None)
+                states[cidr] = states[cidr].marked(now)
+                log.info(
+                    "handshake started",
+                    pool=spec.name,
+                    block=cidr,
+                    node=node,
+                    reason=f"surplus: empty for {empty_for:.1f}s (release delay"
+                    f" {spec.release_delay:g}s); {free} free without it, warm {spec.warm}",
+                )
+            else:
+                self._after_failed_write()
+        return free
+
+
+# -- running -----------------------------------------------------------------------------
+
+
+def run_controller(
+    store_url: str,
+    ident: str,
+    *,
+    interval: float,
+    lease_ttl: int,
+    ready_delay: float,
+    metrics_address: tuple[str, int] | None,
+    liveness: str | None = None,
+    add_grace: float = ADD_GRACE,
+    gc_interval: float = 30.0,
+) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit status."""
+    stop = threading.Event()
+    controller: Controller | None = None
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+        if controller is not None:
+            controller.stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        # The schema is checked before the first pass; an unreachable store is waited for.
+        pass_store = open_store_waiting(store_url, stop)
+        # The same store, checked just now.
+        election_store = open_backend(store_url) if pass_store is not None else None
+    except StoreError as e:  # not usable (106), a bad URL: permanent
+        log.error("store not usable; not starting", store=redact(store_url), error=str(e))
+        raise ControllerError(f"store {redact(store_url)}: {e}") from e
+    if pass_store is None or election_store is None:
+        log.info("controller stopped while waiting for its store", id=ident)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        return 0
+    election = Election(election_store, ident, lease_ttl)
+    metrics = Metrics(ident, lambda: election.leading)
+    controller = Controller(
+        pass_store,
+        election,
+        metrics,
+        interval=interval,
+        ready_delay=ready_delay,
+        liveness=open_source(liveness) if liveness else None,
+        add_grace=add_grace,
+        gc_interval=gc_interval,
+    )
+    election.on_change = controller.on_leadership
+    metrics.leader.set(0)
+
+    def health() -> tuple[bool, str]:
+        if not election.store_ok_at:
+            return False, "store not answered yet"
+        age = time.monotonic() - election.store_ok_at
+        if age > max(2 * lease_ttl, 3 * election.poll):
+            return False, f"store not answered for {age:.1f}s"
+        return True, "ok: leader" if election.leading else "ok: standby"
+
+    http = None
+    try:
+        if metrics_address is not None:
+            http = start_http(metrics_address, metrics.registry, health, "ipward-controller")
+        if stop.is_set():
+            controller.stop()
+        election.start()
+        log.info(
+            "controller started",
+            id=ident,
+            store=redact(store_url),
+            interval=interval,
+            lease_ttl=lease_ttl,
+            ready_delay=ready_delay,
+            liveness=liveness,
+            add_grace=add_grace,
+            gc_interval=gc_interval,
+            metrics=None if http is None else "{}:{}".format(*http.server_address[:2]),
+            pid=os.getpid(),
+        )
+        controller.run()
+    finally:
+        controller.stop()
+        election.stop()  # resigns when leading: the successor need not wait for the lease
+        metrics.leader.set(0)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+        pass_store.close()
+        election_store.close()
+        if controller.liveness is not None:
+            controller.liveness.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    log.info("controller stopped", id=ident)
+    return 0
+
+
+@click.command("controller")
+@click.option(
+    "--store",
+    "store_url",
+    envvar="IPWARD_STORE",
+    help="Store URL (else IPWARD_STORE, else the global --store).",
+)
+@click.option(
+    "--id",
+    "ident",
+    default=lambda: f"{os.uname().nodename}-{os.getpid()}",
+    show_default="HOSTNAME-PID",
+    help="This instance's name in the leader key, logs and metrics.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.01),
+    default=5.0,
+    show_default=True,
+    help="Seconds between passes.",
+)
+@click.option(
+    "--lease-ttl",
+    type=click.IntRange(1),
+    default=10,
+    show_default=True,
+    help="Seconds of the leader lease: a successor takes over about this long after the"
+    " leader dies (etcd raises TTLs below 2 to 2).",
+)
+@click.option(
+    "--ready-delay",
+    type=click.FloatRange(0),
+    default=5.0,
+    show_default=True,
+    help="Seconds a block answered ready waits before it is deleted, so a node that"
+    " answered and then needs it can still take it back.",
+)
+@click.option(
+    "--metrics-address",
+    default=DEFAULT_METRICS,
+    show_default=True,
+    help="HOST:PORT for /metrics and /healthz, or 'off'.",
+)
+@click.option("--log-file", type=click.Path(dir_okay=False), help="Append logs here (else stderr).")
+@click.option(
+    "--log-level",
+    type=click.Choice(list(log.LEVELS)),
+    default="info",
+    show_default=True,
+)
+@click.option(
+    "--liveness",
+    help="Where the cluster's pods (and nodes' sandboxes) are listed, for garbage"
+    " collection: k8s:// or k8s://?kubeconfig=PATH (the Kubernetes API), cri:///SOCKET"
+    " (one node's runtime), or sim:///PATH (the labs' simulated cluster). Without it,"
+    " nothing is garbage-collected.",
+)
+@add_grace_option
+@click.option(
+    "--gc-interval",
+    type=click.FloatRange(0.01),
+    default=30.0,
+    show_default=True,
+    help="Seconds between garbage-collection passes (a record is freed on its second"
+    " pass as a candidate).",
+)
+@click.pass_context
+def controller_command(
+    ctx: click.Context,
+    store_url: str | None,
+    ident: str,
+    interval: float,
+    lease_ttl: int,
+    ready_delay: float,
+    metrics_address: str,
+    log_file: str | None,
+    log_level: str,
+    liveness: str | None,
+    add_grace: float,
+    gc_interval: float,
+) -> None:
+    """Run the cluster's controller: assign blocks to keep nodes warm, reclaim surplus
+    blocks through the release handshake. One instance leads; others wait to take over."""
+    log.configure(log_file, log_level, "ipward-controller")
+    url = store_url or getattr(ctx.obj, "store_url", None)
+    if not url:
+        raise InvalidConfig("no store: give --store or IPWARD_STORE")
+    if not ident:
+        raise InvalidConfig("--id must not be empty")
+    status = run_controller(
+        url,
+        ident,
+        interval=interval,
+        lease_ttl=lease_ttl,
+        ready_delay=ready_delay,
+        metrics_address=parse_address(metrics_address),
+        liveness=liveness,
+        add_grace=add_grace,
+        gc_interval=gc_interval,
+    )
+    ctx.exit(status)
+
+
+__all__ = [
+    "Controller",
+    "ControllerError",
+    "Election",
+    "Metrics",
+    "controller_command",
+    "run_controller",
+]

@@ -1,0 +1,22 @@
+"""Policy: the times and sizes that decide when addresses and blocks move, in one place
+(the defaults of pool fields, CNI config fields and command options name these).
+
+Standard library only, nothing imported: the plugin reads the grace and TTL defaults.
+"""
+
+from __future__ import annotations
+
+# Seconds a record is never judged leaked after its ADD (DESIGN 5.4): its sandbox may
+# not be listed by the runtime yet.
+ADD_GRACE = 120.0
+# Seconds a detached sticky reservation of a pod with no StatefulSet is kept.
+STICKY_TTL = 600.0
+# Seconds before a freed address is handed out again (invariant 9), per pool.
+DEFAULT_COOLDOWN = 30.0
+# Free addresses the controller keeps on every node, per family, per pool.
+DEFAULT_WARM = 16
+# Seconds a surplus block stays empty before the controller asks it back.
+DEFAULT_RELEASE_DELAY = 180.0
+# A block's hand-back compares each of its addresses absent in one etcd transaction,
+# whose compares etcd caps at 128 by default: larger blocks are never asked back.
+MAX_RELEASABLE_BLOCK = 128

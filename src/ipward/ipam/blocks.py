@@ -1,0 +1,285 @@
+"""Blocks leaving and joining nodes: the release handshake (DESIGN 5.3) and assignment.
+
+Every step is one compare-and-swap on the block record, so the controller and the agent
+can each stop at any point and the other, or a successor, resumes from the store:
+
+    active --mark (controller)--> marked --answer (agent)--> ready | refused
+    ready  --release (controller, after release_delay)--> deleted, listed in blockfree/
+    refused --resume (controller)--> active
+    marked | ready | refused --take back (agent needing space, in the ledger)--> active
+
+Why it is safe: an allocation compares its block `active` at the revision it read, so
+nothing lands in a block once it is marked. The agent answers `ready` in a transaction
+that compares every address of the block absent, at a revision after the mark; from
+then on the block is not active, so it stays empty until the controller deletes it by
+CAS on that same revision. A take-back resets the block's cursor, so addresses whose
+free entries were already cleaned are found again as fresh.
+"""
+
+from __future__ import annotations
+
+from ipward.core import keys, log, testpoints
+from ipward.core.addr import family_of
+from ipward.core.keys import cidr_of
+from ipward.core.policy import MAX_RELEASABLE_BLOCK
+from ipward.core.pool import PoolSpec
+from ipward.core.records import (
+    MARKED,
+    READY,
+    REFUSED,
+    BlockRecord,
+    CursorRecord,
+    FreeRecord,
+)
+from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
+    from ipward.core.addr import Block, RangeSet
+    from ipward.store.base import Compare
+
+CLEANUP_CHUNK = 40  # free entries deleted per transaction (two keys each; etcd caps ops)
+RELEASED_WINDOW = 16  # released-block entries looked at for one claim
+
+
+def addresses(block: Block) -> list[str]:
+    out = []
+    offset = block.next_usable(0)
+    while offset is not None:
+        out.append(block.address(offset))
+        offset = block.next_usable(offset + 1)
+    return out
+
+
+def releasable(block: Block) -> bool:
+    """Small enough for the agent's one-transaction emptiness check: one compare per
+    usable address plus the block's own must fit etcd's cap."""
+    return block.usable_count() + 1 <= MAX_RELEASABLE_BLOCK
+
+
+def mark(store: Store, pool: str, kv: KeyValue, now: float, fence: Sequence[Compare] = ()) -> bool:
+    """Controller: ask for an active block back. `fence` (here and in every controller
+    step): compares that hold only while the caller is the leader."""
+    state = BlockRecord.decode(kv.value)
+    if not state.active:
+        return False
+    testpoints.pause("mark")
+    done = store.txn(
+        [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, state.marked(now).encode())]
+    )
+    if done.succeeded:
+        log.info("block marked", pool=pool, block=cidr_of(kv.key), node=state.node)
+    return done.succeeded
+
+
+def answer(
+    store: Store, spec: PoolSpec, kv: KeyValue, now: float, fence: Sequence[Compare] = ()
+) -> str | None:
+    """Agent: answer a marked block of its own: `ready` when none of its addresses is
+    allocated (checked by compares in the same transaction), else `refused`. None when
+    the block changed meanwhile (read it again). The controller answers, fenced, for a
+    node that is gone (its lease expired and the cluster no longer lists it)."""
+    state = BlockRecord.decode(kv.value)
+    block = spec.block_by_cidr(cidr_of(kv.key))
+    if state.state != MARKED or block is None:
+        return None
+    pinned = at_revision(kv.key, kv.mod_revision)
+    if releasable(block):
+        empty = [absent(keys.ip_key(spec.name, ip)) for ip in addresses(block)]
+        ready = state.answered(READY, now)
+        if store.txn([*fence, pinned, *empty], [Put(kv.key, ready.encode())]).succeeded:
+            log.info("block ready", pool=spec.name, block=block.cidr, node=state.node)
+            return READY
+    refused = state.answered(REFUSED, now)
+    if store.txn([*fence, pinned], [Put(kv.key, refused.encode())]).succeeded:
+        log.info(
+            "block refused",
+            pool=spec.name,
+            block=block.cidr,
+            node=state.node,
+            reason="addresses allocated" if releasable(block) else "block too large",
+        )
+        return REFUSED
+    return None
+
+
+def resume(store: Store, pool: str, kv: KeyValue, fence: Sequence[Compare] = ()) -> bool:
+    """Controller: a refused block goes back to work."""
+    state = BlockRecord.decode(kv.value)
+    if state.state != REFUSED:
+        return False
+    ok = store.txn(
+        [*fence, at_revision(kv.key, kv.mod_revision)], [Put(kv.key, state.resumed().encode())]
+    )
+    if ok.succeeded:
+        log.info(
+            "block resumed",
+            pool=pool,
+            block=cidr_of(kv.key),
+            node=state.node,
+            reason="agent refused the release",
+        )
+    return ok.succeeded
+
+
+def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare] = ()) -> bool:
+    """Controller: delete a block its agent answered `ready` for. Its free entries go
+    first, in chunks, each pinned to the block's `ready` revision; then the block, its
+    affinity entry, and a `blockfree/` entry so it is claimed again before new blocks.
+    False (nothing more done) as soon as the block changes."""
+    state = BlockRecord.decode(kv.value)
+    cidr = cidr_of(kv.key)
+    block = spec.block_by_cidr(cidr)
+    if state.state != READY or block is None:
+        return False
+    pinned = at_revision(kv.key, kv.mod_revision)
+    ips = addresses(block)
+    fenced = [*fence, pinned]
+    # Defence in depth: the agent's answer proved the block empty, and nothing can land
+    # in a block that is not active; a record here is a bug, so refuse and say so.
+    for ip in ips:
+        if store.get(keys.ip_key(spec.name, ip)) is not None:
+            now = store.get(kv.key)
+            if now is None or now.mod_revision != kv.mod_revision:
+                return False  # taken back by its node since it was read: nothing wrong
+            log.error(
+                "ready block holds an allocation; not released", pool=spec.name, block=cidr, ip=ip
+            )
+            return False
+    frees = [f for f in (store.get(keys.free_key(spec.name, ip)) for ip in ips) if f]
+    for start in range(0, len(frees), CLEANUP_CHUNK):
+        chunk = frees[start : start + CLEANUP_CHUNK]
+        ops: list[Put | Delete] = []
+        for free in chunk:
+            ops += [Delete(free.key), Delete(FreeRecord.decode(free.value).queue)]
+        if not store.txn(fenced, ops).succeeded:
+            return False
+    family = family_of(cidr)
+    node = state.node
+    done = store.txn(
+        fenced,
+        [
+            Delete(kv.key),
+            Delete(keys.affinity_key(spec.name, node, cidr)),
+            Put(keys.released_block_key(spec.name, family, cidr), b""),
+        ],
+    )
+    if done.succeeded:
+        log.info(
+            "block released",
+            pool=spec.name,
+            block=cidr,
+            node=node,
+            reason="surplus: empty past release_delay, agent answered ready",
+        )
+    return done.succeeded
+
+
+# -- claiming blocks (the ledger when a node runs out, the controller's warm target) ------
+
+
+class Claim:
+    """A block a node may take: a released one (`entry`: its `blockfree/` key) or the
+    next never-claimed one (`index` in the range set's block numbering, `cursor` as
+    read)."""
+
+    __slots__ = ("block", "cursor", "entry", "index")
+
+    def __init__(
+        self,
+        block: Block,
+        entry: KeyValue | None = None,
+        cursor: KeyValue | None = None,
+        index: int = 0,
+    ) -> None:
+        self.block = block
+        self.entry = entry
+        self.cursor = cursor
+        self.index = index
+
+
+def claims(
+    spec: PoolSpec,
+    rs: RangeSet,
+    get: Callable[[str], KeyValue | None],
+    range_: Callable[[str, int], tuple[list[KeyValue], int]],
+) -> Iterator[Claim]:
+    """The blocks of `rs` a node may claim, in the order they are taken: released blocks
+    first, then never-claimed ones from the block cursor on. A block with no address to
+    hand out is never offered (`next_usable_block` jumps over excluded spans), nor one
+    that exists already. Reads only: the claim is written by `claim_writes`, in the
+    caller's transaction."""
+    released, _ = range_(keys.released_block_prefix(spec.name, rs.family), RELEASED_WINDOW)
+    for entry in released:
+        block = rs.block_by_cidr(cidr_of(entry.key))
+        if block is None or block.next_usable(0) is None:
+            continue  # a block of an earlier layout: `ipam.pools.prune` removes the entry
+        if get(keys.block_key(spec.name, block.cidr)) is None:
+            yield Claim(block, entry=entry)
+    cursor = get(keys.block_cursor_key(spec.name, rs.family))
+    start = CursorRecord.decode(cursor.value).next_for(spec.version) if cursor else 0
+    index = rs.next_usable_block(start)
+    while index is not None:
+        block = rs.block(index)
+        assert block is not None
+        if get(keys.block_key(spec.name, block.cidr)) is None:
+            yield Claim(block, cursor=cursor, index=index)
+        index = rs.next_usable_block(index + 1)  # claimed out of order, or since the change
+
+
+def claim_writes(
+    spec: PoolSpec, family: int, node: str, taken: Sequence[tuple[Claim, int]]
+) -> tuple[list[Compare], list[Put | Delete]]:
+    """Compares and writes that give `node` the claimed blocks, each with its `next`
+    cursor (a block whose first addresses the same transaction allocates starts past
+    them): each block absent, each released entry as read (and deleted), the block
+    cursor as read and moved past the furthest block taken."""
+    compares: list[Compare] = []
+    ops: list[Put | Delete] = []
+    furthest = None
+    for claim, next_offset in taken:
+        key = keys.block_key(spec.name, claim.block.cidr)
+        state = BlockRecord.claimed(node, next_offset, spec.version)
+        compares.append(absent(key))
+        ops += [
+            Put(key, state.encode()),
+            Put(keys.affinity_key(spec.name, node, claim.block.cidr), b""),
+        ]
+        if claim.entry is not None:
+            compares.append(at_revision(claim.entry.key, claim.entry.mod_revision))
+            ops.append(Delete(claim.entry.key))
+        elif furthest is None or claim.index > furthest.index:
+            furthest = claim
+    if furthest is not None:
+        cursor_key = keys.block_cursor_key(spec.name, family)
+        cursor = furthest.cursor
+        compares.append(at_revision(cursor_key, cursor.mod_revision if cursor else 0))
+        ops.append(Put(cursor_key, CursorRecord(furthest.index + 1, spec.version).encode()))
+    return compares, ops
+
+
+def assign(
+    store: Store, spec: PoolSpec, family: int, node: str, fence: Sequence[Compare] = ()
+) -> str | None:
+    """Controller: give `node` a block of this family (a released one first, else the
+    next never claimed), by CAS, pinned to the pool spec as read (so no block is ever
+    assigned in a pool being deleted or since changed). The node's agent starts filling
+    it when its current block runs out. None when the pool has no block left or a race
+    was lost."""
+    index = spec.set_of(family)
+    if index is None or spec.deleting:
+        return None
+    rs = spec.range_sets[index]
+    claim = next(claims(spec, rs, store.get, store.range), None)
+    if claim is None:
+        return None
+    compares, ops = claim_writes(spec, family, node, [(claim, 0)])
+    if spec.revision is not None:
+        compares.append(at_revision(keys.pool_key(spec.name), spec.revision))
+    if not store.txn([*fence, *compares], ops).succeeded:
+        return None
+    cidr = claim.block.cidr
+    log.info("block assigned", pool=spec.name, block=cidr, node=node, reason="warm target")
+    return cidr
