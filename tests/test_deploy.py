@@ -294,10 +294,24 @@ def test_rbac_grants_exactly_what_the_agent_and_the_controller_call(
             "an ADD the agent answers from the cluster's view",
         )
         assert added.json["ips"][0]["address"].startswith("10.92.0.")
+        # A pod (and namespace) the agent's watches have not brought yet: read directly.
+        server.stall()
+        try:
+            admin_from = len(server.requests)  # the admin's creates are not the agent's
+            kube_server.admin.namespace("late")
+            late = kube_server.admin.pod("late", "job-0", "n1")
+            admin_to = len(server.requests)
+            args = f"K8S_POD_NAMESPACE=late;K8S_POD_NAME=job-0;K8S_POD_UID={late}"
+            read = exec_plugin(plugin, "ADD", config, "sb2", args=args)
+            assert read.returncode == 0, read
+        finally:
+            server.unstall()
     finally:
         agent.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-    agent_calls = api_calls(server.requests)
+    requests = list(server.requests)
+    del requests[admin_from:admin_to]
+    agent_calls = api_calls(requests)
     server.requests.clear()
 
     extra = k8s_options(

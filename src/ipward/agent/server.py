@@ -959,6 +959,15 @@ class ClusterDirectory(PodDirectory):
         return uid in self._view().pods
 
 
+def cluster_directory(url: str, node: str) -> PodDirectory:
+    """The pod directory of ADDs. `k8s://` opens in this node's scope (its pods and the
+    namespaces cached, any other pod read directly): it is the directory itself, and an
+    agent never caches the whole cluster's pods. Other sources answer from their cluster
+    view."""
+    source = open_source(url, node=node) if url.startswith("k8s://") else open_source(url)
+    return source if isinstance(source, PodDirectory) else ClusterDirectory(source)
+
+
 class Reconciler:
     """DESIGN 5.5: on start and every `interval`, free this node's records whose sandbox
     the runtime positively reports gone, older than the ADD grace (the rules are
@@ -1070,7 +1079,7 @@ def run_agent(
     # Before anything that takes time: a stop asked for during start is not lost.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     source = open_source(liveness, node=node) if liveness else None
-    directory = ClusterDirectory(open_source(cluster)) if cluster else None
+    directory = cluster_directory(cluster, node) if cluster else None
     try:
         # The schema is checked before serving: while the store cannot be reached, the
         # plugin finds no agent and answers 11, as it would for an unreachable store.

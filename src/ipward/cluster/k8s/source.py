@@ -6,8 +6,7 @@ Scopes:
   * agent (a node): that node's pods (`fieldSelector=spec.nodeName=NODE`) and
     namespaces; `cluster_view()` raises `NotCovered` (it would miss every other node's
     pods, and a missing pod reads as a gone one); it answers as a `PodDirectory` (`meta`,
-    `listed`). `ipward agent --cluster` does not use this scope yet: it opens the source
-    without a node and reads its cluster view (`agent.ClusterDirectory`).
+    `listed`): what `ipward agent --cluster k8s://` uses.
 `node_view()` always raises `NotCovered`: the API lists no sandboxes; the runtime does.
 
 Direct reads bypass the caches where an answer must be current: `meta` and `listed`
