@@ -11,8 +11,8 @@ Scopes:
 
 Direct reads bypass the caches where an answer must be current: `meta` and `listed`
 for an ADD (a pod not cached yet is read once before the answer is "try again"), and
-the `confirm_*` methods, for the controller to call before it frees anything on the
-cluster's word (nothing calls them yet: garbage collection judges on the cached view).
+the `confirm_*` methods, which garbage collection calls before it frees anything on the
+cluster's word (it judges on the cached view; the free waits for the API's own answer).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ipward.cluster.k8s.objects import (
 from ipward.cluster.k8s.reflector import MIN_STALE_AFTER, Reflector, Resource
 from ipward.cluster.liveness import (
     ClusterView,
+    Confirmation,
     LivenessSource,
     LivenessUnavailable,
     NodeView,
@@ -104,15 +105,6 @@ class Settings:
 
     def connection(self) -> Connection:
         return from_kubeconfig(self.kubeconfig, self.context) if self.kubeconfig else in_cluster()
-
-
-@dataclass(frozen=True)
-class Confirmation:
-    """A live answer from the API (never from a cache): `confirmed` is True only when
-    the API said so cleanly; any error, timeout or unexpected answer is False."""
-
-    confirmed: bool
-    evidence: str
 
 
 class K8sSource(LivenessSource, PodDirectory):
