@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from ipward import schema
 from ipward.check import check
 from ipward.install import write_launcher
 from ipward.ledger import Ledger
 from ipward.pool import PoolSpec
-from ipward.records import Attachment, PodInfo
+from ipward.records import Attachment, PodInfo, node_key
+from ipward.store.base import Put
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench import (
     ETCD,
@@ -25,6 +27,7 @@ from ipward_lab.bench import (
     PLOT_GC_MEMORY,
     PLOT_POOL_SIZE,
     PLUGIN_PYTHON,
+    PoolFill,
     RecordStore,
     agent_memory,
     bench_command,
@@ -40,6 +43,8 @@ from ipward_lab.bench import (
     run,
     run_cluster,
     run_growth,
+    write_adds,
+    write_all,
     write_report,
 )
 from ipward_lab.report import PNG_MAGIC, Page, Panel, line_plot, line_plots, save_png
@@ -266,6 +271,80 @@ def test_bulk_fill_writes_what_the_ledger_writes(tmp_path: Path, count: int) -> 
         assert [a.ip for a in more] == [a.ip for a in again]
     finally:
         through_ledger.close()
+        bulk.close()
+
+
+def _register(store: SqliteStore, nodes: list[str]) -> None:
+    lease = store.lease_grant(600)
+    store.txn([], [Put(node_key(n), b"{}", lease=lease) for n in nodes])
+
+
+def test_pool_fill_writes_what_ledgers_and_the_controller_write(tmp_path: Path) -> None:
+    """PoolFill's keys and values are byte for byte those of ledgers on several nodes
+    and the controller's passes (warm target) between their ADDs, over two stages (the
+    second carrying on from the store's block cursor), and `ipward check` finds nothing
+    wrong with them."""
+    from ipward.controller import Controller, Election, Metrics
+    from ipward.lifecycle import create_pool
+
+    spec = PoolSpec(
+        "cl",
+        [[{"subnet": "10.7.0.0/22"}], [{"subnet": "fd00:7::/112"}]],
+        exclude=["10.7.0.20/30"],
+        block_prefix={4: 28, 6: 124},
+        cooldown=0,
+        warm=20,  # more than a /28 holds: two blocks a node, assigned in two rounds
+    )
+    stages = [{"n0": 25, "n1": 3, "n2": 0, "n3": 17}, {"n4": 40, "n5": 1}]
+    at = 1_700_000_000.0
+
+    def pod(i: int) -> PodInfo:
+        return PodInfo("ns", f"pod-{i}", f"uid-{i}")
+
+    def adds(stage: dict[str, int], start: int) -> list[tuple[str, Attachment, PodInfo]]:
+        out = []
+        for node, count in stage.items():
+            for _ in range(count):
+                out.append((node, Attachment("net", f"c-{start}", "eth0"), pod(start)))
+                start += 1
+        return out
+
+    real = SqliteStore(str(tmp_path / "real.db"))
+    bulk = SqliteStore(str(tmp_path / "bulk.db"))
+    try:
+        for store, path in ((real, "real.db"), (bulk, "bulk.db")):
+            schema.ensure(store, str(tmp_path / path), create=True)
+            create_pool(store, spec)
+        election = Election(real, "t", 600)
+        election.campaign()
+        controller = Controller(
+            real, election, Metrics("t", lambda: True), interval=1, ready_delay=0
+        )
+        fill = PoolFill(spec)
+        nodes: list[str] = []
+        done = 0
+        for stage in stages:
+            nodes += list(stage)
+            _register(real, list(stage))
+            controller.run_pass()
+            for node, attachment, p in adds(stage, done):
+                Ledger(real, node, clock=lambda: at).allocate([spec], attachment, p)
+            controller.run_pass()
+            # The bulk side, carrying on from the store's cursors as the scale run does.
+            fill.carry_on(bulk)
+            fill.warm(nodes)
+            write_adds(bulk, fill, adds(stage, done), at, batch=29)
+            fill.warm(nodes)
+            write_all(bulk, fill.ops())
+            done += sum(stage.values())
+        leased = ("nodes/", "controller/")
+        expected = {k: v for k, v in _store_items(real).items() if not k.startswith(leased)}
+        got = {k: v for k, v in _store_items(bulk).items() if not k.startswith(leased)}
+        differ = {k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k)}
+        assert not differ, sorted(differ)[:10]
+        assert check(bulk)[0] == []
+    finally:
+        real.close()
         bulk.close()
 
 

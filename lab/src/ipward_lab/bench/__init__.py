@@ -35,7 +35,7 @@ and `common` (what they share, `Results` among it).
 from ipward_lab.bench.cluster import agent_exec_latency, run_cluster
 from ipward_lab.bench.command import bench_command
 from ipward_lab.bench.common import NODE, PLUGIN_PYTHON, BenchError, machine, p99, percentile
-from ipward_lab.bench.fill import bulk_fill
+from ipward_lab.bench.fill import PoolFill, bulk_fill, write_adds, write_all
 from ipward_lab.bench.gc_memory import RecordStore, agent_memory, gc_pass_times
 from ipward_lab.bench.latency import allocate_latency, fill_latency, pool_size_latency
 from ipward_lab.bench.plugin_exec import exec_latency
@@ -58,6 +58,7 @@ __all__ = [
     "PLOT_POOL_SIZE",
     "PLUGIN_PYTHON",
     "BenchError",
+    "PoolFill",
     "RecordStore",
     "agent_exec_latency",
     "agent_memory",
@@ -78,5 +79,7 @@ __all__ = [
     "run_growth",
     "run_report",
     "throughput",
+    "write_adds",
+    "write_all",
     "write_report",
 ]
