@@ -206,11 +206,16 @@ def write_adds(
         if len(ops) >= batch:
             write_all(store, ops[:batch])
             ops = ops[batch:]
-    ops += fill.ops()
-    while ops:
-        write_all(store, ops[:batch])
-        ops = ops[batch:]
+    write_batches(store, [*ops, *fill.ops()], batch)
     return count
+
+
+def write_batches(store: Store, ops: Sequence[Put], batch: int = 2000) -> None:
+    """`ops` in transactions of at most `batch` writes (and the store's own limit)."""
+    if store.max_txn_ops is not None:
+        batch = min(batch, store.max_txn_ops)
+    for start in range(0, len(ops), batch):
+        write_all(store, ops[start : start + batch])
 
 
 def bulk_fill(
