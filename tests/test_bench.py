@@ -613,6 +613,7 @@ SCALE_ROW = {
     "controller_rss_mib",
     "controller_hwm_mib",
     "controller_assigned_first",
+    "controller_pass_errors",
     "changed_pods",
     "add_running_p50_ms",
     "add_running_p99_ms",
@@ -627,18 +628,19 @@ SCALE_ROW = {
     "stage_s",
 }
 # Counts that are 0 when all is well.
-SCALE_ZEROS = {"controller_assigned_first", "churn_errors"}
+SCALE_ZEROS = {"controller_assigned_first", "controller_pass_errors", "churn_errors"}
 
 
 def check_scale_result(result: dict, stages: tuple[int, ...], agents: int) -> None:
     rows = result["series"]["scale"]
     assert [row["records"] for row in rows] == list(stages)
+    assert not [k for k in result["notes"] if k.startswith("failed.")], result["notes"]
     for row in rows:
         assert set(row) == SCALE_ROW, set(row) ^ SCALE_ROW
         _positive({k: v for k, v in row.items() if k not in SCALE_ZEROS | {"controller_busy"}})
         # The fill left what the controller's passes would have: its first assigns nothing.
         assert row["controller_assigned_first"] == 0
-        assert row["churn_errors"] == 0
+        assert row["churn_errors"] == row["controller_pass_errors"] == 0
         assert 0 <= row["controller_busy"] <= 1
         assert row["changed_pods"] == max(row["records"] // 100, 1)
         assert row["nodes"] > agents

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import os
 import signal
 import statistics
@@ -116,6 +117,18 @@ def _wait(what: str, done: Callable[[], bool], proc: Agent | Controller, timeout
 # -- the probe agent ------------------------------------------------------------------
 
 
+RECONCILE_FAILURES = ("reconcile: store unreachable", "reconcile failed")
+
+
+def _reconciles(agent: Agent, passes: int) -> bool:
+    """Whether `passes` reconcile passes are logged; BenchError once three have failed
+    (a pass that cannot read the store at this size will not, however long one waits)."""
+    failures = [line for msg in RECONCILE_FAILURES for line in agent.logged(msg)]
+    if len(failures) >= 3:
+        raise BenchError(f"{agent.name}: reconcile passes fail: {failures[-1]}")
+    return len(agent.logged("reconciled")) >= passes
+
+
 def probe_agent(cluster: ScaleCluster, tmp: Path, passes: int) -> dict[str, float]:
     """A real agent on the first agent node, its runtime listing that node's sandboxes,
     reconciling every second: VmRSS/VmHWM once its first pass is logged, then the time
@@ -138,12 +151,12 @@ def probe_agent(cluster: ScaleCluster, tmp: Path, passes: int) -> dict[str, floa
     )
     try:
         agent.wait_started(AGENT_READY_TIMEOUT)
-        _wait("reconcile pass", lambda: bool(agent.logged("reconciled")), agent, PROCESS_TIMEOUT)
+        _wait("reconcile pass", partial(_reconciles, agent, 1), agent, PROCESS_TIMEOUT)
         memory = settled_memory(agent.pid)
         timeout = PROCESS_TIMEOUT * passes
         _wait(
             f"{passes + 1} reconcile passes",
-            lambda: len(agent.logged("reconciled")) > passes,
+            partial(_reconciles, agent, passes + 1),
             agent,
             timeout,
         )
@@ -252,7 +265,11 @@ def controller_figures(cluster: ScaleCluster, controller: Controller) -> dict[st
     if steady is None:
         raise BenchError("no controller pass started after the change was written")
     memory = settled_memory(controller.pid, seconds=1.0)
-    freed = sum(value for name, _, value in controller.metrics() if name == "ipward_gc_freed_total")
+    samples = controller.metrics()
+    freed = sum(value for name, _, value in samples if name == "ipward_gc_freed_total")
+    errors = sum(
+        value for name, _, value in samples if name == "ipward_controller_pass_errors_total"
+    )
     if freed:
         raise BenchError(f"the controller freed {freed:.0f} records of live pods")
     return {
@@ -261,6 +278,7 @@ def controller_figures(cluster: ScaleCluster, controller: Controller) -> dict[st
         "controller_rss_mib": memory["rss_mib"],
         "controller_hwm_mib": memory["hwm_mib"],
         "controller_assigned_first": assigned,
+        "controller_pass_errors": errors,
         "changed_pods": float(changed),
     }
 
@@ -429,10 +447,62 @@ def churn_figures(
 # -- the run --------------------------------------------------------------------------
 
 
+PROBE_KEYS = ("agent_rss_mib", "agent_hwm_mib", "reconcile_ms", "reconcile_max_ms")
+CONTROLLER_KEYS = (
+    "controller_first_pass_ms",
+    "controller_steady_pass_ms",
+    "controller_rss_mib",
+    "controller_hwm_mib",
+    "controller_assigned_first",
+    "controller_pass_errors",
+    "changed_pods",
+)
+CHURN_KEYS = (
+    "add_running_p50_ms",
+    "add_running_p99_ms",
+    "add_paused_p50_ms",
+    "add_paused_p99_ms",
+    "adds_running",
+    "adds_paused",
+    "add_p99_vs_paused",
+    "controller_busy",
+    "churn_errors",
+)
+
+
+def _raise(error: BenchError) -> dict[str, float]:
+    raise error
+
+
+def _part(
+    row: dict[str, float],
+    failed: dict[str, str],
+    name: str,
+    keys: Sequence[str],
+    measure: Callable[[], dict[str, float]],
+    out: Callable[[str], object],
+) -> None:
+    """The figures of one part of a stage into `row`; when it fails (a process that
+    cannot do its work at this size is a finding, not the end of the run), NaN for
+    each and the reason in `failed`."""
+    try:
+        row.update(measure())
+    except BenchError as e:
+        failed[name] = str(e)[:3000]
+        out(f"      {name} FAILED: {str(e)[:500]}")
+        row.update(dict.fromkeys(keys, math.nan))
+
+
 def measure_stage(
-    cluster: ScaleCluster, tmp: Path, sizes: ScaleSizes, records: int, out: Callable[[str], object]
+    cluster: ScaleCluster,
+    tmp: Path,
+    sizes: ScaleSizes,
+    records: int,
+    out: Callable[[str], object],
+    failed: dict[str, str],
 ) -> dict[str, float]:
-    """Grow the cluster to `records`, then every figure of the stage."""
+    """Grow the cluster to `records`, then every figure of the stage (a part that
+    failed: NaN, and why in `failed`)."""
     before = cluster.records
     out(f"  ... {records:,} records: registering nodes, filling (bulk)")
     row: dict[str, float] = {"records": float(records)}
@@ -447,18 +517,43 @@ def measure_stage(
         if problems:
             raise BenchError(f"ipward check on the bulk state: {problems[:5]}")
     out(f"      {len(cluster.nodes):,} nodes; probe agent: memory, {sizes.reconcile_passes} passes")
-    row.update(probe_agent(cluster, tmp, sizes.reconcile_passes))
+    _part(
+        row,
+        failed,
+        "probe",
+        PROBE_KEYS,
+        lambda: probe_agent(cluster, tmp, sizes.reconcile_passes),
+        out,
+    )
     out("      controller: first pass, 1% changed, steady pass; then the churn")
-    controller = start_controller(cluster, tmp)
     try:
-        row.update(controller_figures(cluster, controller))
-        row.update(churn_figures(cluster, controller, tmp, sizes))
-    finally:
-        _pause(controller, False)
+        controller = start_controller(cluster, tmp)
+    except BenchError as e:
+        _part(row, failed, "controller", CONTROLLER_KEYS + CHURN_KEYS, partial(_raise, e), out)
+    else:
         try:
-            controller.stop(30)
-        except (subprocess.TimeoutExpired, FleetError):
-            controller.kill()
+            _part(
+                row,
+                failed,
+                "controller",
+                CONTROLLER_KEYS,
+                lambda: controller_figures(cluster, controller),
+                out,
+            )
+            _part(
+                row,
+                failed,
+                "churn",
+                CHURN_KEYS,
+                lambda: churn_figures(cluster, controller, tmp, sizes),
+                out,
+            )
+        finally:
+            _pause(controller, False)
+            try:
+                controller.stop(30)
+            except (subprocess.TimeoutExpired, FleetError):
+                controller.kill()
     row["liveness_hwm_mib"] = liveness_only_memory(cluster)
     return row
 
@@ -488,6 +583,7 @@ def run_scale(
         f" CPUs ({info['platform']}); etcd {info['etcd']}"
     )
     rows: list[dict[str, float]] = []
+    r = Results()
     with (
         tempfile.TemporaryDirectory(prefix="ipward-bench-scale-") as tmp_name,
         etcd_server(Path(tmp_name) / "etcd") as server,
@@ -498,13 +594,15 @@ def run_scale(
             cluster = ScaleCluster(server, store, tmp, sizes.agents)
             for records in sizes.stages:
                 stage_began = time.perf_counter()
-                row = measure_stage(cluster, tmp, sizes, records, say)
+                failed: dict[str, str] = {}
+                row = measure_stage(cluster, tmp, sizes, records, say, failed)
+                for part, why in failed.items():
+                    r.notes[f"failed.{count_label(records)}.{part}"] = why
                 row["stage_s"] = time.perf_counter() - stage_began
                 rows.append(row)
                 say(f"      stage done in {row['stage_s']:.0f} s")
         finally:
             store.close()
-    r = Results()
     for row in rows:
         label = count_label(int(row["records"]))
         for key, value in row.items():
@@ -536,7 +634,9 @@ def _targets(rows: list[dict[str, float]], r: Results) -> None:
     last = rows[-1]
     reference = next((x for x in rows if x["records"] == REFERENCE_RECORDS), rows[0])
     reconcile = [x["reconcile_ms"] for x in rows]
-    r.figures["scale.reconcile_spread"] = max(reconcile) / min(reconcile)
+    r.figures["scale.reconcile_spread"] = (
+        max(reconcile) / min(reconcile) if all(map(math.isfinite, reconcile)) else math.nan
+    )
     r.figures["scale.steady_pass_vs_reference"] = (
         last["controller_steady_pass_ms"] / reference["controller_steady_pass_ms"]
     )
@@ -583,6 +683,7 @@ TABLE_ROWS = [
     ("agent reconcile ms (median)", "reconcile_ms", "{:.1f}", "reconcile_spread"),
     ("controller first pass ms", "controller_first_pass_ms", "{:,.0f}", ""),
     ("controller pass ms, 1% changed", "controller_steady_pass_ms", "{:,.0f}", "steady_pass"),
+    ("controller passes failed", "controller_pass_errors", "{:.0f}", ""),
     ("controller VmHWM MiB", "controller_hwm_mib", "{:.1f}", "controller_hwm_mib"),
     ("  its liveness source alone MiB", "liveness_hwm_mib", "{:.1f}", ""),
     ("ADD p50 ms, controller running", "add_running_p50_ms", "{:.1f}", ""),
@@ -602,7 +703,7 @@ def scale_table(rows: list[dict[str, float]], r: Results) -> list[list[str]]:
     by_suffix = {name.rsplit(".", 1)[-1]: t for name, t in r.targets.items()}
     by_suffix["steady_pass"] = r.targets["scale.steady_pass_vs_reference"]
     for label, key, fmt, target in TABLE_ROWS:
-        cells = [fmt.format(x[key]) for x in rows]
+        cells = [fmt.format(x[key]) if math.isfinite(x[key]) else "failed" for x in rows]
         if key == "db_bytes":
             cells = [fmt.format(x[key] / 2**20) for x in rows]
         if key == "adds_running":
