@@ -181,16 +181,29 @@ def probe_agent(cluster: ScaleCluster, tmp: Path, passes: int) -> dict[str, floa
 # -- the controller -------------------------------------------------------------------
 
 
+def _scrape(controller: Controller) -> dict[str, float]:
+    """Its metrics, each summed over its labels, once it answers: a controller busy
+    decoding a large read may not within one scrape's timeout."""
+    deadline = time.monotonic() + PROCESS_TIMEOUT
+    while True:
+        samples: dict[str, float] = {}
+        for name, _, value in controller.metrics():
+            samples[name] = samples.get(name, 0.0) + value
+        if samples:
+            return samples
+        if not controller.running or time.monotonic() > deadline:
+            raise BenchError(
+                f"{controller.name}: its metrics do not answer:\n{controller.output()}"
+            )
+
+
 def _passes(controller: Controller) -> tuple[float, float]:
-    """(passes completed, seconds spent in them) from its metrics."""
-    count = total = None
-    for name, _, value in controller.metrics():
-        if name == "ipward_controller_pass_seconds_count":
-            count = value
-        elif name == "ipward_controller_pass_seconds_sum":
-            total = value
+    """(passes completed, seconds spent in them)."""
+    samples = _scrape(controller)
+    count = samples.get("ipward_controller_pass_seconds_count")
+    total = samples.get("ipward_controller_pass_seconds_sum")
     if count is None or total is None:
-        raise BenchError(f"{controller.name}: no pass metrics:\n{controller.output()}")
+        raise BenchError(f"{controller.name}: no pass metrics among {sorted(samples)[:20]}")
     return count, total
 
 
@@ -244,7 +257,7 @@ def controller_figures(cluster: ScaleCluster, controller: Controller) -> dict[st
     passes would have)."""
     count, total = _passes(controller)
     first_pass = total / count
-    assigned = controller.metric("ipward_controller_blocks_assigned_total") or 0.0
+    assigned = _scrape(controller).get("ipward_controller_blocks_assigned_total", 0.0)
     count, total = _next_pass(controller, count)  # a pass just ended: it is sleeping
     _pause(controller, True)
     try:
@@ -265,11 +278,9 @@ def controller_figures(cluster: ScaleCluster, controller: Controller) -> dict[st
     if steady is None:
         raise BenchError("no controller pass started after the change was written")
     memory = settled_memory(controller.pid, seconds=1.0)
-    samples = controller.metrics()
-    freed = sum(value for name, _, value in samples if name == "ipward_gc_freed_total")
-    errors = sum(
-        value for name, _, value in samples if name == "ipward_controller_pass_errors_total"
-    )
+    samples = _scrape(controller)
+    freed = samples.get("ipward_gc_freed_total", 0.0)
+    errors = samples.get("ipward_controller_pass_errors_total", 0.0)
     if freed:
         raise BenchError(f"the controller freed {freed:.0f} records of live pods")
     return {
