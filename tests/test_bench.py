@@ -622,7 +622,7 @@ SCALE_ROW = {
     "adds_running",
     "adds_paused",
     "add_p99_vs_paused",
-    "controller_busy",
+    "controller_cpu",
     "churn_errors",
     "liveness_hwm_mib",
     "stage_s",
@@ -634,14 +634,14 @@ SCALE_ZEROS = {"controller_assigned_first", "controller_pass_errors", "churn_err
 def check_scale_result(result: dict, stages: tuple[int, ...], agents: int) -> None:
     rows = result["series"]["scale"]
     assert [row["records"] for row in rows] == list(stages)
-    assert not [k for k in result["notes"] if k.startswith("failed.")], result["notes"]
+    assert not [k for k in result["notes"] if ".failed." in k], result["notes"]
     for row in rows:
         assert set(row) == SCALE_ROW, set(row) ^ SCALE_ROW
-        _positive({k: v for k, v in row.items() if k not in SCALE_ZEROS | {"controller_busy"}})
+        _positive({k: v for k, v in row.items() if k not in SCALE_ZEROS | {"controller_cpu"}})
         # The fill left what the controller's passes would have: its first assigns nothing.
         assert row["controller_assigned_first"] == 0
         assert row["churn_errors"] == row["controller_pass_errors"] == 0
-        assert 0 <= row["controller_busy"] <= 1
+        assert 0 <= row["controller_cpu"] <= (os.cpu_count() or 1)
         assert row["changed_pods"] == max(row["records"] // 100, 1)
         assert row["nodes"] > agents
         assert row["agent_hwm_mib"] >= row["agent_rss_mib"]
