@@ -686,6 +686,7 @@ def test_tiny_scale_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 8 minutes on 2 cores; the run keeps each under 20
 @pytest.mark.skipif(not os.access(ETCD, os.X_OK), reason=f"no {ETCD}")
 def test_full_scale_run(tmp_path: Path) -> None:
     """The full run: 5,000 nodes and 150,000 allocations at its last stage."""
