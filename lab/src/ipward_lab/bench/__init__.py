@@ -26,16 +26,22 @@ socket call, next to raw etcd CAS by as many threads in the same run (the two lo
 turns in rounds); then plugin exec ADD through an agent next to the bare interpreter and
 host-local.
 
+`ipward bench --scale` instead (`run_scale`): one temporary etcd grown stage by stage to
+5,000 nodes and 150,000 allocations (`ScaleCluster`, the state written in bulk as ledgers
+and the controller leave it: `PoolFill`); at each stage a real probe agent (memory,
+reconcile pass), a real controller (memory, first and steady pass) and real agents under
+plugin ADD/DEL churn with the controller running and paused; a table and a plot.
+
 Modules, one a figure: `throughput` (1), `plugin_exec` (2), `latency` (3, 4, 5), `fill`
-(pools filled in bulk for them), `gc_memory` (6, 7), `cluster` (--cluster), `report`
-(--report), `run` (the default run and the growth part, section by section), `command`,
-and `common` (what they share, `Results` among it).
+(pools filled in bulk for them), `gc_memory` (6, 7), `cluster` (--cluster), `scale` and
+`scale_cluster` (--scale), `report` (--report), `run` (the default run and the growth
+part, section by section), `command`, and `common` (what they share, `Results` among it).
 """
 
 from ipward_lab.bench.cluster import agent_exec_latency, run_cluster
 from ipward_lab.bench.command import bench_command
 from ipward_lab.bench.common import NODE, PLUGIN_PYTHON, BenchError, machine, p99, percentile
-from ipward_lab.bench.fill import bulk_fill
+from ipward_lab.bench.fill import PoolFill, bulk_fill, write_adds, write_all
 from ipward_lab.bench.gc_memory import RecordStore, agent_memory, gc_pass_times
 from ipward_lab.bench.latency import allocate_latency, fill_latency, pool_size_latency
 from ipward_lab.bench.plugin_exec import exec_latency
@@ -58,6 +64,7 @@ __all__ = [
     "PLOT_POOL_SIZE",
     "PLUGIN_PYTHON",
     "BenchError",
+    "PoolFill",
     "RecordStore",
     "agent_exec_latency",
     "agent_memory",
@@ -78,5 +85,7 @@ __all__ = [
     "run_growth",
     "run_report",
     "throughput",
+    "write_adds",
+    "write_all",
     "write_report",
 ]

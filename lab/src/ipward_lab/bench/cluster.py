@@ -36,7 +36,7 @@ from ipward_lab.bench.common import (
     stop_agent,
     verdict,
 )
-from ipward_lab.bench.plugin_exec import exec_kinds, interleaved_adds, ipam_config
+from ipward_lab.bench.plugin_exec import exec_kinds, exec_rates, interleaved_adds, ipam_config
 from ipward_lab.etcdlab import ETCD, etcd_server
 from ipward_lab.fleet import Agent, FleetError
 
@@ -46,6 +46,7 @@ CLUSTER_BLOCK_V4 = 26
 AGENT_MAX_WORKERS = 16  # the agent's default --max-workers, which the bench leaves as is
 TARGET_CLUSTER_VS_CAS = 0.5  # aggregate ADDs/s >= 0.5 x raw CAS/s at the same concurrency
 TARGET_AGENT_EXEC_OVER_PYTHON_MS = 5.0  # plugin ADD (through the agent) - bare interpreter
+EXEC_RATE_CONCURRENCY = 32  # execs at once for the exec-bound rate of a node
 
 
 def _cluster_pool() -> PoolSpec:
@@ -241,8 +242,22 @@ def agent_exec_latency(tmp: Path, socket_path: str, runs: int, warmup: int = 5) 
     """ADD exec latency of the installed plugin forwarding to the agent at `socket_path`
     (`agentSocket` in its config), of a bare interpreter and of host-local, interleaved
     run by run; DEL of every ADD afterwards (not timed)."""
-    ipward_cfg = ipam_config({"type": "ipward", "agentSocket": socket_path, "pool": CLUSTER_POOL})
-    return interleaved_adds(exec_kinds(tmp, ipward_cfg), runs, warmup)
+    return interleaved_adds(exec_kinds(tmp, {"ipward": _agent_config(socket_path)}), runs, warmup)
+
+
+def _agent_config(socket_path: str) -> bytes:
+    return ipam_config({"type": "ipward", "agentSocket": socket_path, "pool": CLUSTER_POOL})
+
+
+def agent_exec_rate(
+    tmp: Path, socket_path: str, concurrency: int, seconds: float, rounds: int
+) -> dict[str, float]:
+    """The exec-bound rate of a node: plugin ADDs per second through the agent at
+    `socket_path` with `concurrency` execs at once, next to bare interpreter starts per
+    second at the same concurrency, taking turns (`exec_rates`)."""
+    kinds = exec_kinds(tmp, {"ipward": _agent_config(socket_path)})
+    kinds.pop("host_local", None)
+    return exec_rates(kinds, concurrency, seconds, rounds)
 
 
 def run_cluster(
@@ -277,6 +292,7 @@ def run_cluster(
         3 if quick else 10,
     )
     exec_runs = 40 if quick else 200
+    rate_seconds = 2.0 if quick else 10.0
     r = Results()
     info = machine()
     out(
@@ -299,7 +315,7 @@ def run_cluster(
         cas = [_CasClient(stores[i // concurrency], f"bench/cas/{i}") for i in range(threads)]
         counted = _measure(clients, cas, f"http://{server.endpoint}", rounds, out)
         errors, examples = _load_figures(clients, cas, counted, r)
-        _agent_exec(tmp, str(procs[0].socket), exec_runs, out, r)
+        _agent_exec(tmp, str(procs[0].socket), exec_runs, rate_seconds, out, r)
         out(f"  ... stopping {plural(agents, 'agent')} and etcd")
     # (agents and etcd are stopped here, also when anything above failed)
 
@@ -502,9 +518,15 @@ def _load_figures(
 
 
 def _agent_exec(
-    tmp: Path, socket_path: str, exec_runs: int, out: Callable[[str], object], r: Results
+    tmp: Path,
+    socket_path: str,
+    exec_runs: int,
+    rate_seconds: float,
+    out: Callable[[str], object],
+    r: Results,
 ) -> None:
-    """Plugin exec ADD through the agent at `socket_path`: figures and target into `r`."""
+    """Plugin exec through the agent at `socket_path`, ADD latency (target) and the
+    exec-bound rate: figures and target into `r`."""
     out(
         f"  ... plugin exec: {exec_runs} ADDs each of python, ipward (through agent 0)"
         " and host-local, interleaved"
@@ -521,6 +543,16 @@ def _agent_exec(
         "target": f"<= {TARGET_AGENT_EXEC_OVER_PYTHON_MS} ms",
         "met": diff <= TARGET_AGENT_EXEC_OVER_PYTHON_MS,
     }
+    out(
+        f"  ... exec-bound rate: {EXEC_RATE_CONCURRENCY} ADD execs at once through agent 0,"
+        f" then {EXEC_RATE_CONCURRENCY} bare interpreter starts at once, taking turns"
+    )
+    rate_dir = tmp / "exec-rate"
+    rate_dir.mkdir()
+    rates = agent_exec_rate(rate_dir, socket_path, EXEC_RATE_CONCURRENCY, rate_seconds, 2)
+    r.figures["exec.ipward_add_per_s"] = rates["ipward"]
+    r.figures["exec.python_starts_per_s"] = rates["python"]
+    r.figures["exec.add_vs_python_starts"] = rates["ipward"] / rates["python"]
 
 
 def _load_rows(r: Results, agents: int, concurrency: int) -> list[list[str]]:
@@ -585,6 +617,18 @@ def _exec_rows(r: Results, exec_runs: int) -> list[list[str]]:
             f"{f['exec.ipward_minus_python_ms']:+.2f}",
             "",
             f"<= {TARGET_AGENT_EXEC_OVER_PYTHON_MS:.0f} ms {verdict(met)}",
+        ]
+    )
+    exec_rows.append([f"exec-bound rate, {EXEC_RATE_CONCURRENCY} at once", "per s", "", ""])
+    exec_rows.append(
+        [f"{PLUGIN_PYTHON} -I -S starts", f"{f['exec.python_starts_per_s']:.0f}", "", ""]
+    )
+    exec_rows.append(
+        [
+            "ipward ADDs through the agent",
+            f"{f['exec.ipward_add_per_s']:.0f}",
+            "",
+            f"{f['exec.add_vs_python_starts']:.2f}x the starts (the node's ceiling)",
         ]
     )
     return exec_rows

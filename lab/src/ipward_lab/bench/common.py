@@ -84,6 +84,18 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+class Console:
+    """`say(line)` prints with `out` and keeps the line (a report shows them all)."""
+
+    def __init__(self, out: Callable[[str], object]) -> None:
+        self.out = out
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        self.out(line)
+
+
 class Timer:
     """`with Timer(samples):` appends the seconds the block took."""
 
@@ -96,6 +108,32 @@ class Timer:
 
     def __exit__(self, *exc: object) -> None:
         self.samples.append(time.perf_counter() - self.start)
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """VmRSS (resident now) and VmHWM (peak resident) of a process in MiB."""
+    values = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                values[name] = int(rest.split()[0]) / 1024
+    return {"rss_mib": values["VmRSS"], "hwm_mib": values["VmHWM"]}
+
+
+def settled_memory(pid: int, seconds: float = 3.0) -> dict[str, float]:
+    """`memory_mib` once the resident size stops moving (or after `seconds`): a process
+    that just logged the end of a pass may still be letting go of what it read."""
+    memory = memory_mib(pid)
+    settle = time.monotonic() + seconds
+    while time.monotonic() < settle:
+        time.sleep(0.1)
+        now = memory_mib(pid)
+        steady = abs(now["rss_mib"] - memory["rss_mib"]) < 0.25
+        memory = now
+        if steady:
+            break
+    return memory
 
 
 def version_of(argv: list[str]) -> str:

@@ -24,6 +24,7 @@ from ipward_lab.bench.common import (
     Results,
     Timer,
     count_label,
+    settled_memory,
 )
 from ipward_lab.bench.fill import bulk_fill
 from ipward_lab.simcluster import SimFileSource, write_sim_state
@@ -166,17 +167,6 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
     }
 
 
-def _memory_mib(pid: int) -> dict[str, float]:
-    """VmRSS (resident now) and VmHWM (peak resident) of a process in MiB."""
-    values = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name in ("VmRSS", "VmHWM"):
-                values[name] = int(rest.split()[0]) / 1024
-    return {"rss_mib": values["VmRSS"], "hwm_mib": values["VmHWM"]}
-
-
 def agent_memory(tmp: Path, records: RecordStore, other_node: bool = False) -> dict[str, float]:
     """A real `ipward agent` (fleet.Agent) of the records' node on their store, its
     runtime the simulated one listing every record's sandbox ready; once its first
@@ -205,18 +195,8 @@ def agent_memory(tmp: Path, records: RecordStore, other_node: bool = False) -> d
             time.sleep(0.05)
         if passes[0].get("records") != expected or passes[0].get("freed"):
             raise BenchError(f"agent on {label} records: unexpected pass {passes[0]}")
-        # The line is logged before the pass lets go of what it read: wait until the
-        # resident size stops moving (or 3 s), then read it.
-        memory = _memory_mib(agent.pid)
-        settle = time.monotonic() + 3.0
-        while time.monotonic() < settle:
-            time.sleep(0.1)
-            now = _memory_mib(agent.pid)
-            steady = abs(now["rss_mib"] - memory["rss_mib"]) < 0.25
-            memory = now
-            if steady:
-                break
-        return memory
+        # The line is logged before the pass lets go of what it read.
+        return settled_memory(agent.pid)
     except FleetError as e:
         raise BenchError(str(e)) from None
     finally:

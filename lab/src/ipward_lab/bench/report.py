@@ -14,6 +14,7 @@ from ipward.store.base import StoreError
 from ipward_lab.bench.cluster import run_cluster
 from ipward_lab.bench.common import (
     BenchError,
+    Console,
     addresses,
     count_label,
     print_table,
@@ -335,11 +336,7 @@ def run_report(
     Returns the result written to DIR/report.json (the cluster's under "cluster")."""
     began = time.perf_counter()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    console: list[str] = []
-
-    def say(line: str) -> None:
-        console.append(line)
-        out(line)
+    say = Console(out)
 
     result = run(quick=quick, etcd=etcd, out=say, growth=True)
     if not etcd:
@@ -357,7 +354,7 @@ def run_report(
     notes["quick"] = "yes" if quick else "no"
     notes["started"] = started
     notes["report_elapsed_s"] = f"{time.perf_counter() - began:.1f}"
-    written = write_report(result, directory, console)
+    written = write_report(result, directory, say.lines)
     out("")
     print_table(
         [["headline", "value", "reference (same run)", "vs reference"], *headline(result)], out
