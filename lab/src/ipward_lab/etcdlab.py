@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,10 +31,33 @@ ETCDCTL = "/usr/bin/etcdctl"
 READY_TIMEOUT = 30.0
 
 
+def _ephemeral_ports() -> range:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
+# Listening ports are taken below the kernel's ephemeral range: a port the kernel handed
+# out with bind(0) is free only until some process's next outgoing connection takes it
+# (tests run in parallel workers, each with many clients), while ports down here are
+# only ever taken by a listener, which the test bind sees.
+_FIRST_EPHEMERAL = _ephemeral_ports().start
+LISTEN_PORTS = range(max(1024, _FIRST_EPHEMERAL - 12000), _FIRST_EPHEMERAL)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on now, outside the ephemeral range."""
+    for _ in range(200):
+        port = random.choice(LISTEN_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {LISTEN_PORTS}")
 
 
 class EtcdServer:
