@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from conftest import IPWARD
 from ipward.cmd.install import write_launcher
 from ipward.core.keys import node_key
 from ipward.core.pool import PoolSpec
@@ -111,10 +112,14 @@ def test_command_options() -> None:
         "--report",
         "--scale",
         "--records",
+        "--k8s",
+        "--pods",
     ):
         assert option in result.output
     for wrong, named in (
         (["--records", "2000"], "--scale"),
+        (["--pods", "2000"], "--k8s"),
+        (["--k8s", "--scale"], "--scale"),
         (["--scale", "--cluster"], "--cluster"),
         (["--scale", "--no-etcd"], "--no-etcd"),
     ):
@@ -704,3 +709,21 @@ def test_scale_sizes() -> None:
     assert scale_sizes(False, 20_000).stages == (1_000, 1_500, 10_000, 20_000)
     assert scale_sizes(True, 5_000).stages == (1_000, 1_500, 5_000)
     assert scale_sizes(True, 5_000).agents == scale_sizes(True, None).agents
+
+
+def test_kubernetes_source_memory_next_to_its_targets() -> None:
+    """`ipward bench --k8s`: each scope measured in its own process, with its target."""
+    done = subprocess.run(
+        [*IPWARD, "bench", "--k8s", "--pods", "500", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout)
+    assert figures["cluster_pods"] == 500
+    assert figures["controller"]["pods"] == 500
+    assert 0 < figures["agent"]["pods"] < 500  # its node's pods only
+    for scope, target in (("controller", "200 MiB"), ("agent", "60 MiB")):
+        assert figures[scope]["rss"] > figures[scope]["baseline"] > 0
+        assert f"{scope}: " in done.stderr and f"target {target}" in done.stderr

@@ -4,7 +4,7 @@ fresh process opens a source on it, waits until synced and reports its resident 
 
 Two figures: a controller-scoped source (every pod, node, namespace, StatefulSet) and an
 agent-scoped one (one node's pods, `per_node` of them, and the namespaces). Run with
-`python -m ipward_lab.kubemem [PODS]`; `ipward bench` will call `measure`.
+`python -m ipward_lab.kubemem [PODS]`, or `ipward bench --k8s [--pods N]`.
 """
 
 from __future__ import annotations
@@ -207,17 +207,32 @@ def measure(pods: int = 100_000, per_node: int = 110, namespaces: int = 100) -> 
     }
 
 
-def main() -> None:
-    pods = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
-    figures = measure(pods)
+# Issue targets for the source's caches: the controller with 100,000 pods cached, an
+# agent with 110 pods on its node whatever the cluster's size.
+TARGETS_MIB = {"controller": 200, "agent": 60}
+
+
+def report_lines(figures: dict[str, Any]) -> list[str]:
+    """One line per scope: resident memory next to its target and the bare interpreter."""
     mib = 1024 * 1024
+    lines = []
     for scope in ("controller", "agent"):
         f = figures[scope]
-        print(
-            f"{scope}: {f['pods']} pods cached of {pods}; resident {f['rss'] / mib:.1f} MiB"
-            f" (interpreter and imports {f['baseline'] / mib:.1f} MiB), peak"
-            f" {f['peak'] / mib:.1f} MiB; synced in {f['sync_seconds']}s"
+        rss, target = f["rss"] / mib, TARGETS_MIB[scope]
+        verdict = "meets" if rss <= target else "misses"
+        lines.append(
+            f"{scope}: {f['pods']} pods cached of {figures['cluster_pods']}; resident"
+            f" {rss:.1f} MiB, target {target} MiB ({verdict}); interpreter and imports"
+            f" {f['baseline'] / mib:.1f} MiB; peak {f['peak'] / mib:.1f} MiB; synced in"
+            f" {f['sync_seconds']}s"
         )
+    return lines
+
+
+def main() -> None:
+    pods = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
+    for line in report_lines(measure(pods)):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,19 @@ from ipward_lab.bench.scale import run_scale, scale_sizes
     " stages below it come first.",
 )
 @click.option(
+    "--k8s",
+    is_flag=True,
+    help="Instead: the Kubernetes source's memory, each scope in a fresh process on a"
+    " loopback test API server: the controller's with --pods pods cached (default"
+    " 100,000), an agent's with 110 pods on its node; next to their targets (~1 min per"
+    " 100,000 pods).",
+)
+@click.option(
+    "--pods",
+    type=click.IntRange(110),
+    help="--k8s: the cluster's pods (default 100,000; --quick 10,000).",
+)
+@click.option(
     "--report",
     "report_dir",
     type=click.Path(file_okay=False),
@@ -77,6 +90,8 @@ def bench_command(
     duration: float | None,
     scale: bool,
     records: int | None,
+    k8s: bool,
+    pods: int | None,
     report_dir: str | None,
 ) -> None:
     """Measure allocation throughput and latency against references from the same run."""
@@ -90,6 +105,10 @@ def bench_command(
         raise click.UsageError("--cluster measures agents on etcd: it does not go with --no-etcd")
     if records is not None and not scale:
         raise click.UsageError("--records goes with --scale")
+    if pods is not None and not k8s:
+        raise click.UsageError("--pods goes with --k8s")
+    if k8s and (scale or cluster or report_dir):
+        raise click.UsageError("--k8s is a run of its own: drop --scale, --cluster and --report")
     if scale and (cluster or no_etcd):
         raise click.UsageError("--scale is a run of its own on etcd: drop --cluster and --no-etcd")
     if cluster and report_dir:
@@ -97,7 +116,13 @@ def bench_command(
             "--report runs the cluster part itself (unless --no-etcd): drop --cluster"
         )
     try:
-        if scale:
+        if k8s:
+            from ipward_lab import kubemem
+
+            result = kubemem.measure(pods or (10_000 if quick else 100_000))
+            for line in kubemem.report_lines(result):
+                report(line)
+        elif scale:
             result = run_scale(scale_sizes(quick, records), out=report, report_dir=report_dir)
         elif report_dir:
             result = run_report(report_dir, quick=quick, etcd=not no_etcd, out=report)
