@@ -27,10 +27,6 @@ class IncompatibleVersion(IpwardError):
     code = 1
 
 
-class UnsupportedField(IpwardError):
-    code = 2
-
-
 class UnknownContainer(IpwardError):
     code = 3
 
@@ -116,7 +112,6 @@ CODES = {
     cls.code: cls
     for cls in (
         IncompatibleVersion,
-        UnsupportedField,
         UnknownContainer,
         InvalidEnvironment,
         IoFailure,
