@@ -917,8 +917,8 @@ def install_cni(bin_dir: str, name: str, standalone: bool, host_root: str) -> No
 
 
 def _attach_commands() -> None:
-    from ipward.agent.server import agent_command
-    from ipward.controller.passes import controller_command
+    from ipward.cmd.agent import agent_command
+    from ipward.cmd.controller import controller_command
 
     cli.add_command(agent_command, "agent")
     cli.add_command(controller_command, "controller")

@@ -55,14 +55,11 @@ that either side can retry or lose.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
-import click
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -73,11 +70,10 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
-from ipward.cmd.daemon import add_grace_option, parse_address, redact, start_http
+from ipward.cluster.election import Election
+from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView
 from ipward.core import keys, log
-from ipward.core import records as rec
-from ipward.core.errors import InvalidConfig, IpwardError
+from ipward.core.errors import IpwardError
 from ipward.core.keys import LEADER_KEY
 from ipward.core.names import node_name_problem
 from ipward.core.policy import ADD_GRACE
@@ -94,8 +90,8 @@ from ipward.core.records import (
 from ipward.gc import rules as gc
 from ipward.ipam import blocks, pools
 from ipward.ipam.ledger import Ledger
-from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
-from ipward.store.base import VALUE, Compare, Delete, Put, absent
+from ipward.store import Store, StoreError
+from ipward.store.base import Compare
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -104,7 +100,6 @@ if TYPE_CHECKING:
     from ipward.store.base import KeyValue
 
 DEFAULT_METRICS = "127.0.0.1:9311"
-MAX_POLL = 1.0  # a waiting instance looks at the leader key at least this often
 
 
 class ControllerError(IpwardError):
@@ -113,184 +108,6 @@ class ControllerError(IpwardError):
 
 class NotLeader(Exception):
     """Leadership is gone (or the controller is stopping): abandon the pass."""
-
-
-# -- leadership --------------------------------------------------------------------------
-
-
-class Election:
-    """Campaign for `controller/leader`, hold it with a lease, and say at every moment
-    whether this instance may act (`fence()`). Runs in a thread of its own, on a store
-    connection of its own, so a slow pass never delays a keepalive."""
-
-    def __init__(
-        self,
-        store: Store,
-        ident: str,
-        ttl: int,
-        on_change: Callable[[bool], None] = lambda leading: None,
-    ) -> None:
-        self.store = store
-        self.ident = ident
-        self.ttl = ttl
-        self.poll = max(0.05, min(MAX_POLL, ttl / 4))
-        self.on_change = on_change
-        self.term = 0  # bumped at every acquisition: the pass starts its memory over
-        self.store_ok_at = 0.0  # monotonic time the store last answered this thread
-        self._lock = threading.Lock()
-        self._value: bytes | None = None
-        self._lease = 0
-        self._valid_until = 0.0
-        self._last_ok = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # -- what the pass asks
-
-    def value(self) -> bytes | None:
-        with self._lock:
-            return self._value
-
-    def fence(self) -> list[Compare] | None:
-        """The compares every leader write carries, or None when this instance must not
-        act: not leader, stopping, or past the moment its lease could have expired."""
-        with self._lock:
-            if self._value is None or self._stop.is_set() or time.monotonic() >= self._valid_until:
-                return None
-            return [Compare(LEADER_KEY, VALUE, "==", self._value)]
-
-    @property
-    def leading(self) -> bool:
-        return self.fence() is not None
-
-    # -- the thread
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="election", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop campaigning; if leading, resign so a successor need not wait for the
-        lease to expire."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.ttl + 5)
-        self.resign()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            wait = self.poll
-            try:
-                if self.value() is None:
-                    self.campaign()
-                else:
-                    self.keep()
-                    wait = self.ttl / 3
-            except Exception as e:  # never let the election thread die
-                log.error("election step failed; retrying", error=f"{type(e).__name__}: {e}")
-                if self.value() is not None and time.monotonic() - self._last_ok >= self.ttl:
-                    self.step_down(f"election steps failing for {self.ttl}s: {e}")
-            self._stop.wait(wait)
-
-    def campaign(self) -> None:
-        """One try: create the leader key, with a new lease, if it is absent."""
-        kv = self.store.get(LEADER_KEY)
-        self.store_ok_at = time.monotonic()
-        if kv is not None or self._stop.is_set():
-            return
-        started = time.monotonic()
-        lease = self.store.lease_grant(self.ttl)
-        value = rec.encode({"id": self.ident, "since": round(time.time(), 3)})
-        try:
-            won = self.store.txn([absent(LEADER_KEY)], [Put(LEADER_KEY, value, lease=lease)])
-            ok = won.succeeded
-        except StoreUnavailable:
-            # Applied or not, nobody can tell: the key says.
-            kv = self.store.get(LEADER_KEY)
-            ok = kv is not None and kv.value == value
-        if not ok:
-            self._revoke(lease)
-            return
-        with self._lock:
-            self._value = value
-            self._lease = lease
-            self._valid_until = started + self.ttl
-            self._last_ok = started
-            self.term += 1
-        log.info("leadership acquired", id=self.ident, lease=lease, ttl=self.ttl)
-        self.on_change(True)
-
-    def keep(self) -> None:
-        """One keepalive, and a look at the key: still ours, or step down."""
-        with self._lock:
-            value, lease = self._value, self._lease
-        if value is None:
-            return
-        sent = time.monotonic()
-        try:
-            left = self.store.lease_keepalive(lease)
-            kv = self.store.get(LEADER_KEY) if left > 0 else None
-        except StoreError as e:
-            if time.monotonic() - self._last_ok >= self.ttl:
-                self.step_down(f"keepalives failing for {self.ttl}s: {e}")
-            else:
-                log.warning("lease keepalive failed; retrying", error=str(e))
-            return
-        self.store_ok_at = time.monotonic()
-        if left <= 0:
-            self.step_down("lease expired")
-            return
-        if kv is None or kv.value != value:
-            self.step_down("the leader key is no longer ours")
-            return
-        with self._lock:
-            if self._value == value:
-                self._valid_until = sent + min(left, self.ttl)
-                self._last_ok = sent
-
-    def step_down(self, reason: str) -> None:
-        """Stop acting at once; then wait as a candidate again. The lease is not revoked:
-        it is expired or the key is not ours, and a lease id we no longer hold may name
-        someone else's lease by now (SQLite reuses the ids of deleted leases)."""
-        if self._forget() is not None:
-            log.warning("leadership lost", id=self.ident, reason=reason)
-            self.on_change(False)
-
-    def resign(self) -> None:
-        """Step down on purpose (shutting down): delete the key if it is still ours, by
-        compare-and-delete, and only then revoke the lease, which is then certainly ours
-        and alive. The successor need not wait for the lease to expire."""
-        value, lease = self._forget() or (None, 0)
-        if value is None:
-            return
-        try:
-            ours = self.store.txn([Compare(LEADER_KEY, VALUE, "==", value)], [Delete(LEADER_KEY)])
-        except StoreError as e:
-            log.warning("leader key not deleted; it goes with its lease", error=str(e))
-            ours = None
-        if ours is not None and ours.succeeded:
-            self._revoke(lease)
-        log.info("leadership released", id=self.ident, reason="shutting down")
-        self.on_change(False)
-
-    def _forget(self) -> tuple[bytes, int] | None:
-        with self._lock:
-            if self._value is None:
-                return None
-            held = self._value, self._lease
-            self._value = None
-            self._lease = 0
-            self._valid_until = 0.0
-            return held
-
-    def _revoke(self, lease: int) -> None:
-        try:
-            self.store.lease_revoke(lease)
-        except StoreError as e:  # it expires by itself
-            log.warning("lease revoke failed; it will expire", lease=lease, error=str(e))
-
-
-# -- metrics -----------------------------------------------------------------------------
 
 
 class _Snapshot(Collector):
@@ -714,7 +531,7 @@ class Controller:
                 waited = now - answered if answered is not None else 0.0
                 if waited < self.ready_delay:
                     continue
-                if blocks.release(self.store, spec, current, self._fence()):
+                if blocks.complete_hand_back(self.store, spec, current, self._fence()):
                     self.metrics.handshakes.labels(result="completed").inc()
                     del self.in_handshake[key]
                     del states[cidr]
@@ -876,212 +693,8 @@ class Controller:
         return free
 
 
-# -- running -----------------------------------------------------------------------------
-
-
-def run_controller(
-    store_url: str,
-    ident: str,
-    *,
-    interval: float,
-    lease_ttl: int,
-    ready_delay: float,
-    metrics_address: tuple[str, int] | None,
-    liveness: str | None = None,
-    add_grace: float = ADD_GRACE,
-    gc_interval: float = 30.0,
-) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit status."""
-    stop = threading.Event()
-    controller: Controller | None = None
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-        if controller is not None:
-            controller.stop()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        # The schema is checked before the first pass; an unreachable store is waited for.
-        pass_store = open_store_waiting(store_url, stop)
-        # The same store, checked just now.
-        election_store = open_backend(store_url) if pass_store is not None else None
-    except StoreError as e:  # not usable (106), a bad URL: permanent
-        log.error("store not usable; not starting", store=redact(store_url), error=str(e))
-        raise ControllerError(f"store {redact(store_url)}: {e}") from e
-    if pass_store is None or election_store is None:
-        log.info("controller stopped while waiting for its store", id=ident)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        return 0
-    election = Election(election_store, ident, lease_ttl)
-    metrics = Metrics(ident, lambda: election.leading)
-    controller = Controller(
-        pass_store,
-        election,
-        metrics,
-        interval=interval,
-        ready_delay=ready_delay,
-        liveness=open_source(liveness) if liveness else None,
-        add_grace=add_grace,
-        gc_interval=gc_interval,
-    )
-    election.on_change = controller.on_leadership
-    metrics.leader.set(0)
-
-    def health() -> tuple[bool, str]:
-        if not election.store_ok_at:
-            return False, "store not answered yet"
-        age = time.monotonic() - election.store_ok_at
-        if age > max(2 * lease_ttl, 3 * election.poll):
-            return False, f"store not answered for {age:.1f}s"
-        return True, "ok: leader" if election.leading else "ok: standby"
-
-    http = None
-    try:
-        if metrics_address is not None:
-            http = start_http(metrics_address, metrics.registry, health, "ipward-controller")
-        if stop.is_set():
-            controller.stop()
-        election.start()
-        log.info(
-            "controller started",
-            id=ident,
-            store=redact(store_url),
-            interval=interval,
-            lease_ttl=lease_ttl,
-            ready_delay=ready_delay,
-            liveness=liveness,
-            add_grace=add_grace,
-            gc_interval=gc_interval,
-            metrics=None if http is None else "{}:{}".format(*http.server_address[:2]),
-            pid=os.getpid(),
-        )
-        controller.run()
-    finally:
-        controller.stop()
-        election.stop()  # resigns when leading: the successor need not wait for the lease
-        metrics.leader.set(0)
-        if http is not None:
-            http.shutdown()
-            http.server_close()
-        pass_store.close()
-        election_store.close()
-        if controller.liveness is not None:
-            controller.liveness.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    log.info("controller stopped", id=ident)
-    return 0
-
-
-@click.command("controller")
-@click.option(
-    "--store",
-    "store_url",
-    envvar="IPWARD_STORE",
-    help="Store URL (else IPWARD_STORE, else the global --store).",
-)
-@click.option(
-    "--id",
-    "ident",
-    default=lambda: f"{os.uname().nodename}-{os.getpid()}",
-    show_default="HOSTNAME-PID",
-    help="This instance's name in the leader key, logs and metrics.",
-)
-@click.option(
-    "--interval",
-    type=click.FloatRange(0.01),
-    default=5.0,
-    show_default=True,
-    help="Seconds between passes.",
-)
-@click.option(
-    "--lease-ttl",
-    type=click.IntRange(1),
-    default=10,
-    show_default=True,
-    help="Seconds of the leader lease: a successor takes over about this long after the"
-    " leader dies (etcd raises TTLs below 2 to 2).",
-)
-@click.option(
-    "--ready-delay",
-    type=click.FloatRange(0),
-    default=5.0,
-    show_default=True,
-    help="Seconds a block answered ready waits before it is deleted, so a node that"
-    " answered and then needs it can still take it back.",
-)
-@click.option(
-    "--metrics-address",
-    default=DEFAULT_METRICS,
-    show_default=True,
-    help="HOST:PORT for /metrics and /healthz, or 'off'.",
-)
-@click.option("--log-file", type=click.Path(dir_okay=False), help="Append logs here (else stderr).")
-@click.option(
-    "--log-level",
-    type=click.Choice(list(log.LEVELS)),
-    default="info",
-    show_default=True,
-)
-@click.option(
-    "--liveness",
-    help="Where the cluster's pods (and nodes' sandboxes) are listed, for garbage"
-    " collection: sim:///PATH (the simulated cluster), cri:///SOCKET (one node's"
-    " runtime). Without it, nothing is garbage-collected.",
-)
-@add_grace_option
-@click.option(
-    "--gc-interval",
-    type=click.FloatRange(0.01),
-    default=30.0,
-    show_default=True,
-    help="Seconds between garbage-collection passes (a record is freed on its second"
-    " pass as a candidate).",
-)
-@click.pass_context
-def controller_command(
-    ctx: click.Context,
-    store_url: str | None,
-    ident: str,
-    interval: float,
-    lease_ttl: int,
-    ready_delay: float,
-    metrics_address: str,
-    log_file: str | None,
-    log_level: str,
-    liveness: str | None,
-    add_grace: float,
-    gc_interval: float,
-) -> None:
-    """Run the cluster's controller: assign blocks to keep nodes warm, reclaim surplus
-    blocks through the release handshake. One instance leads; others wait to take over."""
-    log.configure(log_file, log_level, "ipward-controller")
-    url = store_url or getattr(ctx.obj, "store_url", None)
-    if not url:
-        raise InvalidConfig("no store: give --store or IPWARD_STORE")
-    if not ident:
-        raise InvalidConfig("--id must not be empty")
-    status = run_controller(
-        url,
-        ident,
-        interval=interval,
-        lease_ttl=lease_ttl,
-        ready_delay=ready_delay,
-        metrics_address=parse_address(metrics_address),
-        liveness=liveness,
-        add_grace=add_grace,
-        gc_interval=gc_interval,
-    )
-    ctx.exit(status)
-
-
 __all__ = [
     "Controller",
     "ControllerError",
-    "Election",
     "Metrics",
-    "controller_command",
-    "run_controller",
 ]
