@@ -33,6 +33,7 @@ from containerd_lab import ContainerdLab, LabError, machine_state
 from ipward.cluster import cri
 from ipward.cluster.cri import CriClient, CriError, CriSource
 from ipward.cluster.liveness import LivenessUnavailable, NotCovered, Sandbox, open_source
+from ipward.core.errors import InvalidConfig
 from ipward.store import open_store
 from ipward_lab import fleet
 
@@ -270,16 +271,24 @@ def test_cri_source_lists_sandboxes_ready_then_not_ready_then_gone(lab: Containe
     lab.remove_pod(b)
 
 
-@net
-def test_cri_source_without_a_node_answers_for_any(lab: ContainerdLab) -> None:
-    a = lab.run_pod("solo", "default")
-    source = CriSource(str(lab.address))
-    try:
-        assert set(source.node_view("whatever").sandboxes) == {a}
-        assert source.node_view("whatever").node == "whatever"
-    finally:
-        source.close()
-    lab.remove_pod(a)
+def test_a_cri_source_without_its_node_is_refused(tmp_path: Path) -> None:
+    """One runtime's list is no evidence about another node's sandboxes: a CRI source
+    answers for the node it is given, and cannot be opened without one (the controller
+    and `ipward gc` without --node would have judged every node's records by it)."""
+    with pytest.raises(ValueError, match="one node"):
+        CriSource(str(tmp_path / "cri.sock"), node="")
+    with pytest.raises(InvalidConfig, match="answers for one node only"):
+        open_source(f"cri://{tmp_path}/cri.sock")
+    url = f"sqlite://{tmp_path}/ipward.db"
+    run_cli("pool", "create", "p", "--range", "10.77.0.0/24", store=url, check=True)
+    with open_store(url) as store:
+        before = store.range("")
+    for command in (("gc",), ("controller", "--id", "c1")):
+        refused = run_cli(*command, "--liveness", f"cri://{tmp_path}/cri.sock", store=url)
+        assert refused.returncode == 2, refused
+        assert "answers for one node only" in refused.stderr, refused
+    with open_store(url) as store:
+        assert store.range("") == before
 
 
 @net
@@ -546,7 +555,7 @@ def test_list_filter_reaches_the_runtime(stand_in: StandIn) -> None:
 
 def test_a_hung_runtime_is_unavailable_after_the_timeout(stand_in: StandIn) -> None:
     stand_in.delay = 10.0
-    source = CriSource(str(stand_in.path), timeout=0.3)
+    source = CriSource(str(stand_in.path), node=NODE, timeout=0.3)
     started = time.monotonic()
     try:
         with pytest.raises(LivenessUnavailable, match=r"no answer within 0\.3s") as e:
@@ -559,7 +568,7 @@ def test_a_hung_runtime_is_unavailable_after_the_timeout(stand_in: StandIn) -> N
 
 def test_a_runtime_error_is_unavailable_not_empty(stand_in: StandIn) -> None:
     stand_in.error = grpc.StatusCode.INTERNAL
-    source = CriSource(str(stand_in.path))
+    source = CriSource(str(stand_in.path), node=NODE)
     try:
         with pytest.raises(LivenessUnavailable, match="stand-in failure") as e:
             source.node_view(NODE)
@@ -616,7 +625,7 @@ def test_a_restarted_runtime_is_seen_again_within_a_second(tmp_path: Path) -> No
 
 
 def test_a_closed_source_is_unavailable(stand_in: StandIn) -> None:
-    source = CriSource(str(stand_in.path))
+    source = CriSource(str(stand_in.path), node=NODE)
     source.close()
     with pytest.raises(LivenessUnavailable):
         source.node_view(NODE)

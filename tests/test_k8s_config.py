@@ -18,6 +18,7 @@ from ipward.cluster.k8s.config import from_kubeconfig, in_cluster
 from ipward.cluster.k8s.source import Settings
 from ipward.cluster.liveness import LivenessUnavailable, open_source
 from ipward.core.errors import InvalidConfig
+from test_k8s_source import wait_watching
 
 
 def write_config(path: Path, cluster: dict, user: dict, **extra: Any) -> Path:
@@ -154,14 +155,11 @@ def test_rotated_token_reaches_the_watches(kube_server: KubeApi, tmp_path: Path)
     path = write_config(tmp_path / "kubeconfig", cluster, {"tokenFile": str(token)})
     kube_server.admin.node("n1")
     source = kube_server.source(kubeconfig=path)
-    wait_for(lambda: source.nodes.available, "the first list")
+    wait_watching(kube_server, source)
     server.tokens["new-token"] = server.tokens.pop("old-token")
     token.write_text("new-token")
-    server.cut_streams()
-    wait_for(
-        lambda: all(r.lists >= 2 and r.available for r in source.reflectors),
-        "every cache relisted with the new token",
-    )
+    server.cut_streams()  # every watch: the view answers once each resource relisted
+    wait_for(lambda: all(r.lists >= 2 for r in source.reflectors), "relists with the new token")
     assert "n1" in source.cluster_view().nodes
 
 
@@ -258,6 +256,7 @@ def test_kubeconfig_file_errors(tmp_path: Path) -> None:
     [
         ("k8s://?colour=blue", "unknown option 'colour'"),
         ("k8s://?kubeconfig=x&stale=0", "stale"),
+        ("k8s://?kubeconfig=x&stale=1.5", "stale=.*at least 2"),
         ("k8s://?kubeconfig=x&page=two", "page"),
         ("k8s://?kubeconfig=x&margin=-1", "margin"),
         ("k8s://?context=c", "context needs kubeconfig"),

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from conftest import KubeApi, wait_for
+from ipward.cluster.k8s.reflector import BACKOFF_MAX, BACKOFF_MIN
 from ipward.cluster.liveness import ClusterView, LivenessUnavailable, NotCovered
 from ipward.core.errors import TryAgainLater
 from ipward.core.records import AddressRecord
@@ -39,6 +40,18 @@ def wait_view(source: Any, condition: Any, what: str) -> ClusterView:
         return view if view is not None and condition(view) else None
 
     return wait_for(check, what)  # type: ignore[no-any-return]
+
+
+def wait_watching(kube_server: KubeApi, source: Any, after: int = 0) -> None:
+    """Until the test server has the watch of every resource of `source` among its
+    requests from the `after`th on (a stream cut from then on reaches each)."""
+
+    def watched() -> set[str]:
+        requests = list(kube_server.server.requests)[after:]
+        return {p.split("?")[0] for _, p, _ in requests if "watch=1" in p}
+
+    paths = {r.resource.path for r in source.reflectors}
+    wait_for(lambda: paths <= watched(), "a watch of every resource")
 
 
 def mine(view: ClusterView, namespace: str) -> dict[str, Any]:
@@ -214,18 +227,50 @@ def test_expired_continue_token_starts_the_list_over(kube_server: KubeApi) -> No
     assert len([p for p in firsts if "watch" not in p]) >= 2  # started over
 
 
-def test_cut_stream_relists(kube_server: KubeApi) -> None:
+@pytest.mark.parametrize("inside_a_chunk", [False, True], ids=["between-chunks", "inside-a-chunk"])
+def test_cut_stream_relists(kube_server: KubeApi, inside_a_chunk: bool) -> None:
+    """A stream cut (a dropped connection, a proxy's idle cut) is not a clean end: what
+    was in flight may be lost, so the source lists again rather than watching on."""
     api, server = kube_server.admin, kube_server.server
     api.namespace("ns")
     api.node("n1")
     source = kube_server.source()
     wait_view(source, lambda v: "n1" in v.nodes, "the first list")
+    wait_watching(kube_server, source)
     server.stall()
     uid = api.pod("ns", "while-cut", "n1")
-    server.cut_streams()  # no last chunk: a broken stream
+    server.cut_streams(inside_a_chunk)  # no last chunk: a broken stream
     server.unstall()
     view = wait_view(source, lambda v: source.pods.lists == 2, "the relist")
     assert uid in view.pods
+
+
+def test_a_quiet_resource_is_heard_at_each_clean_end(kube_server: KubeApi) -> None:
+    """Nothing changes: the server sends no bookmark (nor does the real one), but ends
+    each watch cleanly at its timeoutSeconds, which the source asks at most half its
+    staleness bound: the source stays available and its as_of moves on, with no relist."""
+    kube_server.admin.node("n1")
+    source = kube_server.source("stale=4", "margin=0")
+    listed = wait_view(source, lambda v: "n1" in v.nodes, "the first list").as_of
+
+    def moved_on() -> bool:
+        return source.cluster_view().as_of > listed + 4  # raises once unavailable
+
+    wait_for(moved_on, "the view's as_of to move past two clean ends")
+    assert all(r.lists == 1 for r in source.reflectors)
+    watches = [p for _, p, _ in kube_server.server.requests if "watch=1" in p]
+    assert watches and all("timeoutSeconds=2&" in f"{p}&" for p in watches)
+
+
+def test_a_watch_ended_before_its_timeout_is_not_heard(kube_server: KubeApi) -> None:
+    """A proxy (or a server shutting down) ends every watch cleanly after 0.3 s, not at
+    the timeoutSeconds asked: that proves nothing about what was in flight. The quiet
+    source is not heard from, goes stale, and lists again instead of watching on."""
+    kube_server.admin.node("n1")
+    kube_server.server.end_watches_after(0.3)
+    source = kube_server.source("stale=4")
+    wait_view(source, lambda v: "n1" in v.nodes, "the first list")
+    wait_for(lambda: source.nodes.lists >= 2, "a relist once the source went stale")
 
 
 @pytest.mark.parametrize(
@@ -273,6 +318,38 @@ def test_server_down_is_unavailable_and_frees_nothing_then_relists(kube_server: 
     server.come_back()
     view = wait_view(source, lambda v: deleted not in v.pods, "the relist after the server is back")
     assert source.pods.lists >= 2 and "n1" in view.nodes
+
+
+def test_backoff_starts_over_once_the_server_works_again(kube_server: KubeApi) -> None:
+    """Down, the server is asked less and less often (the delay doubles up to
+    BACKOFF_MAX); back, a list and the watch after it started: the next failure is
+    retried after BACKOFF_MIN again, not after the longest delay reached while it was
+    down. The resource is quiet: no event or bookmark marks the recovery."""
+    server = kube_server.server
+    kube_server.admin.node("n1")
+    source = kube_server.source()
+    nodes = source.nodes
+    wait_for(lambda: nodes.available, "the first list")
+    server.go_down()
+    wait_for(lambda: nodes.retry_delay == BACKOFF_MAX, "the longest delay", timeout=120)
+    lists, requests = nodes.lists, len(server.requests)
+    server.come_back()
+    wait_for(lambda: nodes.lists > lists, "the list once the server is back")
+    wait_watching(kube_server, source, requests)  # every resource watched again
+    server.cut_streams()
+    wait_for(lambda: nodes.lists > lists + 1, "the relist after the cut")
+    assert nodes.retry_delay == BACKOFF_MIN
+
+
+def test_a_watch_refused_at_once_does_not_start_the_backoff_over(kube_server: KubeApi) -> None:
+    """Lists answered, every watch refused in its first line (ERROR 410): the list and
+    watch did not start, so the server is asked less and less often, not relisted in a
+    tight loop."""
+    kube_server.admin.node("n1")
+    kube_server.server.refuse_watches()
+    source = kube_server.source()
+    wait_for(lambda: source.nodes.retry_delay == BACKOFF_MAX, "the longest delay", timeout=120)
+    assert source.nodes.lists >= 5  # each list answered, each watch refused
 
 
 def test_stale_when_nothing_arrives(kube_server: KubeApi) -> None:

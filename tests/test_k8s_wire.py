@@ -9,13 +9,15 @@ from __future__ import annotations
 import copy
 import json
 import ssl
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import urllib3
 
+from conftest import KubeApi
 from ipward.cluster.k8s.objects import api_time, parse_namespace, parse_pod, parse_statefulset
 from ipward_lab.kubeapi import KubeApiServer, kube_api_server
 
@@ -45,8 +47,14 @@ class Replay:
     def send(
         self, path: str, accept: str = "application/json", token: str = "admin-token"
     ) -> Answer:
+        return Answer(self.open(path, accept, token))
+
+    def open(
+        self, path: str, accept: str = "application/json", token: str = "admin-token"
+    ) -> urllib3.BaseHTTPResponse:
+        """The answer with its body not read yet (a watch goes on while the test acts)."""
         headers = {"Accept": accept, "Authorization": f"Bearer {token}"}
-        return Answer(self.pool.request("GET", path, headers=headers, retries=False))
+        return self.pool.urlopen("GET", path, headers=headers, retries=False, preload_content=False)
 
     def write(self, method: str, path: str, body: dict) -> None:
         headers = {"Authorization": "Bearer admin-token", "Content-Type": "application/json"}
@@ -214,12 +222,13 @@ def test_watch_answers_the_recorded_events(replay: Replay, name: str, selector: 
     record = recorded(name)
     listed = replay.send("/api/v1/pods")
     assert listed.body is not None
-    make_recorded_history(replay)
     rv = listed.body["metadata"]["resourceVersion"]
     bookmarks = "&allowWatchBookmarks=true" if "allowWatchBookmarks" in query(record) else ""
-    answer = replay.send(
+    watch = replay.open(
         f"/api/v1/pods?watch=1&resourceVersion={rv}{bookmarks}{selector}&timeoutSeconds=3"
     )
+    make_recorded_history(replay)  # while the watch is open, as recorded
+    answer = Answer(watch)
     same_headers(answer, record)
     got = events(answer)
     want = recorded_events(record)
@@ -232,9 +241,13 @@ def test_watch_answers_the_recorded_events(replay: Replay, name: str, selector: 
     if bookmarks:
         marks = [e for e in answer.lines if e["type"] == "BOOKMARK"]
         assert marks, "bookmarks asked for, none sent"
+        last = [e for e in answer.lines if e["type"] != "BOOKMARK"][-1]["object"]["metadata"]
         for mark in marks:
             assert mark["object"]["kind"] == "Pod"
-            assert set(mark["object"]["metadata"]) == {"resourceVersion", "creationTimestamp"}
+            assert mark["object"]["metadata"] == {
+                "resourceVersion": last["resourceVersion"],  # the last event's, as recorded
+                "creationTimestamp": None,
+            }
 
 
 def test_watch_of_a_deleted_node(replay: Replay) -> None:
@@ -321,3 +334,87 @@ def test_parse_recorded_namespaces_and_statefulsets() -> None:
     assert namespaces["shop"] == {"ipward.io/pool": "shop-pool"} and namespaces["default"] == {}
     sets = dict(parse_statefulset(i) for i in recorded("statefulsets-list")["body"]["items"])
     assert sets == {"shop/db": 2}
+
+
+# -- one scenario on both servers: where bookmarks come, how a watch ends ---------------
+
+
+def watch_shape(
+    kube: KubeApi,
+    path: str,
+    timeout: int,
+    during: Callable[[], str] | None = None,
+    selector: str = "",
+) -> list[tuple[str, str]]:
+    """Watch `path` from now, bookmarks asked for, `timeoutSeconds=timeout`; once the
+    server answered, `during` makes an object (its path returned); read to the end. The
+    events as (type, name); a BOOKMARK as ("BOOKMARK", the name of the object whose
+    resourceVersion it carries, else "older"), one or two in a row alike (the real
+    server's timer works in whole seconds). The watch must end cleanly (its last chunk
+    sent, else ApiUnreachable), and not before its timeout."""
+    query = {"fieldSelector": selector} if selector else {}
+    rv = kube.client.request("GET", path, query)["metadata"]["resourceVersion"]
+    query.update(resourceVersion=rv, allowWatchBookmarks="true", timeoutSeconds=str(timeout))
+    opened = time.monotonic()
+    stream = kube.client.watch(path, query, accept=JSON, read_timeout=60)
+    made = kube.client.request("GET", during()) if during else None
+    events = list(stream)
+    assert time.monotonic() - opened >= timeout
+    names = {
+        e["object"]["metadata"]["resourceVersion"]: e["object"]["metadata"]["name"]
+        for e in [*events, *([{"type": "", "object": made}] if made else [])]
+        if e["type"] != "BOOKMARK"
+    }
+    shape: list[tuple[str, str]] = []
+    for e in events:
+        meta = e["object"]["metadata"]
+        if e["type"] == "BOOKMARK":
+            step = ("BOOKMARK", names.get(meta["resourceVersion"], "older"))
+            if shape and shape[-1] == step:
+                continue
+        else:
+            step = (e["type"], meta["name"])
+        shape.append(step)
+    return shape
+
+
+def test_bookmarks_come_where_the_real_server_sends_them(kube: KubeApi) -> None:
+    """Measured on kube-apiserver 1.26 (docs/architecture.md, "Kubernetes source"): no
+    bookmark on a watch of a resource that did not change after the watch opened (a
+    quiet resource); once it did, one or two before the end carrying the resource's last
+    event's version, whatever the watch's selector; none on a watch of 2 s (the last is
+    due 2 s before the end). Every watch ends cleanly at its timeout. The k8s:// source
+    is tested on the test server: it must do the same."""
+    ns, a, b, c = kube.name("marks"), kube.name("a"), kube.name("b"), kube.name("c")
+    kube.admin.namespace(ns)
+    kube.admin.node(a)  # the nodes changed before the watches: quiet for them
+
+    def node(name: str) -> Callable[[], str]:
+        return lambda: kube.admin.node(name) or f"/api/v1/nodes/{name}"
+
+    def pod_elsewhere() -> str:
+        kube.admin.pod(ns, "p", a)
+        return f"/api/v1/namespaces/{ns}/pods/p"
+
+    nodes = "/api/v1/nodes"
+    assert watch_shape(kube, nodes, 3) == []
+    assert watch_shape(kube, nodes, 4, node(b)) == [("ADDED", b), ("BOOKMARK", b)]
+    assert watch_shape(kube, nodes, 2, node(c)) == [("ADDED", c)]
+    nobody = f"spec.nodeName={kube.name('nobody')}"
+    assert watch_shape(kube, "/api/v1/pods", 4, pod_elsewhere, nobody) == [("BOOKMARK", "p")]
+
+
+def test_a_watch_from_before_a_restart_is_expired(kube_server: KubeApi) -> None:
+    """Measured on the real server: restarted, it answers a watch from a resourceVersion
+    older than its start with one ERROR 410 ("too old resource version"), not events."""
+    kube_server.admin.node("n1")
+    rv = kube_server.client.request("GET", "/api/v1/nodes")["metadata"]["resourceVersion"]
+    kube_server.admin.node("n2")
+    kube_server.server.go_down()
+    kube_server.server.come_back()
+    query = {"resourceVersion": rv, "timeoutSeconds": "5"}
+    stream = kube_server.client.watch("/api/v1/nodes", query, accept=JSON, read_timeout=60)
+    (event,) = list(stream)
+    assert event["type"] == "ERROR"
+    assert (event["object"]["code"], event["object"]["reason"]) == (410, "Expired")
+    assert event["object"]["message"].startswith("too old resource version")

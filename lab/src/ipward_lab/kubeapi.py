@@ -8,20 +8,22 @@ per namespace; GET of one object; lists paged with `limit`/`continue` (each page
 reads one snapshot; a token older than the history window gets 410 with a fresh token);
 `fieldSelector=spec.nodeName=X` for pods; metadata-only answers
 (`Accept: ...;as=PartialObjectMetadataList` / `PartialObjectMetadata`); watches as
-chunked streams, one JSON event per line, with BOOKMARK events every
-`bookmark_interval` when asked (on every watch, unlike the real 1.26 server, which sends
-none on a watch of a resource that has not changed: `tests/test_kube_sim.py`,
-`test_a_quiet_resource_stays_current_on_the_real_server`), an ERROR event with a 410
-Status when the requested resourceVersion is older than the history window, and a clean
-end at `timeoutSeconds`;
+chunked streams, one JSON event per line, with BOOKMARK events when asked where the real
+1.26 server sends them (only once the resource changed after the watch opened; every
+`bookmark_interval`, standing for its minute, and 2 s before the end), an ERROR event
+with a 410 Status when the requested resourceVersion is older than the history window
+or than the server's (re)start, and a clean end at `timeoutSeconds`
+(`tests/test_k8s_wire.py` runs one scenario on both servers and compares);
 writes (POST, PUT of `/status`, merge PATCH, DELETE with `gracePeriodSeconds` and a UID
 precondition: a pod's graceful delete only sets `deletionTimestamp`, as without a
 kubelet); Status bodies for 401, 403, 404, 409, 410.
 
 Faults, on demand: `expire_history` (every open watch and the next watch from before now
 get 410, continue tokens too), `cut_streams` (open watches end without their last
-chunk), `inject` (a raw line on every open watch), `go_down`/`come_back` (connections
-refused, then served again on the same port), `stall`/`unstall` (watches send nothing,
+chunk, or inside a chunk), `end_watches_after` (a proxy ending watches cleanly before
+their timeout), `refuse_watches` (ERROR 410 at once, lists served), `inject` (a raw line
+on every open watch), `go_down`/`come_back` (connections refused, then served again on
+the same port, like a restarted server), `stall`/`unstall` (watches send nothing,
 not even bookmarks), `slow` (every answer delayed).
 
 Not served (ipward does not use it): label selectors, other field selectors,
@@ -84,6 +86,7 @@ ROUTES = [
 ]
 METADATA_AS = re.compile(r"as=(PartialObjectMetadata(?:List)?)\b")
 ADMIN_TOKEN = "admin-token"
+BOOKMARK_LEAD = 2.0  # the real server's last bookmark is due this long before timeoutSeconds
 
 
 def status(code: int, reason: str, message: str, **extra: Any) -> dict:
@@ -126,12 +129,14 @@ class KubeStore:
         self.compacted = self.rv  # a watch or continue from before this gets 410
         self.cond = threading.Condition()
         self.snapshots: dict[tuple[str, int], list[tuple[str, dict]]] = {}
+        self.last_event: dict[str, int] = {}  # resource -> resourceVersion of its last event
 
     # -- writes ----------------------------------------------------------------------------
 
     def _record(self, resource: str, kind: str, obj: dict) -> None:
         self.history.append(Event(self.rv, resource, kind, obj))
         self.history_rvs.append(self.rv)
+        self.last_event[resource] = self.rv
         if len(self.history) > 2 * self.window:
             cut = len(self.history) - self.window
             self.compacted = self.history_rvs[cut - 1]
@@ -369,6 +374,7 @@ def as_metadata(obj: dict) -> dict:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    _generation = 0  # the lab's cut generation when the current request came
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: tests read the client's logs
@@ -429,6 +435,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, method: str) -> None:
         lab = self.server.lab
+        self._generation = lab.generation  # a cut from now on ends this request's stream
         lab.requests.append((method, self.path, self.headers.get("Accept", "")))
         if lab.delay:
             time.sleep(lab.delay)
@@ -553,39 +560,51 @@ class _Handler(BaseHTTPRequestHandler):
     def _watch(
         self, resource: str, namespace: str, query: dict[str, list[str]], metadata: bool
     ) -> None:
+        """A watch as kube-apiserver 1.26 serves one from its watch cache (measured:
+        docs/architecture.md, "Kubernetes source"): the events after `resourceVersion`,
+        ERROR 410 for a version older than the history or than the server's start, a
+        clean end at `timeoutSeconds`; BOOKMARKs (when asked for) only once an event of
+        the resource (any object, whatever the selector) came after the watch opened,
+        due every `bookmark_interval` (the real server's minute) and `BOOKMARK_LEAD`
+        seconds before the end, carrying the resource's last event's resourceVersion."""
         lab = self.server.lab
         store = lab.store
         node = self._node_selector(query) if resource == "pods" else None
         since = int(query.get("resourceVersion", ["0"])[0] or 0)
         bookmarks = query.get("allowWatchBookmarks", [""])[0] == "true"
-        timeout = float(query.get("timeoutSeconds", ["1800"])[0])
-        deadline = time.monotonic() + timeout
+        opened = time.monotonic()
+        deadline = opened + float(query.get("timeoutSeconds", ["1800"])[0])
+        end = min(deadline, opened + lab.proxy_end) if lab.proxy_end is not None else deadline
         kind = KINDS[resource]
+        generation = self._generation
+        position = since
+        with store.cond:  # before the answer: an event once the client has it is newer
+            seen = max(since, store.last_event.get(resource, 0))  # a bookmark needs newer
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        with store.cond:
-            generation = lab.generation
-            position = since
-        next_bookmark = time.monotonic() + lab.bookmark_interval
+        next_bookmark = self._next_bookmark(opened, deadline) if bookmarks else None
         while True:
             with store.cond:
                 while True:
                     if lab.generation != generation:
+                        if lab.cut_inside_chunk:  # a chunk announced, half of it sent
+                            self.wfile.write(b'100\r\n{"type":"MODIFIED","obj')
                         raise _Cut()
                     if lab.stalled:
                         store.cond.wait(0.1)
                         continue
-                    if position < store.compacted:
-                        events, expired = [], store.compacted
+                    oldest = max(store.compacted, lab.started_rv)
+                    if position < oldest or lab.refusing_watches:
+                        events, expired = [], max(oldest, position + 1)
                         break
                     events, expired = store.events_after(position), 0
                     now = time.monotonic()
-                    if events or now >= deadline or (bookmarks and now >= next_bookmark):
+                    if events or now >= end or (next_bookmark is not None and now >= next_bookmark):
                         break
-                    store.cond.wait(min(deadline, next_bookmark if bookmarks else deadline) - now)
-                current = store.rv
+                    store.cond.wait(min(end, next_bookmark or end) - now)
+                last = store.last_event.get(resource, 0)
             if expired:
                 self._event(
                     "ERROR",
@@ -602,19 +621,28 @@ class _Handler(BaseHTTPRequestHandler):
                 self._event(event.type, as_metadata(event.obj) if metadata else event.obj)
             if events:
                 continue
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= end:
                 break
-            position = current
-            self._event(
-                "BOOKMARK",
-                {
-                    "kind": "PartialObjectMetadata" if metadata else kind.kind,
-                    "apiVersion": "meta.k8s.io/v1" if metadata else kind.api_version,
-                    "metadata": {"resourceVersion": str(current), "creationTimestamp": None},
-                },
-            )
-            next_bookmark = time.monotonic() + lab.bookmark_interval
+            if last <= lab.started_rv:  # no event since the server started: the real one
+                next_bookmark = None  # drops the watch from its bookmark schedule
+                continue
+            if last > seen:
+                self._event(
+                    "BOOKMARK",
+                    {
+                        "kind": "PartialObjectMetadata" if metadata else kind.kind,
+                        "apiVersion": "meta.k8s.io/v1" if metadata else kind.api_version,
+                        "metadata": {"resourceVersion": str(last), "creationTimestamp": None},
+                    },
+                )
+            next_bookmark = self._next_bookmark(time.monotonic(), deadline)
         self._chunk(b"")  # the last chunk: a clean end
+
+    def _next_bookmark(self, now: float, deadline: float) -> float | None:
+        """When the next bookmark is due: a `bookmark_interval` on, or `BOOKMARK_LEAD`
+        before the deadline if that is sooner; None once that moment has passed."""
+        due = min(now + self.server.lab.bookmark_interval, deadline - BOOKMARK_LEAD)
+        return due if due > now else None
 
 
 class _Cut(Exception):
@@ -682,6 +710,10 @@ class KubeApiServer:
         self.requests: deque[tuple[str, str, str]] = deque(maxlen=10_000)  # method, path, Accept
         self.stalled = False
         self.generation = 0  # bumped to cut every open stream
+        self.cut_inside_chunk = False  # a cut sends half a chunk first
+        self.proxy_end: float | None = None  # seconds after which a watch ends cleanly
+        self.refusing_watches = False  # every watch answered with ERROR 410 at once
+        self.started_rv = self.store.rv  # a watch from before the server started gets 410
         self.lock = threading.Lock()
         self.connections: set[socket.socket] = set()
         if not self.key_file.exists():
@@ -714,6 +746,10 @@ class KubeApiServer:
     # -- running ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Serve (again, after `go_down`: like a restarted kube-apiserver, a watch from a
+        resourceVersion older than now gets 410 and bookmarks wait for a new event)."""
+        with self.store.cond:
+            self.started_rv = self.store.rv
         self._server = _Server(self, self.port)
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(0.05,), daemon=True
@@ -741,10 +777,25 @@ class KubeApiServer:
     def come_back(self) -> None:
         self.start()
 
-    def cut_streams(self) -> None:
+    def cut_streams(self, inside_a_chunk: bool = False) -> None:
+        """Drop every open watch's connection without its last chunk (at a chunk boundary,
+        or after half a chunk): a dropped TCP connection, a proxy's idle cut."""
         with self.store.cond:
+            self.cut_inside_chunk = inside_a_chunk
             self.generation += 1
             self.store.cond.notify_all()
+
+    def refuse_watches(self, refusing: bool = True) -> None:
+        """Answer every watch with ERROR 410 in its first line (lists are served), as a
+        server answers a watch from before its history or its restart."""
+        with self.store.cond:
+            self.refusing_watches = refusing
+            self.store.cond.notify_all()
+
+    def end_watches_after(self, seconds: float | None) -> None:
+        """A proxy in front: every watch opened from now on ends cleanly (its last chunk
+        sent) after `seconds`, before the server's `timeoutSeconds` (None: no proxy)."""
+        self.proxy_end = seconds
 
     def expire_history(self) -> None:
         """Forget the history up to now: open watches and later watches from an older

@@ -502,18 +502,21 @@ class CriClient:
 class CriSource(LivenessSource):
     """The sandboxes one node's runtime holds, from CRI `ListPodSandbox`.
 
-    `node`, when set, is the only node this socket answers for: any other raises
-    `NotCovered`. A runtime sees no cluster, so `cluster_view` raises `NotCovered`.
+    `node` is the only node this socket answers for: any other raises `NotCovered` (a
+    runtime's empty list is no evidence about another node's sandboxes). A runtime sees
+    no cluster, so `cluster_view` raises `NotCovered`.
     """
 
-    def __init__(self, socket_path: str, node: str = "", timeout: float = 2.0) -> None:
+    def __init__(self, socket_path: str, node: str, timeout: float = 2.0) -> None:
+        if not node:
+            raise ValueError("a CRI source answers for one node: name it")
         self.socket_path = socket_path
         self.node = node
         self.timeout = timeout
         self.client = CriClient(socket_path, timeout)
 
     def node_view(self, node: str) -> NodeView:
-        if self.node and node != self.node:
+        if node != self.node:
             raise NotCovered(f"CRI socket {self.socket_path} is node {self.node}'s, not {node}'s")
         as_of = time.time()  # before the call: every sandbox created before it is listed
         sandboxes = self.client.list_pod_sandboxes()

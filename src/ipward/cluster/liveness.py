@@ -164,6 +164,11 @@ def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSourc
     if sep and scheme == "cri":
         if not rest:
             raise InvalidConfig(f"liveness source {url!r}: expected cri:///PATH")
+        if not node:
+            raise InvalidConfig(
+                f"liveness source {url!r}: a runtime's socket answers for one node only;"
+                " name its node (ipward gc --node; a controller judges the whole cluster: use k8s://)"
+            )
         from ipward.cluster.cri import CriSource  # grpc stays out of everything else's imports
 
         return CriSource(rest, node=node, timeout=timeout)

@@ -244,14 +244,16 @@ def _parse_gid(text: str | None) -> int | None:
 @click.option(
     "--liveness",
     help="Where the runtime lists this node's sandboxes, for reconciliation:"
-    " cri:///run/containerd/containerd.sock, or sim:///PATH (the simulated cluster)."
-    " Without it, nothing is reconciled.",
+    " cri:///run/containerd/containerd.sock, or sim:///PATH (the labs' simulated"
+    " cluster); not k8s:// (the API lists no sandboxes). Without it, nothing is"
+    " reconciled.",
 )
 @click.option(
     "--cluster",
     help="Where pods' annotations and owners are read for ADD (pool selection, sticky"
-    " StatefulSet addresses): sim:///PATH (the simulated cluster). Without it, the CNI"
-    " config alone decides.",
+    " StatefulSet addresses): k8s:// or k8s://?kubeconfig=PATH (the Kubernetes API), or"
+    " sim:///PATH (the labs' simulated cluster). Without it, the CNI config alone"
+    " decides.",
 )
 @add_grace_option
 @click.option(

@@ -604,10 +604,16 @@ def check_command(c: Context, remove_orphans: bool) -> None:
 @click.option(
     "--liveness",
     required=True,
-    help="Where liveness is read: sim:///PATH (simulated cluster) or cri:///SOCKET"
-    " (this node's runtime).",
+    help="Where liveness is read: k8s:// or k8s://?kubeconfig=PATH (the Kubernetes API:"
+    " the cluster), cri:///SOCKET (one node's runtime, with --node), or sim:///PATH (the"
+    " labs' simulated cluster).",
 )
-@click.option("--node", default="", help="The node a cri:// socket belongs to.")
+@click.option(
+    "--node",
+    default="",
+    help="The node a cri:// socket belongs to (not with k8s://: a node's scope of the"
+    " API has no cluster view).",
+)
 @add_grace_option
 @click.option("--dry-run", is_flag=True, help="Only list the candidates; free nothing.")
 @click.option(

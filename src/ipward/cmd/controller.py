@@ -150,8 +150,9 @@ def run_controller(
 @click.option(
     "--liveness",
     help="Where the cluster's pods (and nodes' sandboxes) are listed, for garbage"
-    " collection: sim:///PATH (the simulated cluster), cri:///SOCKET (one node's"
-    " runtime). Without it, nothing is garbage-collected.",
+    " collection: k8s:// or k8s://?kubeconfig=PATH (the Kubernetes API), cri:///SOCKET"
+    " (one node's runtime), or sim:///PATH (the labs' simulated cluster). Without it,"
+    " nothing is garbage-collected.",
 )
 @add_grace_option
 @click.option(

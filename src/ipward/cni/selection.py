@@ -24,9 +24,8 @@ with code 11: a pod is never put in a pool it did not ask for.
 
 from __future__ import annotations
 
-from ipward.core import keys
 from ipward.core.addr import parse_ip
-from ipward.core.errors import AddressOutsidePool, InvalidEnvironment
+from ipward.core.errors import AddressOutsidePool, InvalidEnvironment, IpwardError, TryAgainLater
 from ipward.core.pool import check_one_per_family
 from ipward.core.records import Sticky
 
@@ -42,25 +41,49 @@ STICKY_ANNOTATION = "ipward.io/sticky"
 
 
 def choose(
-    ledger: Ledger, config: IpamConfig, call: Call, directory: PodDirectory | None
-) -> tuple[list[PoolSpec], list[str], Sticky | None]:
-    """(pools, requested addresses, sticky identity or None) for an ADD."""
+    ledger: Ledger,
+    config: IpamConfig,
+    call: Call,
+    requested: list[str],
+    directory: PodDirectory | None,
+) -> tuple[list[PoolSpec], Sticky | None]:
+    """(pools, sticky identity or None) for an ADD of the `requested` addresses."""
     pod = call.pod
     meta = directory.meta(pod.namespace, pod.name, pod.uid) if directory and pod.name else None
-    names = _annotated(meta)
-    if names:
-        pools = [ledger.get_pool(n) for n in names]
+    annotated = _annotated(meta)
+    try:
+        pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=False)
+    except TryAgainLater:
+        raise
+    except IpwardError:
+        # Maybe judged on pool specs a long-lived ledger remembers (an agent's): a
+        # refusal is only given on the pools as stored now.
+        pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=True)
+    return pools, _sticky(config, call, meta, directory)
+
+
+def _pools(
+    ledger: Ledger,
+    config: IpamConfig,
+    annotated: list[str],
+    requested: list[str],
+    namespace: str,
+    fresh: bool,
+) -> list[PoolSpec]:
+    """The pools annotated, else the config's; then those holding the requested
+    addresses; one per family, each allowed here."""
+    if annotated:
+        pools = [ledger.get_pool(n, fresh) for n in annotated]
     elif config.inline_pool is not None:
         pools = [config.inline_pool]  # stored by the allocating transaction itself
     else:
-        pools = [ledger.get_pool(n) for n in config.pool_names]
-    requested = config.requested_ips(call.args)
+        pools = [ledger.get_pool(n, fresh) for n in config.pool_names]
     if requested:
         pools = _holding(ledger, pools, requested)
     check_one_per_family(pools)
     for pool in pools:
-        pool.check_allowed(pod.namespace, ledger.node)
-    return pools, requested, _sticky(config, call, meta, directory)
+        pool.check_allowed(namespace, ledger.node)
+    return pools
 
 
 def _annotated(meta: PodMeta | None) -> list[str]:
@@ -72,7 +95,9 @@ def _annotated(meta: PodMeta | None) -> list[str]:
 
 def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> list[PoolSpec]:
     """The chosen pools when they hold every requested address; else, per address, the
-    pool that holds it."""
+    pool that holds it. A chosen pool is judged as chosen only: its stored spec may be
+    an earlier version of it (an inline network whose ranges changed), whose addresses
+    new pods no longer get."""
 
     def holds(pool: PoolSpec, text: str) -> bool:
         family, value = parse_ip(text)
@@ -82,7 +107,8 @@ def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> lis
     if all(any(holds(p, ip) for p in pools) for ip in requested):
         return pools
     found: list[PoolSpec] = []
-    others = [ledger.get_pool(keys.pool_name(kv.key)) for kv in ledger.store_range(keys.POOLS)[0]]
+    chosen = {p.name for p in pools}
+    others = [p for p in ledger.stored_pools() if p.name not in chosen]
     for ip in requested:
         pool = next((p for p in [*pools, *others] if holds(p, ip)), None)
         if pool is None:

@@ -106,11 +106,7 @@ def run(
     call = Call(env, config.network)
     ledger = ledger or _ledger(config)
     if command == "ADD":
-        from ipward.cni.selection import choose
-
-        pools, requested, sticky = choose(ledger, config, call, directory)
-        allocations = ledger.allocate(pools, call.attachment, call.pod, requested, sticky)
-        return dump(_result(config, pools, allocations))
+        return dump(_add(ledger, config, call, directory))
     if command == "DEL":
         ledger.release(call.attachment)
         return ""
@@ -149,6 +145,34 @@ def _ledger(config: IpamConfig) -> Ledger:
         raise IncompatibleStore(f"store not usable: {e}") from e
     except StoreError as e:
         raise InvalidConfig(str(e)) from e
+
+
+def _add(ledger: Ledger, config: IpamConfig, call: Call, directory: PodDirectory | None) -> dict:
+    """ADD: the result for the attachment. One that holds addresses gets them again
+    (invariant 4) whatever the config selects now (its ranges changed, a pool it names
+    was deleted since), so a refusal of the selection is only given once the attachment
+    is known to hold none. The call's own input is refused first, whatever it holds."""
+    from ipward.cni.selection import choose
+
+    requested = config.requested_ips(call.args)
+    try:
+        pools, sticky = choose(ledger, config, call, requested, directory)
+    except InvalidEnvironment:  # the call's input (a sticky pod without its identity)
+        raise
+    except IpwardError as refusal:
+        held = ledger.lookup(call.attachment)
+        if held is None:
+            raise
+        log.info(
+            "retried ADD answered with the addresses it holds",
+            attachment=repr(call.attachment),
+            ips=[repr(a) for a in held],
+            reason=f"the config selects no pool for it now ({refusal.code}: {refusal.msg})",
+        )
+        pools = [ledger.get_pool(name) for name in dict.fromkeys(a.pool for a in held)]
+        return _result(config, pools, held)
+    allocations = ledger.allocate(pools, call.attachment, call.pod, requested, sticky)
+    return _result(config, pools, allocations)
 
 
 def _result(config: IpamConfig, pools: list[PoolSpec], allocations: list[Allocation]) -> dict:

@@ -235,6 +235,10 @@ class Ledger:
             raise UnknownPool(f"pool {name!r} does not exist (create it with 'ipward pool create')")
         return self._parsed(kv)
 
+    def stored_pools(self) -> list[PoolSpec]:
+        """Every pool as the store has it now (one range read, never from memory)."""
+        return [self._parsed(kv) for kv in self.store_range(keys.POOLS)[0]]
+
     def _parsed(self, kv: KeyValue) -> PoolSpec:
         """The stored spec, parsed once per revision (not on every ADD of an agent)."""
         name = keys.pool_name(kv.key)

@@ -46,9 +46,9 @@ from ipward_lab.sim.result import (
 from ipward_lab.sim.view import live_view
 from ipward_lab.simcluster import SimCluster
 
-# The k8s:// sources' options. The test server sends a bookmark every second on every
-# watch and has no watch cache to lag: stale after 4 s quiet (api-stall goes past it),
-# as_of 1 s before an event. The real one gets the defaults, as in a real cluster.
+# The k8s:// sources' options. The test server has no watch cache to lag: stale after
+# 4 s unheard (watches of 2 s; api-stall goes past it), as_of 1 s before an event or a
+# watch's clean end. The real one gets the defaults, as in a real cluster.
 K8S_OPTIONS = {"test": "&stale=4&margin=1", "real": ""}
 API_DOWN = 4.0  # seconds an api-down lasts
 STALL_NOTICED = 60.0  # longest api-stall before the controllers must have said it is stale

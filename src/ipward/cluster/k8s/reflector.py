@@ -2,20 +2,35 @@
 
 The loop: a paged list (`limit`, `continue`; a 410 on a continue token starts the list
 over) replaces the cache whole; then a watch from the list's resourceVersion with
-bookmarks. A watch the server ends cleanly (at `timeoutSeconds`) is opened again from
-the last resourceVersion seen. Anything else ends in a new list: an ERROR event (410
-Expired or any other), a broken or stalled stream, an event older than the last one (a
-gap), an event that cannot be decoded, a stream quiet for twice `stale_after`. A relist
-replaces the cache, so deletions that happened while away are found.
+bookmarks, asked to end within half of `stale_after` (`timeoutSeconds`). A watch that
+ends cleanly is opened again from the last resourceVersion seen, unless the cache went
+stale meanwhile: then it is listed again. Anything else ends in a new list: an ERROR
+event (410 Expired or any other), a broken or stalled stream, an event older than the
+last one (a gap), an event that cannot be decoded, a stream quiet for twice
+`stale_after`. A relist replaces the cache, so deletions that happened while away are
+found.
+
+Heard (the cache is known current as of then): a completed list, an event, a bookmark,
+and a watch the server ended cleanly at its `timeoutSeconds` (all of the response, its
+last chunk included, no earlier than asked: the server had nothing newer for us at its
+end). The real server sends no bookmark on a watch of a resource that did not change
+after the watch opened, so for a quiet resource the clean ends are what is heard. Not
+heard: a stream cut (a dropped connection, a truncated chunk: an error) or ended cleanly
+before its time (a proxy, a server shutting down: events in flight may be lost).
 
 The cache answers (`snapshot`, `get`) only while it is trusted: after a list completed,
-not during a relist, and while something (an event or a bookmark) arrived less than
-`stale_after` seconds ago. Otherwise `LivenessUnavailable`: "could not list" is never
-"empty".
+not during a relist, and while it was heard from less than `stale_after` seconds ago.
+Otherwise `LivenessUnavailable`: "could not list" is never "empty".
 
 `as_of` (wall clock) is the time the list's first request was sent (a consistent read:
-no resourceVersion, so the list holds everything that existed then), later the receipt of
-the last event or bookmark minus `margin` (what the server's watch may still be behind).
+no resourceVersion, so the list holds everything that existed then), later the time of
+the last event, bookmark or clean end minus `margin` (what the server's watch may still
+be behind).
+
+After a failure the next list waits `retry_delay`: doubled from `BACKOFF_MIN` up to
+`BACKOFF_MAX` while the server keeps failing, back to `BACKOFF_MIN` once a list completed
+and the watch after it started (answered, and not refused in its first line by an ERROR
+event: a server that lists but refuses every watch is not relisted in a tight loop).
 """
 
 from __future__ import annotations
@@ -42,7 +57,8 @@ V = TypeVar("V")
 
 BACKOFF_MIN = 0.2
 BACKOFF_MAX = 5.0
-LIST_RESTARTS = 5  # lists restarted on an expired continue token before backing off
+MIN_STALE_AFTER = 2.0  # twice the shortest watch (timeoutSeconds is in whole seconds)
+LIST_RESTARTS = 5  # list attempts ended by an expired continue token before backing off
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,8 @@ class Reflector(Generic[V]):
         self.client = client
         self.resource = resource
         self.page_size = page_size
-        self.watch_timeout = watch_timeout
+        # A quiet watch is heard at its end: it must end well within the staleness bound.
+        self.watch_timeout = max(1, min(watch_timeout, int(stale_after / 2)))
         self.stale_after = stale_after
         self.margin = margin
         self._lock = threading.Lock()
@@ -80,10 +97,11 @@ class Reflector(Generic[V]):
         self._synced = False
         self._why = "not listed yet"
         self._as_of = 0.0
-        self._heard = 0.0  # time.monotonic() of the last list, event or bookmark
+        self._heard = 0.0  # time.monotonic() it was last heard (see the module's docstring)
         self._rv = ""
         self.lists = 0  # lists completed (tests wait for a relist by this)
-        self._progressed = False  # an event applied since the last failure
+        self.retry_delay = BACKOFF_MIN  # the wait before the list after a failure
+        self._started = False  # since the last failure, a list and the watch after it started
         self._stop = threading.Event()
         self._stream: WatchStream | None = None
         self._thread = threading.Thread(target=self._run, name=f"k8s-{resource.name}", daemon=True)
@@ -140,8 +158,8 @@ class Reflector(Generic[V]):
             self._why = why
 
     def _run(self) -> None:
-        backoff = BACKOFF_MIN
         while not self._stop.is_set():
+            self._started = False
             try:
                 self._list()
                 self._watch()
@@ -154,11 +172,12 @@ class Reflector(Generic[V]):
             except Exception as e:  # never let the thread die: unavailable, then retry
                 self._unavailable(f"failed: {type(e).__name__}: {e}")
                 log.error("k8s reflector failed", resource=self.resource.name, error=repr(e))
-            # A watch that delivered something starts the backoff over; a server failing
-            # at once again and again is asked less and less often.
-            backoff = BACKOFF_MIN if self._progressed else min(backoff * 2, BACKOFF_MAX)
-            self._progressed = False
-            self._stop.wait(backoff)
+            # A list and its watch that started: the server works again, the next failure
+            # is retried soon; a server failing before that is asked less and less often.
+            self.retry_delay = (
+                BACKOFF_MIN if self._started else min(self.retry_delay * 2, BACKOFF_MAX)
+            )
+            self._stop.wait(self.retry_delay)
 
     def _query(self) -> dict[str, str]:
         selector = self.resource.field_selector
@@ -173,8 +192,8 @@ class Reflector(Generic[V]):
             query = {**self._query(), "limit": str(self.page_size)}
             while True:
                 try:
-                    # A page of a big list can take the server a while: as long as a
-                    # quiet watch may, rather than the short timeout of direct reads.
+                    # A page of a big list can take the server a while: up to the
+                    # staleness bound, rather than the short timeout of direct reads.
                     page = self.client.request(
                         "GET",
                         self.resource.path,
@@ -210,13 +229,18 @@ class Reflector(Generic[V]):
     def _watch(self) -> None:
         """Follow events until the watch cannot go on (raises _Relist) or we stop."""
         accept = METADATA if self.resource.metadata_only else JSON
+        starting = True  # the watch from the list's resourceVersion: has it started?
         while not self._stop.is_set():
+            quiet = self._quiet()
+            if quiet > self.stale_after:
+                raise _Relist(f"nothing heard for {quiet:.0f}s: listing rather than watching on")
             query = {
                 **self._query(),
                 "resourceVersion": self._rv,
                 "allowWatchBookmarks": "true",
                 "timeoutSeconds": str(self.watch_timeout),
             }
+            opened = time.monotonic()
             try:
                 # Quiet for stale_after: the cache is not trusted (`_check`); quiet twice
                 # as long: the stream is given up and the resource listed again.
@@ -229,15 +253,40 @@ class Reflector(Generic[V]):
             if self._stop.is_set():  # stop() came before the stream was there to close
                 stream.close()
                 return
+            self._started = True
             try:
                 for event in stream:
+                    if starting and event.get("type") == "ERROR":
+                        self._started = False  # refused in its first line: not started
+                    starting = False
                     self._apply(event)
             except ApiUnreachable as e:
                 raise _Relist(str(e)) from e
             finally:
                 self._stream = None
                 stream.close()
-            # A clean end (timeoutSeconds): watch again from the last resourceVersion.
+            starting = False
+            # A clean end: heard if at the server's timeout (it had nothing newer then),
+            # not if earlier. Watch again from the last resourceVersion.
+            if time.monotonic() - opened >= self.watch_timeout:
+                self._hear()
+            else:
+                log.info(
+                    "k8s watch ended early; not counted as heard",
+                    resource=self.resource.name,
+                    after=round(time.monotonic() - opened, 3),
+                    timeout=self.watch_timeout,
+                )
+
+    def _quiet(self) -> float:
+        with self._lock:
+            return time.monotonic() - self._heard
+
+    def _hear(self) -> None:
+        """The cache is current as of now, give or take the watch's lag (`margin`)."""
+        with self._lock:
+            self._heard = time.monotonic()
+            self._as_of = max(self._as_of, time.time() - self.margin)
 
     def _apply(self, event: dict) -> None:
         kind = event.get("type")
@@ -263,6 +312,4 @@ class Reflector(Generic[V]):
             elif kind != "BOOKMARK":
                 raise _Relist(f"unknown event type {kind!r}")
             self._rv = rv
-            self._heard = time.monotonic()
-            self._as_of = max(self._as_of, time.time() - self.margin)
-        self._progressed = True
+        self._hear()

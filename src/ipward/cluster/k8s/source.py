@@ -5,13 +5,15 @@ Scopes:
     StatefulSets; `cluster_view()` answers from these caches.
   * agent (a node): that node's pods (`fieldSelector=spec.nodeName=NODE`) and
     namespaces; `cluster_view()` raises `NotCovered` (it would miss every other node's
-    pods, and a missing pod reads as a gone one). The agent uses `meta` and `listed`.
+    pods, and a missing pod reads as a gone one); it answers as a `PodDirectory` (`meta`,
+    `listed`). `ipward agent --cluster` does not use this scope yet: it opens the source
+    without a node and reads its cluster view (`agent.ClusterDirectory`).
 `node_view()` always raises `NotCovered`: the API lists no sandboxes; the runtime does.
 
 Direct reads bypass the caches where an answer must be current: `meta` and `listed`
 for an ADD (a pod not cached yet is read once before the answer is "try again"), and
-the `confirm_*` methods, which the controller calls before it frees anything on the
-cluster's word.
+the `confirm_*` methods, for the controller to call before it frees anything on the
+cluster's word (nothing calls them yet: garbage collection judges on the cached view).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ipward.cluster.k8s.objects import (
     parse_pod,
     parse_statefulset,
 )
-from ipward.cluster.k8s.reflector import Reflector, Resource
+from ipward.cluster.k8s.reflector import MIN_STALE_AFTER, Reflector, Resource
 from ipward.cluster.liveness import (
     ClusterView,
     LivenessSource,
@@ -60,7 +62,7 @@ class Settings:
     kubeconfig: str = ""
     context: str = ""
     node: str = ""
-    stale_after: float = 150.0  # a bookmark comes about once a minute
+    stale_after: float = 150.0  # a quiet resource is heard at each watch's end (60 s)
     margin: float = 5.0
     page_size: int = 500
     timeout: float = 10.0
@@ -83,6 +85,10 @@ class Settings:
                     number = kind(value)
                     if number < 0 or (number == 0 and key != "margin"):
                         raise ValueError("out of range")
+                    if key == "stale" and number < MIN_STALE_AFTER:
+                        raise ValueError(
+                            f"at least {MIN_STALE_AFTER:g} (a watch must end within half of it)"
+                        )
                     values[numbers[key]] = number
                 elif key == "timeout":
                     values["timeout"] = float(value)
