@@ -22,7 +22,8 @@ import pytest
 
 from conftest import run_cli, wait_for
 from ipward.cluster.election import Election
-from ipward.controller.passes import Controller, Metrics
+from ipward.controller.metrics import Metrics
+from ipward.controller.passes import Controller
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.errors import IpwardError, TryAgainLater

@@ -101,23 +101,30 @@ def run_agent(
         while not signals.stop.wait(1.0):
             pass
         log.info("agent stopping: new connections refused, draining", signal_count=signals.count)
-        started = time.monotonic()
         agent.begin_stop()
         if reconciler is not None:
             reconciler.stop()
         duties.stop()
-        left = agent.drain(drain_seconds, signals.cut_short)
-        fields = {"seconds": round(time.monotonic() - started, 3), "abandoned": left}
-        if left:
-            log.warning("drain incomplete: calls still running are abandoned", **fields)
-        else:
-            log.info("drained", **fields)
+        left = _drain(agent, drain_seconds, signals)
         daemon.stop_http(http)
         agent.close(wait=not left)
     log.info("agent stopped", node=node)
     if left:
         os._exit(0)  # workers still running must not hold the interpreter's exit
     return 0
+
+
+def _drain(agent: Agent, seconds: float, signals: Signals) -> int:
+    """Let the calls in flight finish (a second signal cuts it short); how many were
+    abandoned."""
+    started = time.monotonic()
+    left = agent.drain(seconds, signals.cut_short)
+    fields = {"seconds": round(time.monotonic() - started, 3), "abandoned": left}
+    if left:
+        log.warning("drain incomplete: calls still running are abandoned", **fields)
+    else:
+        log.info("drained", **fields)
+    return left
 
 
 def _open_agent(store: Store, node: str, socket_path: str, **options: object) -> Agent:

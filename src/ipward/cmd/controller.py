@@ -13,7 +13,8 @@ from ipward.cluster.election import Election
 from ipward.cluster.liveness import open_source
 from ipward.cmd import daemon
 from ipward.cmd.daemon import Signals, add_grace_option, redact
-from ipward.controller.passes import Controller, ControllerError, Metrics
+from ipward.controller.metrics import Metrics
+from ipward.controller.passes import Controller, ControllerError
 from ipward.core import log
 from ipward.core.errors import InvalidConfig
 from ipward.core.policy import ADD_GRACE

@@ -60,18 +60,9 @@ import time
 from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-)
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from ipward.cluster.election import Election
 from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView
+from ipward.controller.metrics import Metrics
 from ipward.core import keys, log
 from ipward.core.errors import IpwardError
 from ipward.core.keys import LEADER_KEY
@@ -94,7 +85,7 @@ from ipward.store import Store, StoreError
 from ipward.store.base import Compare
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
     from ipward.core.addr import Block
     from ipward.store.base import KeyValue
@@ -110,117 +101,22 @@ class NotLeader(Exception):
     """Leadership is gone (or the controller is stopping): abandon the pass."""
 
 
-class _Snapshot(Collector):
-    """Per-pass gauges, replaced whole at the end of each pass (so a scrape never sees
-    a half-updated set, and label sets of vanished blocks disappear)."""
+class _PoolState:
+    """What one pool pass read of a pool (blocks, records per block, fills), and what
+    its steps changed since: a block whose record was rewritten has no KeyValue (it is
+    no candidate again this pass)."""
 
-    def __init__(self, leading: Callable[[], bool]) -> None:
-        self.leading = leading
-        self.blocks: dict[tuple[str, str, str], int] = {}
-        self.deficits: dict[tuple[str, str, str], int] = {}
+    __slots__ = ("block_kvs", "blocks", "fills", "gone", "mono", "now", "records", "spec")
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        blocks_family = GaugeMetricFamily(
-            "ipward_controller_blocks",
-            "Blocks per pool, node and state (every node's, registered or not), as of the"
-            " last pass of the leader.",
-            labels=["pool", "node", "state"],
-        )
-        deficit_family = GaugeMetricFamily(
-            "ipward_controller_warm_deficit",
-            "Addresses a registered node is short of its pool's warm target, per family,"
-            " after the last pass (left over when the pool has no block to give).",
-            labels=["pool", "node", "family"],
-        )
-        if self.leading():
-            for labels, n in sorted(self.blocks.items()):
-                blocks_family.add_metric(list(labels), n)
-            for labels, n in sorted(self.deficits.items()):
-                deficit_family.add_metric(list(labels), n)
-        yield blocks_family
-        yield deficit_family
-
-
-class Metrics:
-    """The controller's metrics, on a registry of its own."""
-
-    def __init__(self, ident: str, leading: Callable[[], bool]) -> None:
-        disable_created_metrics()
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.leader = Gauge(
-            "ipward_controller_leader",
-            "1 while this instance is the active controller, else 0.",
-            registry=self.registry,
-        )
-        self.handshakes = Counter(
-            "ipward_controller_handshakes",
-            "Block release handshakes: started (marked), completed (released), aborted"
-            " (refused and resumed, or taken back by the node).",
-            ["result"],
-            registry=self.registry,
-        )
-        for result in ("started", "completed", "aborted"):
-            self.handshakes.labels(result=result)
-        self.assigned = Counter(
-            "ipward_controller_blocks_assigned",
-            "Blocks assigned to nodes to keep their warm target.",
-            registry=self.registry,
-        )
-        self.pass_seconds = Histogram(
-            "ipward_controller_pass_seconds",
-            "Time of one pass over every pool.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
-        )
-        self.pass_errors = Counter(
-            "ipward_controller_pass_errors",
-            "Passes abandoned on an error (logged; the pass runs again next interval).",
-            registry=self.registry,
-        )
-        self.gc_candidates = Gauge(
-            "ipward_gc_candidates",
-            "Records found leaked by the last garbage-collection pass, by reason (freed"
-            " when found again on the next pass at the same revision).",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.gc_freed = Counter(
-            "ipward_gc_freed",
-            "Records freed by garbage collection, by reason.",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.gc_skipped = Counter(
-            "ipward_gc_skipped_passes",
-            "Garbage-collection passes that judged nothing: no liveness source answered.",
-            registry=self.registry,
-        )
-        self.gc_source_errors = Counter(
-            "ipward_gc_source_errors",
-            "Liveness reads that failed (nothing reclaimed on their account), by source.",
-            ["source"],
-            registry=self.registry,
-        )
-        self.gc_seconds = Histogram(
-            "ipward_gc_pass_seconds",
-            "Time of one garbage-collection pass, liveness reads included.",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=self.registry,
-        )
-        for reason in (*gc.REASONS, *gc.RETIRE_REASONS):
-            self.gc_candidates.labels(reason=reason).set(0)
-            self.gc_freed.labels(reason=reason)
-        for source in ("runtime", "cluster"):
-            self.gc_source_errors.labels(source=source)
-        self.info = Gauge(
-            "ipward_controller_info", "This instance's id.", ["id"], registry=self.registry
-        )
-        self.info.labels(id=ident).set(1)
-        self.snapshot = _Snapshot(leading)
-        self.registry.register(self.snapshot)
-
-
-# -- the passes --------------------------------------------------------------------------
+    def __init__(self, spec: PoolSpec, now: float, mono: float, gone: frozenset[str]) -> None:
+        self.spec = spec
+        self.now = now
+        self.mono = mono
+        self.gone = gone  # nodes known gone (lease expired, not listed by the cluster)
+        self.blocks: dict[str, BlockRecord] = {}
+        self.block_kvs: dict[str, KeyValue | None] = {}
+        self.records: Tally[str] = Tally()  # address records per block
+        self.fills: dict[tuple[int, str], str] = {}  # (family, node) -> the block it fills
 
 
 class Controller:
@@ -442,41 +338,76 @@ class Controller:
         deficits: dict[tuple[str, str, str], int],
         seen: set[tuple[str, str]],
     ) -> None:
+        """One pool's pass, in steps over one read of its state (each step's writes are
+        fenced and update that state for the steps after it)."""
+        state = self._read_pool(spec, nodes)
+        self._handshake_steps(state, nodes, seen)  # 1. blocks already in the handshake
+        self._ask_back_from_gone_nodes(state)
+        mine, free = self._free_per_node(state, nodes)  # 2. per registered node and family
+        self._warm(state, free)  # 3. warm target
+        # 4. Surplus, then what is still missing.
         pool = spec.name
-        now, mono = self.clock(), self.monotonic()
-        gone = self.gone_nodes - nodes
-        # Blocks before records: an allocation of a fresh address after this read moves
-        # the block's revision, so a mark decided on a stale count loses its CAS.
-        block_kvs: dict[str, KeyValue | None] = {}
-        states: dict[str, BlockRecord] = {}
+        for (node, family), own in mine.items():
+            free[(node, family)] = self._surplus(
+                spec,
+                node,
+                own,
+                free[(node, family)],
+                state.records,
+                state.block_kvs,
+                state.blocks,
+                state.fills.get((family, node)),
+                state.now,
+                state.mono,
+            )
+            deficits[(pool, node, str(family))] = max(0, spec.warm - free[(node, family)])
+        for block_state in state.blocks.values():
+            labels = (pool, block_state.node, block_state.state)
+            counts[labels] = counts.get(labels, 0) + 1
+        # 5. After a change of the pool's ranges: what its new layout does not use, and
+        # earlier layouts no record holds any more (`ipam.pools.prune`, fenced).
+        if spec.retired or any(spec.block_by_cidr(cidr) is None for cidr in state.blocks):
+            pools.prune(self.store, pool, self._fence())
+
+    def _read_pool(self, spec: PoolSpec, nodes: set[str]) -> _PoolState:
+        """The pool's blocks, then its records and fills. Blocks before records: an
+        allocation of a fresh address after this read moves the block's revision, so a
+        mark decided on a stale count loses its CAS."""
+        pool = spec.name
+        state = _PoolState(spec, self.clock(), self.monotonic(), self.gone_nodes - nodes)
         for kv in self.store.range(keys.blocks_prefix(pool))[0]:
             cidr = keys.cidr_of(kv.key)
             try:
-                states[cidr] = BlockRecord.decode(kv.value)
+                state.blocks[cidr] = BlockRecord.decode(kv.value)
             except ValueError:
                 log.error("block record unreadable", key=kv.key)
                 continue
-            block_kvs[cidr] = kv
-        records: Tally[str] = Tally()
+            state.block_kvs[cidr] = kv
         for kv in self.store.range(keys.ips_prefix(pool))[0]:
             try:
-                records[AddressRecord.decode(kv.value).block] += 1
+                state.records[AddressRecord.decode(kv.value).block] += 1
             except ValueError:
                 log.error("address record unreadable", key=kv.key)
-        fills: dict[tuple[int, str], str] = {}
         for kv in self.store.range(keys.fills_prefix(pool))[0]:
             _, family_text, filler = keys.fill_parts(kv.key)
             try:
-                fills[(int(family_text), filler)] = FillRecord.decode(kv.value).block
+                state.fills[(int(family_text), filler)] = FillRecord.decode(kv.value).block
             except ValueError:
                 continue
+        return state
 
-        # 1. Handshake steps on blocks already in the handshake.
-        for cidr in list(states):
-            state = states[cidr]
+    def _handshake_steps(
+        self, state: _PoolState, nodes: set[str], seen: set[tuple[str, str]]
+    ) -> None:
+        """The next step of every block in the handshake: a gone node's marked block
+        answered for it, a refused one resumed, a ready one past the ready delay handed
+        back; a block taken back by its node counted as an aborted handshake."""
+        pool = state.spec.name
+        for cidr in list(state.blocks):
+            block_state = state.blocks[cidr]
             key = (pool, cidr)
             seen.add(key)
-            st, node = state.state, state.node
+            st, node = block_state.state, block_state.node
             if st == ACTIVE:
                 if self.in_handshake.pop(key, None) is not None:
                     self.metrics.handshakes.labels(result="aborted").inc()
@@ -492,108 +423,129 @@ class Controller:
                 continue
             self.in_handshake[key] = st
             self.empty_since.pop(key, None)
-            current = block_kvs[cidr]
+            current = state.block_kvs[cidr]
             if current is None:
                 continue
-            if node in gone and st == MARKED:
-                # Its agent will never answer: answer for it, by the same compares.
-                answer = blocks.answer(self.store, spec, current, now, self._fence())
-                if answer is None:
-                    self._after_failed_write()
-                log.info(
-                    "answered for a gone node",
-                    pool=pool,
-                    block=cidr,
-                    node=node,
-                    answer=answer,
-                    reason="node lease expired and the cluster no longer lists it",
-                )
-                continue
-            if node not in nodes and node not in gone:
+            if node in state.gone and st == MARKED:
+                self._answer_for_gone_node(state, cidr, current)
+            elif node not in nodes and node not in state.gone:
                 continue  # an unregistered node's block: left alone until known gone
-            if st == REFUSED:
-                if blocks.resume(self.store, pool, current, self._fence()):
-                    self.metrics.handshakes.labels(result="aborted").inc()
-                    del self.in_handshake[key]
-                    states[cidr] = state.resumed()
-                    block_kvs[cidr] = None  # changed: not a candidate again this pass
-                    log.info(
-                        "handshake aborted",
-                        pool=pool,
-                        block=cidr,
-                        node=node,
-                        reason="the node's agent refused: addresses allocated",
-                    )
-                else:
-                    self._after_failed_write()
+            elif st == REFUSED:
+                self._resume(state, cidr, current)
             elif st == READY:
-                answered = state.answered_at
-                waited = now - answered if answered is not None else 0.0
-                if waited < self.ready_delay:
-                    continue
-                if blocks.complete_hand_back(self.store, spec, current, self._fence()):
-                    self.metrics.handshakes.labels(result="completed").inc()
-                    del self.in_handshake[key]
-                    del states[cidr]
-                    log.info(
-                        "handshake completed",
-                        pool=pool,
-                        block=cidr,
-                        node=node,
-                        reason=f"answered ready {waited:.1f}s ago (ready delay"
-                        f" {self.ready_delay:g}s)",
-                    )
-                else:
-                    self._after_failed_write()
+                self._complete_hand_back(state, cidr, current)
 
-        # Blocks of gone nodes: emptied by garbage collection, then asked back at once.
-        for cidr, state in states.items():
-            gone_kv = block_kvs.get(cidr)
-            block = spec.block_by_cidr(cidr)
+    def _answer_for_gone_node(self, state: _PoolState, cidr: str, current: KeyValue) -> None:
+        """Its agent will never answer: answer for it, by the same compares."""
+        answer = blocks.answer(self.store, state.spec, current, state.now, self._fence())
+        if answer is None:
+            self._after_failed_write()
+        log.info(
+            "answered for a gone node",
+            pool=state.spec.name,
+            block=cidr,
+            node=state.blocks[cidr].node,
+            answer=answer,
+            reason="node lease expired and the cluster no longer lists it",
+        )
+
+    def _resume(self, state: _PoolState, cidr: str, current: KeyValue) -> None:
+        pool = state.spec.name
+        if not blocks.resume(self.store, pool, current, self._fence()):
+            self._after_failed_write()
+            return
+        self.metrics.handshakes.labels(result="aborted").inc()
+        del self.in_handshake[(pool, cidr)]
+        state.blocks[cidr] = state.blocks[cidr].resumed()
+        state.block_kvs[cidr] = None  # changed: not a candidate again this pass
+        log.info(
+            "handshake aborted",
+            pool=pool,
+            block=cidr,
+            node=state.blocks[cidr].node,
+            reason="the node's agent refused: addresses allocated",
+        )
+
+    def _complete_hand_back(self, state: _PoolState, cidr: str, current: KeyValue) -> None:
+        answered = state.blocks[cidr].answered_at
+        waited = state.now - answered if answered is not None else 0.0
+        if waited < self.ready_delay:
+            return
+        if not blocks.complete_hand_back(self.store, state.spec, current, self._fence()):
+            self._after_failed_write()
+            return
+        self.metrics.handshakes.labels(result="completed").inc()
+        del self.in_handshake[(state.spec.name, cidr)]
+        node = state.blocks.pop(cidr).node
+        log.info(
+            "handshake completed",
+            pool=state.spec.name,
+            block=cidr,
+            node=node,
+            reason=f"answered ready {waited:.1f}s ago (ready delay {self.ready_delay:g}s)",
+        )
+
+    def _ask_back_from_gone_nodes(self, state: _PoolState) -> None:
+        """Blocks of gone nodes: emptied by garbage collection, then asked back at once."""
+        pool = state.spec.name
+        for cidr, block_state in state.blocks.items():
+            gone_kv = state.block_kvs.get(cidr)
+            block = state.spec.block_by_cidr(cidr)
             if (
-                state.node not in gone
-                or not state.active
-                or records[cidr]
+                block_state.node not in state.gone
+                or not block_state.active
+                or state.records[cidr]
                 or gone_kv is None
                 or block is None
                 or not blocks.releasable(block)
             ):
                 continue
-            if blocks.mark(self.store, pool, gone_kv, now, self._fence()):
+            if blocks.mark(self.store, pool, gone_kv, state.now, self._fence()):
                 self.metrics.handshakes.labels(result="started").inc()
                 self.in_handshake[(pool, cidr)] = MARKED
-                states[cidr] = state.marked(now)
+                state.blocks[cidr] = block_state.marked(state.now)
                 log.info(
                     "handshake started",
                     pool=pool,
                     block=cidr,
-                    node=state.node,
+                    node=block_state.node,
                     reason="its node is gone (lease expired, not listed by the cluster)",
                 )
             else:
                 self._after_failed_write()
 
-        # 2. Per registered node and family: what is free in its active blocks.
+    def _free_per_node(
+        self, state: _PoolState, nodes: set[str]
+    ) -> tuple[dict[tuple[str, int], list[tuple[str, Block]]], dict[tuple[str, int], int]]:
+        """Per registered node and family: its active blocks, and what is free in them
+        (and since when each block is empty, for the surplus step)."""
+        pool = state.spec.name
         by_node: dict[str, list[str]] = {}
-        for cidr, state in states.items():
-            by_node.setdefault(state.node, []).append(cidr)
+        for cidr, block_state in state.blocks.items():
+            by_node.setdefault(block_state.node, []).append(cidr)
         free: dict[tuple[str, int], int] = {}
         mine: dict[tuple[str, int], list[tuple[str, Block]]] = {}
         for node in sorted(nodes):
-            for rs in spec.range_sets:
+            for rs in state.spec.range_sets:
                 own = []
                 for cidr in by_node.get(node, []):
                     block = rs.block_by_cidr(cidr)
-                    if states[cidr].active and block is not None:
+                    if state.blocks[cidr].active and block is not None:
                         own.append((cidr, block))
-                        if records[cidr] or block_kvs.get(cidr) is None:
+                        if state.records[cidr] or state.block_kvs.get(cidr) is None:
                             self.empty_since.pop((pool, cidr), None)
                         else:
-                            self.empty_since.setdefault((pool, cidr), mono)
+                            self.empty_since.setdefault((pool, cidr), state.mono)
                 mine[(node, rs.family)] = own
-                free[(node, rs.family)] = sum(max(0, b.usable_count() - records[c]) for c, b in own)
-        # 3. Warm target: one block per node short of it per round, so a pool running
-        # out is shared rather than given to the first nodes in name order.
+                free[(node, rs.family)] = sum(
+                    max(0, b.usable_count() - state.records[c]) for c, b in own
+                )
+        return mine, free
+
+    def _warm(self, state: _PoolState, free: dict[tuple[str, int], int]) -> None:
+        """Warm target: one block per node short of it per round, so a pool running out
+        is shared rather than given to the first nodes in name order."""
+        spec = state.spec
         short = [nf for nf in free if free[nf] < spec.warm]
         while short:
             still = []
@@ -604,7 +556,7 @@ class Controller:
                     self._after_failed_write()
                     log.debug(
                         "no block assigned (pool exhausted or a race lost); next pass",
-                        pool=pool,
+                        pool=spec.name,
                         node=node,
                         family=family,
                         free=before,
@@ -613,11 +565,11 @@ class Controller:
                     continue
                 block = spec.block_by_cidr(given)
                 free[(node, family)] += block.usable_count() if block is not None else 0
-                states[given] = BlockRecord.claimed(node, 0, spec.version)
+                state.blocks[given] = BlockRecord.claimed(node, 0, spec.version)
                 self.metrics.assigned.inc()
                 log.info(
                     "warm block assigned",
-                    pool=pool,
+                    pool=spec.name,
                     block=given,
                     node=node,
                     reason=f"{before} free < warm target {spec.warm}",
@@ -626,28 +578,6 @@ class Controller:
                 if free[(node, family)] < spec.warm:
                     still.append((node, family))
             short = still
-        # 4. Surplus, then what is still missing.
-        for (node, family), own in mine.items():
-            free[(node, family)] = self._surplus(
-                spec,
-                node,
-                own,
-                free[(node, family)],
-                records,
-                block_kvs,
-                states,
-                fills.get((family, node)),
-                now,
-                mono,
-            )
-            deficits[(pool, node, str(family))] = max(0, spec.warm - free[(node, family)])
-        for state in states.values():
-            labels = (pool, state.node, state.state)
-            counts[labels] = counts.get(labels, 0) + 1
-        # 5. After a change of the pool's ranges: what its new layout does not use, and
-        # earlier layouts no record holds any more (`ipam.pools.prune`, fenced).
-        if spec.retired or any(spec.block_by_cidr(cidr) is None for cidr in states):
-            pools.prune(self.store, pool, self._fence())
 
     def _surplus(
         self,

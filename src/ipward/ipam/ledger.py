@@ -1,4 +1,9 @@
-"""The ledger: allocate and release addresses for attachments (DESIGN.md 5.1, 5.2).
+"""The ledger: allocate and free addresses for attachments (DESIGN.md 5.1, 5.2).
+
+Over 600 lines, for now: one class holds seven concepts that share its remembered-key
+cache and its pinned transactions (reads, request combining, pickers, block claims,
+take-back, sticky reservations, freeing with the CNI GC verb's side). Their split into
+`ipam` modules behind this class as the facade is the layout's next step.
 
 Every change is one store transaction whose compares pin what was read: the attachment
 index absent, the address record absent, the block still active at the revision read,
