@@ -294,24 +294,51 @@ def test_rbac_grants_exactly_what_the_agent_and_the_controller_call(
             "an ADD the agent answers from the cluster's view",
         )
         assert added.json["ips"][0]["address"].startswith("10.92.0.")
+        # A pod (and namespace) the agent's watches have not brought yet: read directly.
+        server.stall()
+        try:
+            admin_from = len(server.requests)  # the admin's creates are not the agent's
+            kube_server.admin.namespace("late")
+            late = kube_server.admin.pod("late", "job-0", "n1")
+            admin_to = len(server.requests)
+            args = f"K8S_POD_NAMESPACE=late;K8S_POD_NAME=job-0;K8S_POD_UID={late}"
+            read = exec_plugin(plugin, "ADD", config, "sb2", args=args)
+            assert read.returncode == 0, read
+        finally:
+            server.unstall()
     finally:
         agent.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-    agent_calls = api_calls(server.requests)
+    requests = list(server.requests)
+    del requests[admin_from:admin_to]
+    agent_calls = api_calls(requests)
+    # web-0 is deleted: its record is freed on the cluster's word, after a live read.
+    kube_server.admin.delete_pod("shop", "web-0")
     server.requests.clear()
 
     extra = k8s_options(
         docs, "Deployment", "ipward-controller", "controller", kube_server.kubeconfig
     )
-    controller = fleet.Controller("c1", sqlite_url, tmp_path, extra=(*extra, "--gc-interval", "1"))
+    options = (*extra, "--gc-interval", "1", "--add-grace", "0")
+    controller = fleet.Controller("c1", sqlite_url, tmp_path, extra=options)
     try:
-        # Candidates are counted only by a pass that read the cluster's view.
         wait_for(
-            lambda: controller.metric("ipward_gc_candidates", reason="pod-gone") is not None,
-            "a garbage-collection pass that read the cluster",
+            lambda: controller.metric("ipward_gc_freed_total", reason="pod-gone"),
+            "web-0's address freed as pod-gone",
         )
     finally:
         controller.stop()
+    # The other live reads before a free (a gone node, a retired StatefulSet identity)
+    # need records of other nodes and sticky reservations: asked here through the source
+    # the controller's own option opens.
+    from ipward.cluster.liveness import open_source
+
+    source = open_source(extra[extra.index("--liveness") + 1])
+    try:
+        assert source.confirm_node_gone("n-gone").confirmed
+        assert source.confirm_identity_retired("shop", "db-3", "db").confirmed
+    finally:
+        source.close()
     controller_calls = api_calls(server.requests)
 
     for role, calls in (("ipward-agent", agent_calls), ("ipward-controller", controller_calls)):

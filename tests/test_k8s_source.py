@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import KubeApi, wait_for
+from conftest import KubeApi, run_cli, wait_for
 from ipward.cluster.k8s.reflector import BACKOFF_MAX, BACKOFF_MIN
 from ipward.cluster.liveness import ClusterView, LivenessUnavailable, NotCovered
 from ipward.core.errors import TryAgainLater
-from ipward.core.records import AddressRecord
+from ipward.core.records import AddressRecord, Attachment, PodInfo
 from ipward.gc import rules as gc
+from ipward.ipam.ledger import Ledger
+from ipward.store import open_store
 
 
 def view_or_none(source: Any) -> ClusterView | None:
@@ -546,3 +549,45 @@ def test_gc_judges_on_the_kubernetes_view(kube: KubeApi) -> None:
     assert gc.judge(record(done), evidence).reason == gc.POD_TERMINAL
     assert gc.judge(record(deleted), evidence).reason == gc.POD_GONE
     assert gc.judge(record(running, gone_node), evidence).reason == gc.NODE_GONE
+
+
+def test_a_free_on_the_cached_view_waits_for_the_apis_own_word(
+    kube_server: KubeApi, tmp_path: Path
+) -> None:
+    """GC rule 7: the cached view says node n2 is gone (its watch stalled before the node
+    was made), the API has it: a live read keeps the record, on every pass. Once the API
+    answers NotFound too, the record is freed."""
+    url = f"sqlite://{tmp_path}/ipward.db"
+    run_cli("pool", "create", "p", "--range", "10.0.0.0/24", store=url, check=True)
+    source = kube_server.source("margin=0")
+    assert source.wait_synced(30)
+    with open_store(url) as store:
+        ledger = Ledger(store, "n2")
+        pod = PodInfo("shop", "web-0", "u-web")
+        ledger.allocate([ledger.get_pool("p")], Attachment("net", "sb1", "eth0"), pod)
+        added = time.time()
+        # An event of each resource: the whole view is heard after the ADD.
+        kube_server.admin.namespace("shop")
+        kube_server.admin.node("n1")
+        kube_server.admin.pod("shop", "other", "n1")
+        kube_server.admin.statefulset("shop", "db", 1)
+        wait_for(lambda: source.cluster_view().as_of > added, "a view from after the ADD")
+        kube_server.server.stall()
+        try:
+            kube_server.admin.node("n2")  # in the API; the stalled watch does not bring it
+
+            def collect() -> tuple[list[gc.Verdict], list[gc.Verdict]]:
+                return gc.collect_once(
+                    ledger, source, grace=0, confirm_after=0, who="test", sleep=lambda _: None
+                )
+
+            for _ in range(2):
+                verdicts, freed = collect()
+                assert [v.reason for v in verdicts] == [gc.NODE_GONE] and freed == []
+            assert len(gc.snapshot(store)) == 1
+            kube_server.admin.delete_node("n2")
+            verdicts, freed = collect()
+            assert [v.reason for v in freed] == [gc.NODE_GONE]
+            assert gc.snapshot(store) == []
+        finally:
+            kube_server.server.unstall()  # the watches end, the source closes at once

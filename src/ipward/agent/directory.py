@@ -1,17 +1,11 @@
-"""The agent's `PodDirectory`: what an ADD reads of its pod, from a liveness source's
-cluster view (`--cluster`)."""
+"""The agent's `PodDirectory` (`--cluster`): what an ADD reads of its pod. `k8s://` is
+one itself, in the node's scope; other sources answer from their cluster view."""
 
 from __future__ import annotations
 
-from ipward.cluster.liveness import (
-    ClusterView,
-    LivenessSource,
-    LivenessUnavailable,
-)
+from ipward.cluster.liveness import ClusterView, LivenessSource, LivenessUnavailable, open_source
 from ipward.cluster.pods import PodDirectory, PodMeta
-from ipward.core.errors import (
-    TryAgainLater,
-)
+from ipward.core.errors import TryAgainLater
 
 
 class ClusterDirectory(PodDirectory):
@@ -46,3 +40,12 @@ class ClusterDirectory(PodDirectory):
 
     def listed(self, namespace: str, name: str, uid: str) -> bool:
         return uid in self._view().pods
+
+
+def cluster_directory(url: str, node: str) -> PodDirectory:
+    """The pod directory of ADDs. `k8s://` opens in this node's scope (its pods and the
+    namespaces cached, any other pod read directly): it is the directory itself, and an
+    agent never caches the whole cluster's pods. Other sources answer from their cluster
+    view."""
+    source = open_source(url, node=node) if url.startswith("k8s://") else open_source(url)
+    return source if isinstance(source, PodDirectory) else ClusterDirectory(source)

@@ -139,7 +139,23 @@ class ClusterView:
         return [p for p in self.pods.values() if p.namespace == namespace and p.name == name]
 
 
+@dataclass(frozen=True)
+class Confirmation:
+    """A live answer, just before freeing on a source's word: `confirmed` only when the
+    source said so cleanly; any error, timeout or unexpected answer is False."""
+
+    confirmed: bool
+    evidence: str
+
+
+READ_LIVE = Confirmation(True, "the view judged was read live")
+
+
 class LivenessSource(ABC):
+    """Views (for judging) and live confirmations (before freeing on a view's word). A
+    source whose views are themselves live reads (a runtime's list, the labs' file)
+    confirms what they showed; one answering from caches (`k8s://`) reads again."""
+
     @abstractmethod
     def node_view(self, node: str) -> NodeView:
         """The sandboxes of `node`'s runtime; raises LivenessUnavailable."""
@@ -147,6 +163,20 @@ class LivenessSource(ABC):
     @abstractmethod
     def cluster_view(self) -> ClusterView:
         """The orchestrator's pods and nodes; raises LivenessUnavailable."""
+
+    def confirm_pod_gone(self, namespace: str, name: str, uid: str) -> Confirmation:
+        return READ_LIVE
+
+    def confirm_pod_terminal(self, namespace: str, name: str, uid: str) -> Confirmation:
+        return READ_LIVE
+
+    def confirm_node_gone(self, node: str) -> Confirmation:
+        return READ_LIVE
+
+    def confirm_identity_retired(
+        self, namespace: str, name: str, statefulset: str = ""
+    ) -> Confirmation:
+        return READ_LIVE
 
     def close(self) -> None:  # noqa: B027 (most sources hold nothing)
         pass

@@ -9,7 +9,7 @@ import time
 
 import click
 
-from ipward.agent.directory import ClusterDirectory
+from ipward.agent.directory import cluster_directory
 from ipward.agent.duties import NodeDuties
 from ipward.agent.listener import DEFAULT_SOCKET, AgentError
 from ipward.agent.reconcile import Reconciler
@@ -49,7 +49,7 @@ def run_agent(
     """Run until SIGTERM/SIGINT; returns the exit status."""
     with Signals() as signals:
         source = open_source(liveness, node=node) if liveness else None
-        directory = ClusterDirectory(open_source(cluster)) if cluster else None
+        directory = cluster_directory(cluster, node) if cluster else None
         # The schema is checked before serving: while the store cannot be reached, the
         # plugin finds no agent and answers 11, as it would for an unreachable store.
         store = daemon.open_daemon_store(store_url, signals.stop, AgentError)

@@ -224,7 +224,7 @@ class Controller:
         self._fence()
         if self.liveness is not None and self.monotonic() >= self.gc_due:
             self.gc_due = self.monotonic() + self.gc_interval
-            self.gc_pass()
+            self.gc_pass(self.liveness)
         nodes = set(gc.registered_nodes(self.store))
         counts: dict[tuple[str, str, str], int] = {}
         deficits: dict[tuple[str, str, str], int] = {}
@@ -260,12 +260,12 @@ class Controller:
             new_values.update((k, v) for k, v in old_values.items() if k[0] in failed)
         snapshot.blocks, snapshot.deficits = counts, deficits
 
-    def gc_pass(self) -> list[gc.Verdict]:
+    def gc_pass(self, source: LivenessSource) -> list[gc.Verdict]:
         """One garbage-collection pass (the rules are `ipward.gc`'s): records, then
         registrations, then liveness; frees what the previous pass found too, each by
         compare-and-delete on the revision judged, fenced. Returns what it freed."""
         started = time.monotonic()
-        seen = gc.look(self.store, self.liveness, self.add_grace)
+        seen = gc.look(self.store, source, self.add_grace)
         nodes, evidence = seen.nodes, seen.evidence
         cluster_ok = isinstance(evidence.cluster, ClusterView)
         runtime_ok = [n for n in nodes if isinstance(evidence.nodes.get(n), NodeView)]
@@ -302,12 +302,16 @@ class Controller:
         who = f"controller {self.election.ident} gc"
         freed = []
         for verdict in self.confirmations.confirm(verdicts):
+            if not gc.confirmed_live(source, verdict):
+                continue
             if gc.free(self.ledger, verdict, who, self._fence()):
                 self.metrics.gc_freed.labels(reason=str(verdict.reason)).inc()
                 freed.append(verdict)
             else:
                 self._after_failed_write()
         for retirement in self.retirements.confirm(retirements):
+            if not gc.confirmed_live(source, retirement):
+                continue
             if gc.retire(self.ledger, retirement, who, self._fence()):
                 self.metrics.gc_freed.labels(reason=str(retirement.reason)).inc()
             else:

@@ -30,6 +30,11 @@ sandbox ID, ifname; created_at = when its ADD committed):
    revision on the previous pass too (`Confirmations`); the agent, whose runtime is
    local and authoritative, frees on one pass. Every free is a compare-and-delete on
    the record's revision (`Ledger.release_address`), logged and counted by reason.
+7. Just before freeing on the cluster's word (`pod-gone`, `pod-terminal`, `node-gone`,
+   a reservation's retirement), the source is asked once more, live
+   (`confirmed_live`): a source answering from caches (`k8s://`) reads the pod, node or
+   StatefulSet from the API itself, and anything but a clean confirmation keeps the
+   record for the next pass. A runtime's `sandbox-gone` is its own live list.
 """
 
 from __future__ import annotations
@@ -305,6 +310,35 @@ class Confirmations:
         return confirmed
 
 
+def confirmed_live(source: LivenessSource, judged: Verdict | Retirement) -> bool:
+    """Rule 7: the source's live word on a candidate the previous passes found; logged
+    with its evidence when it does not confirm."""
+    if isinstance(judged, Retirement):
+        r = judged.reservation
+        owner = r.record.owner_name if r.record.owner_kind == "StatefulSet" else ""
+        answer = source.confirm_identity_retired(r.namespace, r.name, owner)
+        subject = {"sticky": r.key}
+    else:
+        held, pod = judged.held, judged.held.pod
+        if judged.reason == POD_GONE:
+            answer = source.confirm_pod_gone(pod.namespace, pod.name, pod.uid)
+        elif judged.reason == POD_TERMINAL:
+            answer = source.confirm_pod_terminal(pod.namespace, pod.name, pod.uid)
+        elif judged.reason == NODE_GONE:
+            answer = source.confirm_node_gone(held.node)
+        else:
+            return True  # sandbox-gone: the runtime's list was the live read
+        subject = {"address": held.ref, "attachment": held.attachment}
+    if not answer.confirmed:
+        log.info(
+            "not freed: a live read does not confirm the cached view",
+            **subject,
+            reason=judged.reason,
+            evidence=answer.evidence,
+        )
+    return answer.confirmed
+
+
 def free(ledger: Ledger, verdict: Verdict, who: str, fence: Sequence[Compare] = ()) -> bool:
     """Compare-and-delete the record at the revision judged. False when it changed
     (a DEL, a new owner): nothing is touched then."""
@@ -374,7 +408,11 @@ def collect_once(
     confirmations.confirm(look(ledger.store, source, grace).verdicts)
     sleep(confirm_after)
     verdicts = look(ledger.store, source, grace).verdicts
-    freed = [v for v in confirmations.confirm(verdicts) if free(ledger, v, who)]
+    freed = [
+        v
+        for v in confirmations.confirm(verdicts)
+        if source is not None and confirmed_live(source, v) and free(ledger, v, who)
+    ]
     return verdicts, freed
 
 

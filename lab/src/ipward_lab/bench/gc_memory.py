@@ -156,7 +156,7 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
                         gc.judge(h, evidence)
                 del held, evidence
                 with timed("controller_pass_s"):
-                    freed = controller.gc_pass()
+                    freed = controller.gc_pass(source)
                 if freed:
                     raise BenchError(f"the controller's GC pass freed {len(freed)} records")
     finally:

@@ -6,14 +6,13 @@ Scopes:
   * agent (a node): that node's pods (`fieldSelector=spec.nodeName=NODE`) and
     namespaces; `cluster_view()` raises `NotCovered` (it would miss every other node's
     pods, and a missing pod reads as a gone one); it answers as a `PodDirectory` (`meta`,
-    `listed`). `ipward agent --cluster` does not use this scope yet: it opens the source
-    without a node and reads its cluster view (`agent.ClusterDirectory`).
+    `listed`): what `ipward agent --cluster k8s://` uses.
 `node_view()` always raises `NotCovered`: the API lists no sandboxes; the runtime does.
 
 Direct reads bypass the caches where an answer must be current: `meta` and `listed`
 for an ADD (a pod not cached yet is read once before the answer is "try again"), and
-the `confirm_*` methods, for the controller to call before it frees anything on the
-cluster's word (nothing calls them yet: garbage collection judges on the cached view).
+the `confirm_*` methods, which garbage collection calls before it frees anything on the
+cluster's word (it judges on the cached view; the free waits for the API's own answer).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from ipward.cluster.k8s.objects import (
 from ipward.cluster.k8s.reflector import MIN_STALE_AFTER, Reflector, Resource
 from ipward.cluster.liveness import (
     ClusterView,
+    Confirmation,
     LivenessSource,
     LivenessUnavailable,
     NodeView,
@@ -105,15 +105,6 @@ class Settings:
 
     def connection(self) -> Connection:
         return from_kubeconfig(self.kubeconfig, self.context) if self.kubeconfig else in_cluster()
-
-
-@dataclass(frozen=True)
-class Confirmation:
-    """A live answer from the API (never from a cache): `confirmed` is True only when
-    the API said so cleanly; any error, timeout or unexpected answer is False."""
-
-    confirmed: bool
-    evidence: str
 
 
 class K8sSource(LivenessSource, PodDirectory):
