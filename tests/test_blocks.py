@@ -120,7 +120,7 @@ def test_full_handshake_releases_an_empty_block(sqlite_store, a, clock):
     kv = sqlite_store.get(kv.key)
     assert blocks.answer(sqlite_store, pool, kv, clock.now) == rec.READY
     kv = sqlite_store.get(kv.key)
-    assert blocks.release(sqlite_store, pool, kv)
+    assert blocks.complete_hand_back(sqlite_store, pool, kv)
     assert block_state(sqlite_store, extra) is None
     assert owned(sqlite_store, "node-a") == ["10.0.0.0/28"]
     assert [keys.cidr_of(k.key) for k in sqlite_store.range("blockfree/p/4/")[0]] == [extra]
@@ -137,7 +137,7 @@ def test_agent_refuses_a_block_holding_allocations(sqlite_store, a, clock):
     kv = sqlite_store.get(kv.key)
     assert blocks.answer(sqlite_store, pool, kv, clock.now) == rec.REFUSED
     kv = sqlite_store.get(kv.key)
-    assert not blocks.release(sqlite_store, pool, kv)  # never without `ready`
+    assert not blocks.complete_hand_back(sqlite_store, pool, kv)  # never without `ready`
     assert blocks.resume(sqlite_store, "p", kv)
     assert block_state(sqlite_store, "10.0.0.0/28")["state"] == rec.ACTIVE
 
@@ -170,7 +170,7 @@ def test_node_needing_space_takes_its_block_back(sqlite_store, a, clock):
     assert a.allocate([pool], att("y"), PodInfo())[0].ip
     state = block_state(sqlite_store, "10.0.0.0/28")
     assert state["state"] == rec.ACTIVE
-    assert not blocks.release(sqlite_store, pool, ready_kv)  # the controller's CAS fails
+    assert not blocks.complete_hand_back(sqlite_store, pool, ready_kv)  # the controller's CAS fails
     assert block_state(sqlite_store, "10.0.0.0/28") is not None
     assert check(sqlite_store)[0] == []
 
@@ -195,7 +195,7 @@ def test_take_back_after_partial_cleanup_loses_no_address(sqlite_store, a, clock
         sqlite_store.txn([], [Delete(free.key), Delete(rec.decode(free.value)["queue"])])
     got = {a.allocate([pool], att(f"y{i}"), PodInfo())[0].ip for i in range(14)}
     assert len(got) == 14
-    assert not blocks.release(sqlite_store, pool, ready)
+    assert not blocks.complete_hand_back(sqlite_store, pool, ready)
     assert check(sqlite_store)[0] == []
 
 

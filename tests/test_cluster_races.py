@@ -917,7 +917,7 @@ def test_mark_versus_allocate(plugin, etcd, agents, monkeypatch):
                 for kv in store.range("blocks/mv/")[0]:
                     state = rec.decode(kv.value).get("state")
                     if state == rec.READY:
-                        if blocks.release(store, spec, kv):
+                        if blocks.complete_hand_back(store, spec, kv):
                             counts["released"] += 1
                             continue
                         now = store.get(kv.key)
@@ -971,7 +971,7 @@ def test_mark_versus_allocate(plugin, etcd, agents, monkeypatch):
     for ip, record in records.items():
         assert record["block"] in block_records, (ip, record)
     assert_check_clean(etcd.url)
-    # blocks.release logs an error when it finds a record in a block it read `ready`; the
+    # blocks.complete_hand_back logs an error when it finds a record in a block it read `ready`; the
     # history shows no record ever written in a block that was not active, so each such
     # line is a take-back between the controller's read and its check (see
     # test_release_after_a_take_back_is_no_alarm).
@@ -1027,7 +1027,7 @@ def test_release_after_a_take_back_is_no_alarm(plugin, etcd, agents, monkeypatch
         assert rec.decode(store.get(key).value)["state"] == rec.ACTIVE
         logged = io.StringIO()
         monkeypatch.setattr(log, "_sink", logged)
-        assert not blocks.release(store, spec, ready)  # refused, so nothing is lost
+        assert not blocks.complete_hand_back(store, spec, ready)  # refused, so nothing is lost
         err = logged.getvalue()
     assert holders(etcd.url, "tb") == {"second": [second.address]}
     assert_check_clean(etcd.url)

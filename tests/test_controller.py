@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, wait_for
-from ipward.controller.passes import Controller, Election, Metrics
+from ipward.cluster.election import Election
+from ipward.controller.metrics import Metrics
+from ipward.controller.passes import Controller
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.errors import IpwardError, TryAgainLater
@@ -423,7 +425,7 @@ def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
     assert state["state"] == rec.ACTIVE and state["node"] == "n1"
     assert rec.decode(store.get(keys.ip_key("p", ip)).value)["block"] == cidr
     # The release the controller would make, at the revision it read, fails its CAS.
-    assert not blocks.release(store, spec, ready)
+    assert not blocks.complete_hand_back(store, spec, ready)
     wait_for(
         lambda: ctl.metric("ipward_controller_handshakes_total", result="aborted") == 1,
         "the take-back counted as an aborted handshake",
@@ -469,7 +471,7 @@ def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
         kv = store.get(keys.block_key("p", cidr))
         assert blocks.answer(store, spec, kv, time.time()) == rec.READY
     # ...and killed during a release: the first cleanup chunk of a ready block done (the
-    # very transaction `blocks.release` makes first), the rest not.
+    # very transaction `blocks.complete_hand_back` makes first), the rest not.
     kv = store.get(keys.block_key("p", marked[0]))
     block = spec.block_by_cidr(marked[0])
     assert block is not None

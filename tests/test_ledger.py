@@ -439,7 +439,7 @@ def test_a_block_taken_by_requested_addresses_is_claimed_on_the_way(ledger, sqli
     spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], block_prefix={4: 29}, cooldown=0)
     for i, ip in enumerate(["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]):
         add(ledger, spec, f"r{i}", requested=[ip])
-    # requested addresses are ahead of the fresh cursor: a careful retry finds the way
+    # requested addresses are ahead of the fresh cursor: a verifying retry finds the way
     fresh = {add(ledger, spec, i) for i in range(4)}
     assert "10.0.0.6" in fresh and not fresh & {"10.0.0.1", "10.0.0.2", "10.0.0.3"}
     assert sqlite_store.get("blocks/p/10.0.0.0/29") is not None

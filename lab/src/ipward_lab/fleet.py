@@ -136,7 +136,10 @@ class Process:
         return None
 
     def metrics_url(self) -> str | None:
-        raise NotImplementedError
+        """Where its /metrics and /healthz answer, as its start line says."""
+        started = self.logged(self.started_msg)
+        url = started[-1].get("metrics") if started else None
+        return str(url) if url else None
 
     def kill(self) -> None:
         """SIGKILL (a stopped process is continued first, or it would not die cleanly)."""
@@ -205,11 +208,6 @@ class Agent(Process):
                 raise FleetError(f"{self.name} not ready after {timeout}s:\n{self.output()}")
             time.sleep(0.02)
 
-    def metrics_url(self) -> str | None:
-        started = self.logged(self.started_msg)
-        url = started[-1].get("metrics") if started else None
-        return str(url) if url else None
-
 
 class Controller(Process):
     started_msg = "controller started"
@@ -234,11 +232,6 @@ class Controller(Process):
             *extra,
         ]
         super().__init__(f"controller-{ident}", args, log_dir, env)
-
-    def metrics_url(self) -> str | None:
-        started = self.logged(self.started_msg)
-        address = started[-1].get("metrics") if started else None
-        return f"http://{address}" if address else None
 
     @property
     def leading(self) -> bool:

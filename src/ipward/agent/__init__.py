@@ -1,2 +1,4 @@
-"""The node agent: serves the CNI plugin over a Unix socket on one long-lived ledger,
-keeps the node registered and answers hand-backs, reconciles with the runtime."""
+"""The node agent: serves the CNI plugin over a Unix socket on one long-lived ledger
+(`server`, on its socket: `listener`), keeps the node registered and answers hand-backs
+(`duties`), reconciles with the runtime (`reconcile`), reads pods for ADD (`directory`),
+counts (`metrics`). `ipward agent` (`ipward.cmd.agent`) runs it."""

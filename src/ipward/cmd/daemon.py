@@ -1,9 +1,13 @@
-"""What the long-running parts (agent, controller) share at their edge: the HTTP
-endpoint for `/metrics` (Prometheus text) and `/healthz`, the `--metrics-address`
-option, a store probe with a deadline, and store URLs with their secrets hidden."""
+"""The daemons' scaffold: what `ipward agent` and `ipward controller` share at their edge.
+Signals (SIGTERM/SIGINT: stop, a second one cuts the drain short), the store opened and
+its schema checked before anything is served (waited for while unreachable), the shared
+options (`--store`, `--metrics-address`, `--log-file`, `--log-level`, `--add-grace`),
+log set-up, the HTTP endpoint for `/metrics` (Prometheus text) and `/healthz`, a store
+probe with a deadline, and store URLs with their secrets hidden."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import urllib.parse
@@ -16,11 +20,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from ipward.core import log
-from ipward.core.errors import InvalidConfig
+from ipward.core.errors import InvalidConfig, IpwardError
 from ipward.core.policy import ADD_GRACE
-from ipward.store import Store
+from ipward.store import Store, StoreError, open_store_waiting
 
 SECRET_OPTIONS = ("password", "key")
+
+HEALTH_TIMEOUT = 2.0  # seconds the store probe of /healthz waits for revision()
 
 # Shared by `ipward agent`, `ipward controller` and `ipward gc` (the rules of ipward.gc).
 add_grace_option = click.option(
@@ -59,7 +65,7 @@ class HealthProbe:
     """`store.revision()` with a deadline. One probe at a time: concurrent callers share
     the probe in flight, so a hung store never piles up threads."""
 
-    def __init__(self, store: Store, timeout: float = 2.0) -> None:
+    def __init__(self, store: Store, timeout: float = HEALTH_TIMEOUT) -> None:
         self._store = store
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -129,3 +135,96 @@ def start_http(
         raise InvalidConfig(f"--metrics-address {address[0]}:{address[1]}: {e.strerror}") from e
     threading.Thread(target=server.serve_forever, args=(0.1,), name="metrics", daemon=True).start()
     return server
+
+
+def http_url(server: ThreadingHTTPServer) -> str:
+    """Where `start_http`'s server answers, for logs."""
+    address, port = server.server_address[:2]
+    host = address.decode() if isinstance(address, bytes) else str(address)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def stop_http(server: ThreadingHTTPServer | None) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
+def metrics_option(default: str) -> Callable[[Callable], Callable]:
+    return click.option(
+        "--metrics-address",
+        default=default,
+        show_default=True,
+        help="HOST:PORT for /metrics and /healthz, or 'off'.",
+    )
+
+
+def store_option(note: str = "") -> Callable[[Callable], Callable]:
+    return click.option(
+        "--store",
+        "store_url",
+        envvar="IPWARD_STORE",
+        help=f"Store URL (else IPWARD_STORE, else the global --store).{note}",
+    )
+
+
+log_file_option = click.option(
+    "--log-file", type=click.Path(dir_okay=False), help="Append logs here (else stderr)."
+)
+log_level_option = click.option(
+    "--log-level", type=click.Choice(list(log.LEVELS)), default="info", show_default=True
+)
+
+
+def start(
+    ctx: click.Context, store_url: str | None, log_file: str | None, log_level: str, name: str
+) -> str:
+    """A daemon command's first step: its logs set up; the store URL it serves (its
+    `--store`, else the global one)."""
+    log.configure(log_file, log_level, name)
+    url = store_url or getattr(ctx.obj, "store_url", None)
+    if not url:
+        raise InvalidConfig("no store: give --store or IPWARD_STORE")
+    return url
+
+
+class Signals:
+    """SIGTERM and SIGINT while a daemon runs (installed before anything that takes
+    time, so a stop asked for during start is not lost; the previous handlers come back
+    on exit): the first sets `stop`, a second one `cut_short` (the drain ends early).
+    `on_stop` runs in the handler too."""
+
+    def __init__(self, on_stop: Callable[[], None] | None = None) -> None:
+        self.stop = threading.Event()
+        self.cut_short = threading.Event()
+        self.count = 0
+        self.on_stop = on_stop
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Signals:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.count += 1
+        if self.stop.is_set():
+            self.cut_short.set()
+        self.stop.set()
+        if self.on_stop is not None:
+            self.on_stop()
+
+
+def open_daemon_store(url: str, stop: threading.Event, error: type[IpwardError]) -> Store | None:
+    """The daemon's store, its schema checked before anything is served; waited for while
+    it cannot be reached (None: stopped meanwhile). One that is not usable (106) or a bad
+    URL is permanent: logged, and raised as `error`."""
+    try:
+        return open_store_waiting(url, stop)
+    except StoreError as e:
+        log.error("store not usable; not starting", store=redact(url), error=str(e))
+        raise error(f"store {redact(url)}: {e}") from e

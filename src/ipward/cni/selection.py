@@ -16,7 +16,8 @@ pod is annotated `ipward.io/sticky: "true"`. The identity is (network, pod names
 pod name). A StatefulSet's reservation lives as long as its ordinal is in range; any
 other lives `stickyTTL` seconds past its last sandbox.
 
-Annotations and owners come from a `PodDirectory` (the agent's `--cluster` source);
+Annotations and owners come from a `PodDirectory` (`ipward.cluster.pods`: the agent's
+`--cluster` source);
 without one, only the config decides. A directory that cannot answer makes the ADD fail
 with code 11: a pod is never put in a pool it did not ask for.
 """
@@ -30,43 +31,13 @@ from ipward.core.records import Sticky
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from ipward.cluster.pods import PodDirectory, PodMeta
     from ipward.cni.config import Call, IpamConfig
     from ipward.core.pool import PoolSpec
     from ipward.ipam.ledger import Ledger
 
 POOL_ANNOTATION = "ipward.io/pool"
 STICKY_ANNOTATION = "ipward.io/sticky"
-
-
-class PodMeta:
-    """What the cluster says about the pod of an ADD."""
-
-    __slots__ = ("annotations", "namespace_annotations", "owner_kind", "owner_name")
-
-    def __init__(
-        self,
-        annotations: dict[str, str],
-        namespace_annotations: dict[str, str],
-        owner_kind: str = "",
-        owner_name: str = "",
-    ) -> None:
-        self.annotations = annotations
-        self.namespace_annotations = namespace_annotations
-        self.owner_kind = owner_kind
-        self.owner_name = owner_name
-
-
-class PodDirectory:
-    """The cluster as an ADD sees it. Both methods raise TryAgainLater when the cluster
-    cannot be read."""
-
-    def meta(self, namespace: str, name: str, uid: str) -> PodMeta:
-        raise NotImplementedError
-
-    def listed(self, namespace: str, name: str, uid: str) -> bool:
-        """Whether the pod with this UID (named namespace/name when it was bound) still
-        exists. The name lets a source that does not cache every pod ask for it."""
-        raise NotImplementedError
 
 
 def choose(

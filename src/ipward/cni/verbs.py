@@ -47,7 +47,7 @@ from ipward.core.errors import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ipward.cni.selection import PodDirectory
+    from ipward.cluster.pods import PodDirectory
     from ipward.core.pool import PoolSpec
     from ipward.ipam.ledger import Allocation, Ledger
 

@@ -55,29 +55,16 @@ that either side can retry or lose.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
-import click
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-)
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
-
-from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView, open_source
-from ipward.cmd.daemon import add_grace_option, parse_address, redact, start_http
+from ipward.cluster.election import Election
+from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView
+from ipward.controller.metrics import Metrics
 from ipward.core import keys, log
-from ipward.core import records as rec
-from ipward.core.errors import InvalidConfig, IpwardError
+from ipward.core.errors import IpwardError
 from ipward.core.keys import LEADER_KEY
 from ipward.core.names import node_name_problem
 from ipward.core.policy import ADD_GRACE
@@ -94,17 +81,16 @@ from ipward.core.records import (
 from ipward.gc import rules as gc
 from ipward.ipam import blocks, pools
 from ipward.ipam.ledger import Ledger
-from ipward.store import Store, StoreError, StoreUnavailable, open_backend, open_store_waiting
-from ipward.store.base import VALUE, Compare, Delete, Put, absent
+from ipward.store import Store, StoreError
+from ipward.store.base import Compare
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
     from ipward.core.addr import Block
     from ipward.store.base import KeyValue
 
 DEFAULT_METRICS = "127.0.0.1:9311"
-MAX_POLL = 1.0  # a waiting instance looks at the leader key at least this often
 
 
 class ControllerError(IpwardError):
@@ -115,295 +101,22 @@ class NotLeader(Exception):
     """Leadership is gone (or the controller is stopping): abandon the pass."""
 
 
-# -- leadership --------------------------------------------------------------------------
+class _PoolState:
+    """What one pool pass read of a pool (blocks, records per block, fills), and what
+    its steps changed since: a block whose record was rewritten has no KeyValue (it is
+    no candidate again this pass)."""
 
+    __slots__ = ("block_kvs", "blocks", "fills", "gone", "mono", "now", "records", "spec")
 
-class Election:
-    """Campaign for `controller/leader`, hold it with a lease, and say at every moment
-    whether this instance may act (`fence()`). Runs in a thread of its own, on a store
-    connection of its own, so a slow pass never delays a keepalive."""
-
-    def __init__(
-        self,
-        store: Store,
-        ident: str,
-        ttl: int,
-        on_change: Callable[[bool], None] = lambda leading: None,
-    ) -> None:
-        self.store = store
-        self.ident = ident
-        self.ttl = ttl
-        self.poll = max(0.05, min(MAX_POLL, ttl / 4))
-        self.on_change = on_change
-        self.term = 0  # bumped at every acquisition: the pass starts its memory over
-        self.store_ok_at = 0.0  # monotonic time the store last answered this thread
-        self._lock = threading.Lock()
-        self._value: bytes | None = None
-        self._lease = 0
-        self._valid_until = 0.0
-        self._last_ok = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # -- what the pass asks
-
-    def value(self) -> bytes | None:
-        with self._lock:
-            return self._value
-
-    def fence(self) -> list[Compare] | None:
-        """The compares every leader write carries, or None when this instance must not
-        act: not leader, stopping, or past the moment its lease could have expired."""
-        with self._lock:
-            if self._value is None or self._stop.is_set() or time.monotonic() >= self._valid_until:
-                return None
-            return [Compare(LEADER_KEY, VALUE, "==", self._value)]
-
-    @property
-    def leading(self) -> bool:
-        return self.fence() is not None
-
-    # -- the thread
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="election", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop campaigning; if leading, resign so a successor need not wait for the
-        lease to expire."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.ttl + 5)
-        self.resign()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            wait = self.poll
-            try:
-                if self.value() is None:
-                    self.campaign()
-                else:
-                    self.keep()
-                    wait = self.ttl / 3
-            except Exception as e:  # never let the election thread die
-                log.error("election step failed; retrying", error=f"{type(e).__name__}: {e}")
-                if self.value() is not None and time.monotonic() - self._last_ok >= self.ttl:
-                    self.step_down(f"election steps failing for {self.ttl}s: {e}")
-            self._stop.wait(wait)
-
-    def campaign(self) -> None:
-        """One try: create the leader key, with a new lease, if it is absent."""
-        kv = self.store.get(LEADER_KEY)
-        self.store_ok_at = time.monotonic()
-        if kv is not None or self._stop.is_set():
-            return
-        started = time.monotonic()
-        lease = self.store.lease_grant(self.ttl)
-        value = rec.encode({"id": self.ident, "since": round(time.time(), 3)})
-        try:
-            won = self.store.txn([absent(LEADER_KEY)], [Put(LEADER_KEY, value, lease=lease)])
-            ok = won.succeeded
-        except StoreUnavailable:
-            # Applied or not, nobody can tell: the key says.
-            kv = self.store.get(LEADER_KEY)
-            ok = kv is not None and kv.value == value
-        if not ok:
-            self._revoke(lease)
-            return
-        with self._lock:
-            self._value = value
-            self._lease = lease
-            self._valid_until = started + self.ttl
-            self._last_ok = started
-            self.term += 1
-        log.info("leadership acquired", id=self.ident, lease=lease, ttl=self.ttl)
-        self.on_change(True)
-
-    def keep(self) -> None:
-        """One keepalive, and a look at the key: still ours, or step down."""
-        with self._lock:
-            value, lease = self._value, self._lease
-        if value is None:
-            return
-        sent = time.monotonic()
-        try:
-            left = self.store.lease_keepalive(lease)
-            kv = self.store.get(LEADER_KEY) if left > 0 else None
-        except StoreError as e:
-            if time.monotonic() - self._last_ok >= self.ttl:
-                self.step_down(f"keepalives failing for {self.ttl}s: {e}")
-            else:
-                log.warning("lease keepalive failed; retrying", error=str(e))
-            return
-        self.store_ok_at = time.monotonic()
-        if left <= 0:
-            self.step_down("lease expired")
-            return
-        if kv is None or kv.value != value:
-            self.step_down("the leader key is no longer ours")
-            return
-        with self._lock:
-            if self._value == value:
-                self._valid_until = sent + min(left, self.ttl)
-                self._last_ok = sent
-
-    def step_down(self, reason: str) -> None:
-        """Stop acting at once; then wait as a candidate again. The lease is not revoked:
-        it is expired or the key is not ours, and a lease id we no longer hold may name
-        someone else's lease by now (SQLite reuses the ids of deleted leases)."""
-        if self._forget() is not None:
-            log.warning("leadership lost", id=self.ident, reason=reason)
-            self.on_change(False)
-
-    def resign(self) -> None:
-        """Step down on purpose (shutting down): delete the key if it is still ours, by
-        compare-and-delete, and only then revoke the lease, which is then certainly ours
-        and alive. The successor need not wait for the lease to expire."""
-        value, lease = self._forget() or (None, 0)
-        if value is None:
-            return
-        try:
-            ours = self.store.txn([Compare(LEADER_KEY, VALUE, "==", value)], [Delete(LEADER_KEY)])
-        except StoreError as e:
-            log.warning("leader key not deleted; it goes with its lease", error=str(e))
-            ours = None
-        if ours is not None and ours.succeeded:
-            self._revoke(lease)
-        log.info("leadership released", id=self.ident, reason="shutting down")
-        self.on_change(False)
-
-    def _forget(self) -> tuple[bytes, int] | None:
-        with self._lock:
-            if self._value is None:
-                return None
-            held = self._value, self._lease
-            self._value = None
-            self._lease = 0
-            self._valid_until = 0.0
-            return held
-
-    def _revoke(self, lease: int) -> None:
-        try:
-            self.store.lease_revoke(lease)
-        except StoreError as e:  # it expires by itself
-            log.warning("lease revoke failed; it will expire", lease=lease, error=str(e))
-
-
-# -- metrics -----------------------------------------------------------------------------
-
-
-class _Snapshot(Collector):
-    """Per-pass gauges, replaced whole at the end of each pass (so a scrape never sees
-    a half-updated set, and label sets of vanished blocks disappear)."""
-
-    def __init__(self, leading: Callable[[], bool]) -> None:
-        self.leading = leading
-        self.blocks: dict[tuple[str, str, str], int] = {}
-        self.deficits: dict[tuple[str, str, str], int] = {}
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        blocks_family = GaugeMetricFamily(
-            "ipward_controller_blocks",
-            "Blocks per pool, node and state (every node's, registered or not), as of the"
-            " last pass of the leader.",
-            labels=["pool", "node", "state"],
-        )
-        deficit_family = GaugeMetricFamily(
-            "ipward_controller_warm_deficit",
-            "Addresses a registered node is short of its pool's warm target, per family,"
-            " after the last pass (left over when the pool has no block to give).",
-            labels=["pool", "node", "family"],
-        )
-        if self.leading():
-            for labels, n in sorted(self.blocks.items()):
-                blocks_family.add_metric(list(labels), n)
-            for labels, n in sorted(self.deficits.items()):
-                deficit_family.add_metric(list(labels), n)
-        yield blocks_family
-        yield deficit_family
-
-
-class Metrics:
-    """The controller's metrics, on a registry of its own."""
-
-    def __init__(self, ident: str, leading: Callable[[], bool]) -> None:
-        disable_created_metrics()
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.leader = Gauge(
-            "ipward_controller_leader",
-            "1 while this instance is the active controller, else 0.",
-            registry=self.registry,
-        )
-        self.handshakes = Counter(
-            "ipward_controller_handshakes",
-            "Block release handshakes: started (marked), completed (released), aborted"
-            " (refused and resumed, or taken back by the node).",
-            ["result"],
-            registry=self.registry,
-        )
-        for result in ("started", "completed", "aborted"):
-            self.handshakes.labels(result=result)
-        self.assigned = Counter(
-            "ipward_controller_blocks_assigned",
-            "Blocks assigned to nodes to keep their warm target.",
-            registry=self.registry,
-        )
-        self.pass_seconds = Histogram(
-            "ipward_controller_pass_seconds",
-            "Time of one pass over every pool.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
-        )
-        self.pass_errors = Counter(
-            "ipward_controller_pass_errors",
-            "Passes abandoned on an error (logged; the pass runs again next interval).",
-            registry=self.registry,
-        )
-        self.gc_candidates = Gauge(
-            "ipward_gc_candidates",
-            "Records found leaked by the last garbage-collection pass, by reason (freed"
-            " when found again on the next pass at the same revision).",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.gc_freed = Counter(
-            "ipward_gc_freed",
-            "Records freed by garbage collection, by reason.",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.gc_skipped = Counter(
-            "ipward_gc_skipped_passes",
-            "Garbage-collection passes that judged nothing: no liveness source answered.",
-            registry=self.registry,
-        )
-        self.gc_source_errors = Counter(
-            "ipward_gc_source_errors",
-            "Liveness reads that failed (nothing reclaimed on their account), by source.",
-            ["source"],
-            registry=self.registry,
-        )
-        self.gc_seconds = Histogram(
-            "ipward_gc_pass_seconds",
-            "Time of one garbage-collection pass, liveness reads included.",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=self.registry,
-        )
-        for reason in (*gc.REASONS, *gc.RETIRE_REASONS):
-            self.gc_candidates.labels(reason=reason).set(0)
-            self.gc_freed.labels(reason=reason)
-        for source in ("runtime", "cluster"):
-            self.gc_source_errors.labels(source=source)
-        self.info = Gauge(
-            "ipward_controller_info", "This instance's id.", ["id"], registry=self.registry
-        )
-        self.info.labels(id=ident).set(1)
-        self.snapshot = _Snapshot(leading)
-        self.registry.register(self.snapshot)
-
-
-# -- the passes --------------------------------------------------------------------------
+    def __init__(self, spec: PoolSpec, now: float, mono: float, gone: frozenset[str]) -> None:
+        self.spec = spec
+        self.now = now
+        self.mono = mono
+        self.gone = gone  # nodes known gone (lease expired, not listed by the cluster)
+        self.blocks: dict[str, BlockRecord] = {}
+        self.block_kvs: dict[str, KeyValue | None] = {}
+        self.records: Tally[str] = Tally()  # address records per block
+        self.fills: dict[tuple[int, str], str] = {}  # (family, node) -> the block it fills
 
 
 class Controller:
@@ -629,41 +342,76 @@ class Controller:
         deficits: dict[tuple[str, str, str], int],
         seen: set[tuple[str, str]],
     ) -> None:
+        """One pool's pass, in steps over one read of its state (each step's writes are
+        fenced and update that state for the steps after it)."""
+        state = self._read_pool(spec, nodes)
+        self._handshake_steps(state, nodes, seen)  # 1. blocks already in the handshake
+        self._ask_back_from_gone_nodes(state)
+        mine, free = self._free_per_node(state, nodes)  # 2. per registered node and family
+        self._warm(state, free)  # 3. warm target
+        # 4. Surplus, then what is still missing.
         pool = spec.name
-        now, mono = self.clock(), self.monotonic()
-        gone = self.gone_nodes - nodes
-        # Blocks before records: an allocation of a fresh address after this read moves
-        # the block's revision, so a mark decided on a stale count loses its CAS.
-        block_kvs: dict[str, KeyValue | None] = {}
-        states: dict[str, BlockRecord] = {}
+        for (node, family), own in mine.items():
+            free[(node, family)] = self._surplus(
+                spec,
+                node,
+                own,
+                free[(node, family)],
+                state.records,
+                state.block_kvs,
+                state.blocks,
+                state.fills.get((family, node)),
+                state.now,
+                state.mono,
+            )
+            deficits[(pool, node, str(family))] = max(0, spec.warm - free[(node, family)])
+        for block_state in state.blocks.values():
+            labels = (pool, block_state.node, block_state.state)
+            counts[labels] = counts.get(labels, 0) + 1
+        # 5. After a change of the pool's ranges: what its new layout does not use, and
+        # earlier layouts no record holds any more (`ipam.pools.prune`, fenced).
+        if spec.retired or any(spec.block_by_cidr(cidr) is None for cidr in state.blocks):
+            pools.prune(self.store, pool, self._fence())
+
+    def _read_pool(self, spec: PoolSpec, nodes: set[str]) -> _PoolState:
+        """The pool's blocks, then its records and fills. Blocks before records: an
+        allocation of a fresh address after this read moves the block's revision, so a
+        mark decided on a stale count loses its CAS."""
+        pool = spec.name
+        state = _PoolState(spec, self.clock(), self.monotonic(), self.gone_nodes - nodes)
         for kv in self.store.range(keys.blocks_prefix(pool))[0]:
             cidr = keys.cidr_of(kv.key)
             try:
-                states[cidr] = BlockRecord.decode(kv.value)
+                state.blocks[cidr] = BlockRecord.decode(kv.value)
             except ValueError:
                 log.error("block record unreadable", key=kv.key)
                 continue
-            block_kvs[cidr] = kv
-        records: Tally[str] = Tally()
+            state.block_kvs[cidr] = kv
         for kv in self.store.range(keys.ips_prefix(pool))[0]:
             try:
-                records[AddressRecord.decode(kv.value).block] += 1
+                state.records[AddressRecord.decode(kv.value).block] += 1
             except ValueError:
                 log.error("address record unreadable", key=kv.key)
-        fills: dict[tuple[int, str], str] = {}
         for kv in self.store.range(keys.fills_prefix(pool))[0]:
             _, family_text, filler = keys.fill_parts(kv.key)
             try:
-                fills[(int(family_text), filler)] = FillRecord.decode(kv.value).block
+                state.fills[(int(family_text), filler)] = FillRecord.decode(kv.value).block
             except ValueError:
                 continue
+        return state
 
-        # 1. Handshake steps on blocks already in the handshake.
-        for cidr in list(states):
-            state = states[cidr]
+    def _handshake_steps(
+        self, state: _PoolState, nodes: set[str], seen: set[tuple[str, str]]
+    ) -> None:
+        """The next step of every block in the handshake: a gone node's marked block
+        answered for it, a refused one resumed, a ready one past the ready delay handed
+        back; a block taken back by its node counted as an aborted handshake."""
+        pool = state.spec.name
+        for cidr in list(state.blocks):
+            block_state = state.blocks[cidr]
             key = (pool, cidr)
             seen.add(key)
-            st, node = state.state, state.node
+            st, node = block_state.state, block_state.node
             if st == ACTIVE:
                 if self.in_handshake.pop(key, None) is not None:
                     self.metrics.handshakes.labels(result="aborted").inc()
@@ -679,108 +427,129 @@ class Controller:
                 continue
             self.in_handshake[key] = st
             self.empty_since.pop(key, None)
-            current = block_kvs[cidr]
+            current = state.block_kvs[cidr]
             if current is None:
                 continue
-            if node in gone and st == MARKED:
-                # Its agent will never answer: answer for it, by the same compares.
-                answer = blocks.answer(self.store, spec, current, now, self._fence())
-                if answer is None:
-                    self._after_failed_write()
-                log.info(
-                    "answered for a gone node",
-                    pool=pool,
-                    block=cidr,
-                    node=node,
-                    answer=answer,
-                    reason="node lease expired and the cluster no longer lists it",
-                )
-                continue
-            if node not in nodes and node not in gone:
+            if node in state.gone and st == MARKED:
+                self._answer_for_gone_node(state, cidr, current)
+            elif node not in nodes and node not in state.gone:
                 continue  # an unregistered node's block: left alone until known gone
-            if st == REFUSED:
-                if blocks.resume(self.store, pool, current, self._fence()):
-                    self.metrics.handshakes.labels(result="aborted").inc()
-                    del self.in_handshake[key]
-                    states[cidr] = state.resumed()
-                    block_kvs[cidr] = None  # changed: not a candidate again this pass
-                    log.info(
-                        "handshake aborted",
-                        pool=pool,
-                        block=cidr,
-                        node=node,
-                        reason="the node's agent refused: addresses allocated",
-                    )
-                else:
-                    self._after_failed_write()
+            elif st == REFUSED:
+                self._resume(state, cidr, current)
             elif st == READY:
-                answered = state.answered_at
-                waited = now - answered if answered is not None else 0.0
-                if waited < self.ready_delay:
-                    continue
-                if blocks.release(self.store, spec, current, self._fence()):
-                    self.metrics.handshakes.labels(result="completed").inc()
-                    del self.in_handshake[key]
-                    del states[cidr]
-                    log.info(
-                        "handshake completed",
-                        pool=pool,
-                        block=cidr,
-                        node=node,
-                        reason=f"answered ready {waited:.1f}s ago (ready delay"
-                        f" {self.ready_delay:g}s)",
-                    )
-                else:
-                    self._after_failed_write()
+                self._complete_hand_back(state, cidr, current)
 
-        # Blocks of gone nodes: emptied by garbage collection, then asked back at once.
-        for cidr, state in states.items():
-            gone_kv = block_kvs.get(cidr)
-            block = spec.block_by_cidr(cidr)
+    def _answer_for_gone_node(self, state: _PoolState, cidr: str, current: KeyValue) -> None:
+        """Its agent will never answer: answer for it, by the same compares."""
+        answer = blocks.answer(self.store, state.spec, current, state.now, self._fence())
+        if answer is None:
+            self._after_failed_write()
+        log.info(
+            "answered for a gone node",
+            pool=state.spec.name,
+            block=cidr,
+            node=state.blocks[cidr].node,
+            answer=answer,
+            reason="node lease expired and the cluster no longer lists it",
+        )
+
+    def _resume(self, state: _PoolState, cidr: str, current: KeyValue) -> None:
+        pool = state.spec.name
+        if not blocks.resume(self.store, pool, current, self._fence()):
+            self._after_failed_write()
+            return
+        self.metrics.handshakes.labels(result="aborted").inc()
+        del self.in_handshake[(pool, cidr)]
+        state.blocks[cidr] = state.blocks[cidr].resumed()
+        state.block_kvs[cidr] = None  # changed: not a candidate again this pass
+        log.info(
+            "handshake aborted",
+            pool=pool,
+            block=cidr,
+            node=state.blocks[cidr].node,
+            reason="the node's agent refused: addresses allocated",
+        )
+
+    def _complete_hand_back(self, state: _PoolState, cidr: str, current: KeyValue) -> None:
+        answered = state.blocks[cidr].answered_at
+        waited = state.now - answered if answered is not None else 0.0
+        if waited < self.ready_delay:
+            return
+        if not blocks.complete_hand_back(self.store, state.spec, current, self._fence()):
+            self._after_failed_write()
+            return
+        self.metrics.handshakes.labels(result="completed").inc()
+        del self.in_handshake[(state.spec.name, cidr)]
+        node = state.blocks.pop(cidr).node
+        log.info(
+            "handshake completed",
+            pool=state.spec.name,
+            block=cidr,
+            node=node,
+            reason=f"answered ready {waited:.1f}s ago (ready delay {self.ready_delay:g}s)",
+        )
+
+    def _ask_back_from_gone_nodes(self, state: _PoolState) -> None:
+        """Blocks of gone nodes: emptied by garbage collection, then asked back at once."""
+        pool = state.spec.name
+        for cidr, block_state in state.blocks.items():
+            gone_kv = state.block_kvs.get(cidr)
+            block = state.spec.block_by_cidr(cidr)
             if (
-                state.node not in gone
-                or not state.active
-                or records[cidr]
+                block_state.node not in state.gone
+                or not block_state.active
+                or state.records[cidr]
                 or gone_kv is None
                 or block is None
                 or not blocks.releasable(block)
             ):
                 continue
-            if blocks.mark(self.store, pool, gone_kv, now, self._fence()):
+            if blocks.mark(self.store, pool, gone_kv, state.now, self._fence()):
                 self.metrics.handshakes.labels(result="started").inc()
                 self.in_handshake[(pool, cidr)] = MARKED
-                states[cidr] = state.marked(now)
+                state.blocks[cidr] = block_state.marked(state.now)
                 log.info(
                     "handshake started",
                     pool=pool,
                     block=cidr,
-                    node=state.node,
+                    node=block_state.node,
                     reason="its node is gone (lease expired, not listed by the cluster)",
                 )
             else:
                 self._after_failed_write()
 
-        # 2. Per registered node and family: what is free in its active blocks.
+    def _free_per_node(
+        self, state: _PoolState, nodes: set[str]
+    ) -> tuple[dict[tuple[str, int], list[tuple[str, Block]]], dict[tuple[str, int], int]]:
+        """Per registered node and family: its active blocks, and what is free in them
+        (and since when each block is empty, for the surplus step)."""
+        pool = state.spec.name
         by_node: dict[str, list[str]] = {}
-        for cidr, state in states.items():
-            by_node.setdefault(state.node, []).append(cidr)
+        for cidr, block_state in state.blocks.items():
+            by_node.setdefault(block_state.node, []).append(cidr)
         free: dict[tuple[str, int], int] = {}
         mine: dict[tuple[str, int], list[tuple[str, Block]]] = {}
         for node in sorted(nodes):
-            for rs in spec.range_sets:
+            for rs in state.spec.range_sets:
                 own = []
                 for cidr in by_node.get(node, []):
                     block = rs.block_by_cidr(cidr)
-                    if states[cidr].active and block is not None:
+                    if state.blocks[cidr].active and block is not None:
                         own.append((cidr, block))
-                        if records[cidr] or block_kvs.get(cidr) is None:
+                        if state.records[cidr] or state.block_kvs.get(cidr) is None:
                             self.empty_since.pop((pool, cidr), None)
                         else:
-                            self.empty_since.setdefault((pool, cidr), mono)
+                            self.empty_since.setdefault((pool, cidr), state.mono)
                 mine[(node, rs.family)] = own
-                free[(node, rs.family)] = sum(max(0, b.usable_count() - records[c]) for c, b in own)
-        # 3. Warm target: one block per node short of it per round, so a pool running
-        # out is shared rather than given to the first nodes in name order.
+                free[(node, rs.family)] = sum(
+                    max(0, b.usable_count() - state.records[c]) for c, b in own
+                )
+        return mine, free
+
+    def _warm(self, state: _PoolState, free: dict[tuple[str, int], int]) -> None:
+        """Warm target: one block per node short of it per round, so a pool running out
+        is shared rather than given to the first nodes in name order."""
+        spec = state.spec
         short = [nf for nf in free if free[nf] < spec.warm]
         while short:
             still = []
@@ -791,7 +560,7 @@ class Controller:
                     self._after_failed_write()
                     log.debug(
                         "no block assigned (pool exhausted or a race lost); next pass",
-                        pool=pool,
+                        pool=spec.name,
                         node=node,
                         family=family,
                         free=before,
@@ -800,11 +569,11 @@ class Controller:
                     continue
                 block = spec.block_by_cidr(given)
                 free[(node, family)] += block.usable_count() if block is not None else 0
-                states[given] = BlockRecord.claimed(node, 0, spec.version)
+                state.blocks[given] = BlockRecord.claimed(node, 0, spec.version)
                 self.metrics.assigned.inc()
                 log.info(
                     "warm block assigned",
-                    pool=pool,
+                    pool=spec.name,
                     block=given,
                     node=node,
                     reason=f"{before} free < warm target {spec.warm}",
@@ -813,28 +582,6 @@ class Controller:
                 if free[(node, family)] < spec.warm:
                     still.append((node, family))
             short = still
-        # 4. Surplus, then what is still missing.
-        for (node, family), own in mine.items():
-            free[(node, family)] = self._surplus(
-                spec,
-                node,
-                own,
-                free[(node, family)],
-                records,
-                block_kvs,
-                states,
-                fills.get((family, node)),
-                now,
-                mono,
-            )
-            deficits[(pool, node, str(family))] = max(0, spec.warm - free[(node, family)])
-        for state in states.values():
-            labels = (pool, state.node, state.state)
-            counts[labels] = counts.get(labels, 0) + 1
-        # 5. After a change of the pool's ranges: what its new layout does not use, and
-        # earlier layouts no record holds any more (`ipam.pools.prune`, fenced).
-        if spec.retired or any(spec.block_by_cidr(cidr) is None for cidr in states):
-            pools.prune(self.store, pool, self._fence())
 
     def _surplus(
         self,
@@ -880,213 +627,8 @@ class Controller:
         return free
 
 
-# -- running -----------------------------------------------------------------------------
-
-
-def run_controller(
-    store_url: str,
-    ident: str,
-    *,
-    interval: float,
-    lease_ttl: int,
-    ready_delay: float,
-    metrics_address: tuple[str, int] | None,
-    liveness: str | None = None,
-    add_grace: float = ADD_GRACE,
-    gc_interval: float = 30.0,
-) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit status."""
-    stop = threading.Event()
-    controller: Controller | None = None
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-        if controller is not None:
-            controller.stop()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        # The schema is checked before the first pass; an unreachable store is waited for.
-        pass_store = open_store_waiting(store_url, stop)
-        # The same store, checked just now.
-        election_store = open_backend(store_url) if pass_store is not None else None
-    except StoreError as e:  # not usable (106), a bad URL: permanent
-        log.error("store not usable; not starting", store=redact(store_url), error=str(e))
-        raise ControllerError(f"store {redact(store_url)}: {e}") from e
-    if pass_store is None or election_store is None:
-        log.info("controller stopped while waiting for its store", id=ident)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        return 0
-    election = Election(election_store, ident, lease_ttl)
-    metrics = Metrics(ident, lambda: election.leading)
-    controller = Controller(
-        pass_store,
-        election,
-        metrics,
-        interval=interval,
-        ready_delay=ready_delay,
-        liveness=open_source(liveness) if liveness else None,
-        add_grace=add_grace,
-        gc_interval=gc_interval,
-    )
-    election.on_change = controller.on_leadership
-    metrics.leader.set(0)
-
-    def health() -> tuple[bool, str]:
-        if not election.store_ok_at:
-            return False, "store not answered yet"
-        age = time.monotonic() - election.store_ok_at
-        if age > max(2 * lease_ttl, 3 * election.poll):
-            return False, f"store not answered for {age:.1f}s"
-        return True, "ok: leader" if election.leading else "ok: standby"
-
-    http = None
-    try:
-        if metrics_address is not None:
-            http = start_http(metrics_address, metrics.registry, health, "ipward-controller")
-        if stop.is_set():
-            controller.stop()
-        election.start()
-        log.info(
-            "controller started",
-            id=ident,
-            store=redact(store_url),
-            interval=interval,
-            lease_ttl=lease_ttl,
-            ready_delay=ready_delay,
-            liveness=liveness,
-            add_grace=add_grace,
-            gc_interval=gc_interval,
-            metrics=None if http is None else "{}:{}".format(*http.server_address[:2]),
-            pid=os.getpid(),
-        )
-        controller.run()
-    finally:
-        controller.stop()
-        election.stop()  # resigns when leading: the successor need not wait for the lease
-        metrics.leader.set(0)
-        if http is not None:
-            http.shutdown()
-            http.server_close()
-        pass_store.close()
-        election_store.close()
-        if controller.liveness is not None:
-            controller.liveness.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    log.info("controller stopped", id=ident)
-    return 0
-
-
-@click.command("controller")
-@click.option(
-    "--store",
-    "store_url",
-    envvar="IPWARD_STORE",
-    help="Store URL (else IPWARD_STORE, else the global --store).",
-)
-@click.option(
-    "--id",
-    "ident",
-    default=lambda: f"{os.uname().nodename}-{os.getpid()}",
-    show_default="HOSTNAME-PID",
-    help="This instance's name in the leader key, logs and metrics.",
-)
-@click.option(
-    "--interval",
-    type=click.FloatRange(0.01),
-    default=5.0,
-    show_default=True,
-    help="Seconds between passes.",
-)
-@click.option(
-    "--lease-ttl",
-    type=click.IntRange(1),
-    default=10,
-    show_default=True,
-    help="Seconds of the leader lease: a successor takes over about this long after the"
-    " leader dies (etcd raises TTLs below 2 to 2).",
-)
-@click.option(
-    "--ready-delay",
-    type=click.FloatRange(0),
-    default=5.0,
-    show_default=True,
-    help="Seconds a block answered ready waits before it is deleted, so a node that"
-    " answered and then needs it can still take it back.",
-)
-@click.option(
-    "--metrics-address",
-    default=DEFAULT_METRICS,
-    show_default=True,
-    help="HOST:PORT for /metrics and /healthz, or 'off'.",
-)
-@click.option("--log-file", type=click.Path(dir_okay=False), help="Append logs here (else stderr).")
-@click.option(
-    "--log-level",
-    type=click.Choice(list(log.LEVELS)),
-    default="info",
-    show_default=True,
-)
-@click.option(
-    "--liveness",
-    help="Where the cluster's pods (and nodes' sandboxes) are listed, for garbage"
-    " collection: k8s:// or k8s://?kubeconfig=PATH (the Kubernetes API), cri:///SOCKET"
-    " (one node's runtime), or sim:///PATH (the labs' simulated cluster). Without it,"
-    " nothing is garbage-collected.",
-)
-@add_grace_option
-@click.option(
-    "--gc-interval",
-    type=click.FloatRange(0.01),
-    default=30.0,
-    show_default=True,
-    help="Seconds between garbage-collection passes (a record is freed on its second"
-    " pass as a candidate).",
-)
-@click.pass_context
-def controller_command(
-    ctx: click.Context,
-    store_url: str | None,
-    ident: str,
-    interval: float,
-    lease_ttl: int,
-    ready_delay: float,
-    metrics_address: str,
-    log_file: str | None,
-    log_level: str,
-    liveness: str | None,
-    add_grace: float,
-    gc_interval: float,
-) -> None:
-    """Run the cluster's controller: assign blocks to keep nodes warm, reclaim surplus
-    blocks through the release handshake. One instance leads; others wait to take over."""
-    log.configure(log_file, log_level, "ipward-controller")
-    url = store_url or getattr(ctx.obj, "store_url", None)
-    if not url:
-        raise InvalidConfig("no store: give --store or IPWARD_STORE")
-    if not ident:
-        raise InvalidConfig("--id must not be empty")
-    status = run_controller(
-        url,
-        ident,
-        interval=interval,
-        lease_ttl=lease_ttl,
-        ready_delay=ready_delay,
-        metrics_address=parse_address(metrics_address),
-        liveness=liveness,
-        add_grace=add_grace,
-        gc_interval=gc_interval,
-    )
-    ctx.exit(status)
-
-
 __all__ = [
     "Controller",
     "ControllerError",
-    "Election",
     "Metrics",
-    "controller_command",
-    "run_controller",
 ]

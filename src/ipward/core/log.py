@@ -1,8 +1,8 @@
 """Structured logs: one JSON object per line, naming the attachment, address and reason.
 
 Our own few lines rather than `logging`, whose import costs ~6 ms on every CNI plugin
-exec. Long-running parts (CLI, later the agent and controller) use the same calls, so
-there is one way to log.
+exec. The CLI, the agent and the controller use the same calls, so there is one way to
+log.
 """
 
 from __future__ import annotations

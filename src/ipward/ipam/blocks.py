@@ -124,7 +124,9 @@ def resume(store: Store, pool: str, kv: KeyValue, fence: Sequence[Compare] = ())
     return ok.succeeded
 
 
-def release(store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare] = ()) -> bool:
+def complete_hand_back(
+    store: Store, spec: PoolSpec, kv: KeyValue, fence: Sequence[Compare] = ()
+) -> bool:
     """Controller: delete a block its agent answered `ready` for. Its free entries go
     first, in chunks, each pinned to the block's `ready` revision; then the block, its
     affinity entry, and a `blockfree/` entry so it is claimed again before new blocks.

@@ -1,4 +1,9 @@
-"""The ledger: allocate and release addresses for attachments (DESIGN.md 5.1, 5.2).
+"""The ledger: allocate and free addresses for attachments (DESIGN.md 5.1, 5.2).
+
+Over 600 lines, for now: one class holds seven concepts that share its remembered-key
+cache and its pinned transactions (reads, request combining, pickers, block claims,
+take-back, sticky reservations, freeing with the CNI GC verb's side). Their split into
+`ipam` modules behind this class as the facade is the layout's next step.
 
 Every change is one store transaction whose compares pin what was read: the attachment
 index absent, the address record absent, the block still active at the revision read,
@@ -466,8 +471,8 @@ class Ledger:
             # The first attempt leaves the attachment's absence to a compare; a retry reads
             # it (from the store: returning it is an answer) and whatever else the first
             # attempt left to compares.
-            careful = attempt > 0
-            if careful:
+            verify = attempt > 0
+            if verify:
                 existing = self._get(attachment.key, fresh=True)
                 if existing is not None:
                     return self._allocations(AttachmentIndex.decode(existing.value).refs, pools)
@@ -483,7 +488,7 @@ class Ledger:
                 # Every family's pick, block claims included, goes into one transaction:
                 # a failed ADD writes nothing.
                 picks = [
-                    (pool, self._pick(pool, i, rs, wanted.get((pool.name, i)), careful))
+                    (pool, self._pick(pool, i, rs, wanted.get((pool.name, i)), verify))
                     for pool in pools
                     for i, rs in enumerate(pool.range_sets)
                 ]
@@ -695,38 +700,38 @@ class Ledger:
         index: int,
         rs: RangeSet,
         requested: int | None,
-        careful: bool,
+        verify: bool,
         taken: _Taken | None = None,
     ) -> _Pick:
         if requested is not None:
             return self._pick_requested(pool, index, rs, requested)
-        pick = self._pick_unrequested(pool, index, rs, careful, taken)
+        pick = self._pick_unrequested(pool, index, rs, verify, taken)
         if taken is not None:
             taken.ips.add(pick.ip)
         return pick
 
     def _pick_unrequested(
-        self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool, taken: _Taken | None
+        self, pool: PoolSpec, index: int, rs: RangeSet, verify: bool, taken: _Taken | None
     ) -> _Pick:
-        queued = self._pick_from_queue(pool, index, taken, careful, cooled_only=True)
+        queued = self._pick_from_queue(pool, index, taken, verify, cooled_only=True)
         if queued is not None:
             return queued
-        fresh = self._pick_fresh(pool, index, rs, careful, taken)
+        fresh = self._pick_fresh(pool, index, rs, verify, taken)
         if fresh is not None:
             return fresh
         if taken is not None:
             raise _NeedsBlock  # a batch does not move blocks: each request does, alone
-        room = self._pick_new_room(pool, index, rs, careful)
+        room = self._pick_new_room(pool, index, rs, verify)
         if room is not None:
             return room
-        queued = self._pick_from_queue(pool, index, taken, careful, cooled_only=False)
+        queued = self._pick_from_queue(pool, index, taken, verify, cooled_only=False)
         if queued is not None:
             return queued  # still cooling, but the only address left
-        taken_back = self._take_back(pool, index, rs, careful, cooled_only=False)
+        taken_back = self._take_back(pool, index, rs, verify, cooled_only=False)
         if taken_back is not None:
             return taken_back  # the same, in a block being released
         if pool.borrow:
-            borrowed = self._borrow(pool, index, rs, careful)
+            borrowed = self._borrow(pool, index, rs, verify)
             if borrowed is not None:
                 return borrowed
         raise PoolExhausted(
@@ -759,7 +764,7 @@ class Ledger:
         pool: PoolSpec,
         index: int,
         taken: _Taken | None,
-        careful: bool,
+        verify: bool,
         cooled_only: bool,
     ) -> _Pick | None:
         """The oldest queued address of this node that is free to take: not taken by the
@@ -773,21 +778,21 @@ class Ledger:
         stale: list[_Cleanup] = []
         looked: set[str] = set()  # the window's read starts over at the head
         for limit in (first + len(skip), QUEUE_WINDOW + len(skip)):
-            kvs, complete = self._queue_read(prefix, limit, careful)
+            kvs, complete = self._queue_read(prefix, limit, verify)
             for kv in kvs:
                 if keys.last(kv.key) in skip or kv.key in looked:
                     continue
                 looked.add(kv.key)
                 if cooled_only and not self._cooled(pool, kv):
                     return None  # in release order: the rest are cooling too
-                pick = self._pick_queued(pool, index, kv, stale, careful=careful)
+                pick = self._pick_queued(pool, index, kv, stale, verify=verify)
                 if pick is not None:
                     return _with_cleanups(pick, stale)
             if complete:
                 return None  # that was all of it
         return None
 
-    def _queue_read(self, prefix: str, limit: int, careful: bool) -> tuple[list[KeyValue], bool]:
+    def _queue_read(self, prefix: str, limit: int, verify: bool) -> tuple[list[KeyValue], bool]:
         """The oldest `limit` entries of one of this node's free queues, and whether that
         is all of it. A long-lived ledger remembers the queue for QUEUE_MEMORY seconds,
         kept up to date with its own writes (its releases append, its allocations take);
@@ -796,7 +801,7 @@ class Ledger:
         view = self._queues.get(prefix)
         now = time.monotonic()
         if (
-            careful
+            verify
             or view is None
             or now - view.read_at > QUEUE_MEMORY
             or (not view.complete and len(view.entries) < limit)
@@ -838,18 +843,18 @@ class Ledger:
         head: KeyValue,
         stale: list[_Cleanup],
         owner: str | None = None,
-        careful: bool = True,
+        verify: bool = True,
     ) -> _Pick | None:
         """The queue entry's address, or None when its block is not `owner`'s (this
         node's, unless borrowing) active block (being released: the ledger looks
         elsewhere, and takes the block back only if it must). A first attempt leaves the
-        address's absence to the transaction's compare; a careful one reads it. A stale
+        address's absence to the transaction's compare; a verifying one reads it. A stale
         entry (its address allocated by request meanwhile, outside the pool since its
         ranges changed, or of a released block) is passed over and its removal added to
         `stale`: it rides in the transaction of the address picked instead, so a failed
         ADD writes nothing."""
         ip = keys.last(head.key)
-        record = self._get(keys.ip_key(pool.name, ip), fresh=True) if careful else None
+        record = self._get(keys.ip_key(pool.name, ip), fresh=True) if verify else None
         if record is not None:
             stale.append(_Cleanup([head, record], [head.key]))
             return None
@@ -878,7 +883,7 @@ class Ledger:
         return pick
 
     def _pick_fresh(
-        self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool, taken: _Taken | None
+        self, pool: PoolSpec, index: int, rs: RangeSet, verify: bool, taken: _Taken | None
     ) -> _Pick | None:
         """A never-used address from the block this node fills, or None when it is used
         up (or the node fills none yet)."""
@@ -890,7 +895,7 @@ class Ledger:
         block_kv = self._get(keys.block_key(pool.name, cidr))
         if block is None or block_kv is None:
             return None
-        return self._fresh_in_block(pool, index, block, block_kv, careful, taken=taken)
+        return self._fresh_in_block(pool, index, block, block_kv, verify, taken=taken)
 
     def _fresh_in_block(
         self,
@@ -898,7 +903,7 @@ class Ledger:
         index: int,
         block: Block,
         block_kv: KeyValue,
-        careful: bool,
+        verify: bool,
         borrow: bool = False,
         taken: _Taken | None = None,
     ) -> _Pick | None:
@@ -908,7 +913,7 @@ class Ledger:
         start = state.next_for(pool.version)
         if taken is not None:
             start = max(start, taken.next.get(block.cidr, 0))
-        offset = self._free_offset(pool, block, start, careful)
+        offset = self._free_offset(pool, block, start, verify)
         if offset is None:
             return None
         pick = self._fresh_pick(pool, index, block, offset)
@@ -919,14 +924,14 @@ class Ledger:
             taken.next[block.cidr] = offset + 1
         return pick
 
-    def _free_offset(self, pool: PoolSpec, block: Block, start: int, careful: bool) -> int | None:
+    def _free_offset(self, pool: PoolSpec, block: Block, start: int, verify: bool) -> int | None:
         """The first usable offset >= `start` of the block to hand out fresh. A requested
         address may sit ahead of the cursor: the first attempt trusts the transaction's
         compares to find out; a retry reads and skips what is taken or queued."""
         offset = block.next_usable(start)
         while offset is not None:
             ip = block.address(offset)
-            if not careful or (
+            if not verify or (
                 self._get(keys.ip_key(pool.name, ip), fresh=True) is None
                 and self._get(keys.free_key(pool.name, ip), fresh=True) is None
             ):
@@ -955,7 +960,7 @@ class Ledger:
         return out
 
     def _pick_new_room(
-        self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool
+        self, pool: PoolSpec, index: int, rs: RangeSet, verify: bool
     ) -> _Pick | None:
         """An address from elsewhere when the block this node fills is used up, in order:
         1. a fresh one of another of its active blocks (one the controller assigned);
@@ -972,15 +977,15 @@ class Ledger:
         for block, kv, _ in self._node_blocks(pool, rs, active=True):
             if block.cidr == filling:
                 continue  # used up (the fresh pick found nothing in it)
-            pick = self._fresh_in_block(pool, index, block, kv, careful)
+            pick = self._fresh_in_block(pool, index, block, kv, verify)
             if pick is not None:
                 return self._fills(pick, fill_key, fill, "fills another of its blocks")
-        taken_back = self._take_back(pool, index, rs, careful, cooled_only=True)
+        taken_back = self._take_back(pool, index, rs, verify, cooled_only=True)
         if taken_back is not None:
             return taken_back
         full: list[tuple[blocks.Claim, int]] = []
         for claim in blocks.claims(pool, rs, self._get, self.store_range):
-            offset = self._free_offset(pool, claim.block, 0, careful)
+            offset = self._free_offset(pool, claim.block, 0, verify)
             if offset is None:  # every usable address taken by request: claim it, go on
                 full.append((claim, claim.block.size))
                 if len(full) >= MAX_FULL_CLAIMS:
@@ -1012,16 +1017,16 @@ class Ledger:
         return out
 
     def _take_back(
-        self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool, cooled_only: bool
+        self, pool: PoolSpec, index: int, rs: RangeSet, verify: bool, cooled_only: bool
     ) -> _Pick | None:
         """An address of one of this node's blocks in the release handshake, taking the
         block back (active again; the controller's next step fails its CAS): its oldest
         freed address past the cooldown, else a fresh one, else (unless `cooled_only`)
         its oldest freed address still cooling. A first attempt trusts compares; a
-        careful one reads each address of the block."""
+        verify one reads each address of the block."""
         fill_key = keys.fill_key(pool.name, rs.family, self.node)
         for block, kv, state in self._node_blocks(pool, rs, active=False):
-            pick = self._available_in(pool, index, block, careful, cooled_only)
+            pick = self._available_in(pool, index, block, verify, cooled_only)
             if pick is None:
                 continue
             # next = 0: addresses whose free entries the controller already cleaned are
@@ -1033,14 +1038,14 @@ class Ledger:
         return None
 
     def _available_in(
-        self, pool: PoolSpec, index: int, block: Block, careful: bool, cooled_only: bool
+        self, pool: PoolSpec, index: int, block: Block, verify: bool, cooled_only: bool
     ) -> _Pick | None:
         """The address `_take_back` wants from one block: its oldest freed address past
         the cooldown, else its first fresh one, else (unless `cooled_only`) its oldest
-        freed one still cooling. Reads every address of the block, on a careful attempt
+        freed one still cooling. Reads every address of the block, on a verifying attempt
         only (a first one proposes the first address and lets the compares judge)."""
         offset = block.next_usable(0)
-        if not careful:
+        if not verify:
             return None if offset is None else self._fresh_pick(pool, index, block, offset)
         fresh: int | None = None
         oldest: dict[bool, tuple[float, KeyValue]] = {}  # cooled? -> oldest freed
@@ -1078,7 +1083,7 @@ class Ledger:
         pick.moved = moved
         return pick
 
-    def _borrow(self, pool: PoolSpec, index: int, rs: RangeSet, careful: bool) -> _Pick | None:
+    def _borrow(self, pool: PoolSpec, index: int, rs: RangeSet, verify: bool) -> _Pick | None:
         """One address of another node's active block (the pool allows borrowing and no
         block is free): the oldest entry of the other nodes' free queues, else a
         never-used address of the block another node fills. Reads grow with the number
@@ -1100,7 +1105,7 @@ class Ledger:
             block, block_kv = rs.block_by_cidr(cidr), self._get(keys.block_key(pool.name, cidr))
             if block is None or block_kv is None:
                 continue
-            pick = self._fresh_in_block(pool, index, block, block_kv, careful, borrow=True)
+            pick = self._fresh_in_block(pool, index, block, block_kv, verify, borrow=True)
             if pick is not None:
                 return pick
         return None

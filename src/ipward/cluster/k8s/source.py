@@ -41,7 +41,7 @@ from ipward.cluster.liveness import (
     NotCovered,
     Pod,
 )
-from ipward.cni.selection import PodDirectory, PodMeta
+from ipward.cluster.pods import PodDirectory, PodMeta
 from ipward.core.errors import InvalidConfig, TryAgainLater
 
 NAMESPACES = Resource("namespaces", "/api/v1/namespaces", parse_namespace, metadata_only=True)

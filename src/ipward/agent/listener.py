@@ -1,0 +1,157 @@
+"""The agent's listening socket: its directory and modes, the lock against a second
+agent on the same path, and who is at the other end of a connection (SO_PEERCRED,
+SO_PEERGROUPS). What a refused peer gets is `server`'s."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import stat
+import struct
+
+from ipward.core import log
+from ipward.core.errors import IpwardError
+
+DEFAULT_SOCKET = "/run/ipward/agent.sock"
+DIR_MODE = 0o750
+SOCKET_MODE = 0o660
+PROBE_TIMEOUT = 1.0  # connecting to an existing socket to see whether an agent answers
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# Python does not name SO_PEERGROUPS; 59 is its value in asm-generic, which these use.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", None) or (
+    59
+    if os.uname().machine in ("x86_64", "i686", "aarch64", "armv7l", "riscv64", "s390x", "ppc64le")
+    else None
+)
+
+
+class AgentError(IpwardError):
+    """The agent cannot start as asked (the CLI prints the message, exit status 2)."""
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, as the kernel saw it connect."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def peer_groups(conn: socket.socket) -> tuple[int, ...]:
+    """The peer's supplementary groups as the kernel saw it connect (SO_PEERGROUPS,
+    Linux 4.13+); () where that cannot be read."""
+    if _SO_PEERGROUPS is None:
+        return ()
+    for count in (64, 65536):
+        try:
+            raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * count)
+        except OSError as e:
+            if e.errno == errno.ERANGE:
+                continue  # more groups than the buffer holds
+            return ()
+        return struct.unpack(f"{len(raw) // 4}I", raw)
+    return ()
+
+
+def _prepare_directory(directory: str, allow_gid: int | None) -> None:
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
+        os.chmod(directory, DIR_MODE)  # makedirs' mode is filtered by the umask
+        if allow_gid is not None:
+            os.chown(directory, -1, allow_gid)
+        log.info("created socket directory", path=directory, mode=oct(DIR_MODE))
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise AgentError(f"{directory} is not a directory")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & ~DIR_MODE:
+        log.warning(
+            "socket directory is more open than 0750; left as it is",
+            path=directory,
+            mode=oct(mode),
+        )
+
+
+def _answers(path: str) -> bool:
+    """Does something accept connections on the Unix socket at `path`?"""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(PROBE_TIMEOUT)
+    try:
+        probe.connect(path)
+        return True
+    except TimeoutError:
+        return True  # a backlog full of waiting callers is a live agent, not a stale file
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+class AgentSocket:
+    """The listening socket, its lock file, and the checks around both."""
+
+    def __init__(self, path: str, allow_gid: int | None, backlog: int) -> None:
+        self.path = os.path.abspath(path)
+        directory = os.path.dirname(self.path)
+        _prepare_directory(directory, allow_gid)
+        self._lock_fd = self._lock(self.path + ".lock")
+        try:
+            self._remove_stale()
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old_umask = os.umask(0o117)  # never reachable by others, not even for a moment
+            try:
+                self.sock.bind(self.path)
+            finally:
+                os.umask(old_umask)
+            os.chmod(self.path, SOCKET_MODE)
+            if allow_gid is not None:
+                os.chown(self.path, -1, allow_gid)
+            st = os.stat(self.path)
+            self._identity = (st.st_dev, st.st_ino)
+            self.sock.listen(backlog)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    @staticmethod
+    def _lock(path: str) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AgentError(f"another agent holds {path}; not starting") from None
+        return fd
+
+    def _remove_stale(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise AgentError(f"{self.path} exists and is not a socket; not touching it")
+        if _answers(self.path):
+            raise AgentError(f"an agent already answers on {self.path}; not starting")
+        os.unlink(self.path)
+        log.warning("removed a stale socket (nothing answered on it)", path=self.path)
+
+    def shutdown(self) -> None:
+        """Refuse new connections from now on (wakes the thread blocked in accept) and
+        remove the socket file, if it is still ours."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        os.close(self._lock_fd)  # the lock file stays: unlinking it would race a new agent

@@ -1,0 +1,97 @@
+"""Reconciliation (DESIGN 5.5): the agent frees its node's records whose sandbox the
+runtime reports gone, with garbage collection's rules."""
+
+from __future__ import annotations
+
+import threading
+
+from ipward.cluster.liveness import (
+    LivenessSource,
+    NodeView,
+)
+from ipward.core import log
+from ipward.gc import rules as gc
+from ipward.store import StoreError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.agent.server import Agent
+
+
+class Reconciler:
+    """DESIGN 5.5: on start and every `interval`, free this node's records whose sandbox
+    the runtime positively reports gone, older than the ADD grace (the rules are
+    `ipward.gc`'s; only `sandbox-gone` applies here, the runtime being the one source
+    asked). A runtime that cannot be read, or that lists two ready sandboxes for one pod,
+    frees nothing; the next try comes sooner (1 s, doubling up to `interval`)."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        source: LivenessSource,
+        *,
+        grace: float,
+        interval: float,
+    ) -> None:
+        self.agent = agent
+        self.source = source
+        self.grace = grace
+        self.interval = interval
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._thread.join(timeout=10)  # a source call ends within its own timeout
+        self.source.close()
+
+    def _loop(self) -> None:
+        backoff = 1.0
+        while not self.stopping.is_set():
+            try:
+                done = self.run_once() is not None
+            except StoreError as e:
+                log.warning("reconcile: store unreachable", node=self.agent.node, error=str(e))
+                done = False
+            except Exception as e:  # never let the thread die: log and retry
+                log.error(
+                    "reconcile failed", node=self.agent.node, error=f"{type(e).__name__}: {e}"
+                )
+                done = False
+            if done:
+                backoff = 1.0
+                self.stopping.wait(self.interval)
+            else:
+                self.stopping.wait(min(backoff, self.interval))
+                backoff = min(backoff * 2, self.interval)
+
+    def run_once(self) -> list[gc.Verdict] | None:
+        """One pass; the records freed, or None when the runtime gave no usable view."""
+        node = self.agent.node
+        held = gc.snapshot(self.agent.store, node)  # records first, then the runtime
+        evidence = gc.gather(self.source, [node], grace=self.grace, ask_cluster=False)
+        view = evidence.nodes[node]
+        if not isinstance(view, NodeView):
+            self.agent.metrics.reconcile_skipped.inc()
+            log.warning("reconcile: nothing freed, runtime not usable", node=node, reason=view)
+            return None
+        freed = []
+        for h in held:
+            verdict = gc.judge(h, evidence)
+            if verdict.reason is None:
+                continue
+            if gc.free(self.agent.ledger, verdict, f"agent {node} reconcile"):
+                self.agent.metrics.reconcile_freed.labels(reason=verdict.reason).inc()
+                freed.append(verdict)
+        self.agent.metrics.reconcile_passes.inc()
+        log.debug(
+            "reconciled",
+            node=node,
+            records=len(held),
+            sandboxes=len(view.sandboxes),
+            freed=len(freed),
+        )
+        return freed
