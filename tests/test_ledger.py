@@ -92,6 +92,23 @@ def test_oldest_freed_first(ledger, clock):
     assert [add(ledger, spec, f"n{i}") for i in range(3)] == [ips[2], ips[0], ips[3]]
 
 
+def test_an_address_freed_before_its_block_was_claimed_goes_first(ledger, clock):
+    """Model-test finding: an address this node was given by request, in a block it did
+    not hold yet, then freed, is queued under the node; the ADD that claims the block
+    hands it out before any never-used address (the claim's fresh pick used to skip it
+    as queued). While it cools, the claim takes a never-used one."""
+    cooling = pool(cooldown=30)
+    add(ledger, cooling, 1, requested=["10.0.0.7"])
+    ledger.release(att(1))
+    assert add(ledger, cooling, 2) == "10.0.0.1"  # cooling: a never-used one first
+    spec = PoolSpec("q", [[{"subnet": "10.0.1.0/24"}]], cooldown=0)
+    held = add(ledger, spec, 3, requested=["10.0.1.7"])
+    ledger.release(att(3))
+    clock.now += 1
+    assert add(ledger, spec, 4) == held
+    assert add(ledger, spec, 5) == "10.0.1.1"  # then the never-used ones, from the start
+
+
 def test_cooling_address_is_used_when_nothing_else_is_free(ledger, clock):
     spec = pool("10.0.0.0/30", cooldown=300)  # two usable addresses
     add(ledger, spec, 1)

@@ -939,6 +939,30 @@ class Ledger:
             offset = block.next_usable(offset + 1)
         return None
 
+    def _queued_in(self, pool: PoolSpec, index: int, block: Block, verify: bool) -> _Pick | None:
+        """This node's oldest cooled queue entry inside `block`, a block it is about to
+        claim: an address it was given by request before it held the block, and freed.
+        The claim hands it out before any never-used one (oldest freed first)."""
+        rs = pool.range_sets[index]
+        prefix = keys.queue_prefix(pool.name, rs.family, self.node)
+        for kv in self._queue_read(prefix, QUEUE_WINDOW, verify)[0]:
+            if not self._cooled(pool, kv):
+                return None  # in release order: the rest are cooling too
+            ip = keys.last(kv.key)
+            inside = rs.block_of(parse_ip(ip)[1])
+            if inside is None or inside.cidr != block.cidr:
+                continue
+            if verify and self._get(keys.ip_key(pool.name, ip), fresh=True) is not None:
+                continue  # allocated by request meanwhile: a stale entry, for a later pass
+            pick = _Pick(index, ip, block.cidr)
+            pick.compares += [
+                at_revision(kv.key, kv.mod_revision),
+                absent(keys.ip_key(pool.name, ip)),
+            ]
+            pick.ops += [Delete(kv.key), Delete(keys.free_key(pool.name, ip))]
+            return pick
+        return None
+
     @staticmethod
     def _fresh_pick(pool: PoolSpec, index: int, block: Block, offset: int) -> _Pick:
         """A never-used address: its record and free entry must still be absent."""
@@ -986,14 +1010,19 @@ class Ledger:
         full: list[tuple[blocks.Claim, int]] = []
         for claim in blocks.claims(pool, rs, self._get, self.store_range):
             offset = self._free_offset(pool, claim.block, 0, verify)
-            if offset is None:  # every usable address taken by request: claim it, go on
+            queued = self._queued_in(pool, index, claim.block, verify)
+            if offset is None and queued is None:  # all taken by request: claim it, go on
                 full.append((claim, claim.block.size))
                 if len(full) >= MAX_FULL_CLAIMS:
                     raise _ClaimFirst(*blocks.claim_writes(pool, rs.family, self.node, full))
                 continue
-            pick = self._fresh_pick(pool, index, claim.block, offset)
+            if queued is not None:  # oldest freed first, fresh ones after it
+                pick, cursor = queued, claim.block.size if offset is None else offset
+            else:
+                assert offset is not None
+                pick, cursor = self._fresh_pick(pool, index, claim.block, offset), offset + 1
             compares, ops = blocks.claim_writes(
-                pool, rs.family, self.node, [*full, (claim, offset + 1)]
+                pool, rs.family, self.node, [*full, (claim, cursor)]
             )
             pick.compares += compares
             pick.ops += ops
