@@ -508,6 +508,50 @@ def test_a_changed_subnet_is_a_new_version_and_old_records_stay_valid(ledger, sq
     assert check(sqlite_store)[0] == []
 
 
+@pytest.mark.parametrize(
+    ("changed", "fields"),
+    [
+        # its address is now the gateway and excluded: no longer usable in the new layout
+        ("10.64.103.0/30", {"gateway": "10.64.103.2", "exclude": ["10.64.103.2/31"]}),
+        # its address is usable in both layouts, under another prefix
+        ("10.64.103.0/29", {}),
+    ],
+)
+def test_a_repeated_add_answers_the_layout_its_address_was_given_under(
+    ledger, sqlite_store, changed, fields
+):
+    """Model-test finding (etcd, slow run): after a network's ranges changed, a
+    repeated ADD answered its held address with the new layout's prefix and gateway
+    (10.64.103.2/30, gateway 10.64.103.2: the address itself)."""
+    old = PoolSpec(
+        "net",
+        [[{"subnet": "10.64.103.0/28", "gateway": "10.64.103.1"}]],
+        cooldown=0,
+        source="cni-config",
+    )
+    (first,) = ledger.allocate([old], att("c0"), PodInfo())
+    assert (first.ip, first.prefix, first.gateway) == ("10.64.103.2", 28, "10.64.103.1")
+    spec = PoolSpec(
+        "net",
+        [[{"subnet": changed, "gateway": fields.get("gateway", "10.64.103.1")}]],
+        cooldown=0,
+        source="cni-config",
+        exclude=fields.get("exclude", []),
+    )
+    add_to(ledger, spec, "other")  # the new layout is stored
+    assert ledger.get_pool("net", fresh=True).version == 1
+    (again,) = ledger.allocate([spec], att("c0"), PodInfo())
+    assert (again.ip, again.prefix, again.gateway) == (first.ip, 28, first.gateway)
+    (looked,) = ledger.lookup(att("c0"))  # type: ignore[misc]
+    assert (looked.ip, looked.prefix, looked.gateway) == (first.ip, 28, first.gateway)
+    from ipward.ipam import pools
+
+    assert pools.prune(sqlite_store, "net")[1] == 0  # its record still names the old layout
+    (kept,) = ledger.lookup(att("c0"))  # type: ignore[misc]
+    assert kept.prefix == 28
+    assert check(sqlite_store)[0] == []
+
+
 def test_new_ranges_start_at_their_first_block(ledger, sqlite_store):
     """Found: switching to another /24 skipped its first blocks (the cursor kept the old
     index)."""

@@ -136,6 +136,7 @@ class AddressRecord:
         "created_at",
         "detached_at",
         "ifname",
+        "layout",
         "network",
         "node",
         "pod",
@@ -153,6 +154,7 @@ class AddressRecord:
         requested: bool = False,
         sticky: str | None = None,
         detached_at: float | None = None,
+        layout: int | None = None,
     ) -> None:
         self.network = attachment.network
         self.container = attachment.container
@@ -164,6 +166,7 @@ class AddressRecord:
         self.requested = requested
         self.sticky = sticky
         self.detached_at = detached_at
+        self.layout = layout
 
     @classmethod
     def new(
@@ -173,11 +176,12 @@ class AddressRecord:
         node: str,
         block: str,
         now: float,
+        layout: int | None,
         requested: bool = False,
         sticky: str | None = None,
     ) -> AddressRecord:
         """The record an allocation writes, stamped `now`."""
-        return cls(attachment, pod, node, block, _stamp(now), requested, sticky)
+        return cls(attachment, pod, node, block, _stamp(now), requested, sticky, None, layout)
 
     @property
     def attachment(self) -> Attachment:
@@ -202,6 +206,7 @@ class AddressRecord:
             self.requested,
             self.sticky,
             _stamp(now),
+            self.layout,
         )
 
     def to_dict(self) -> dict:
@@ -220,6 +225,8 @@ class AddressRecord:
             out["sticky"] = self.sticky
         if self.detached_at is not None:
             out["detached_at"] = self.detached_at
+        if self.layout is not None:
+            out["layout"] = self.layout
         return out
 
     def encode(self) -> bytes:
@@ -234,6 +241,7 @@ class AddressRecord:
         )
         created = d.get("created_at")
         detached = d.get("detached_at")
+        layout = d.get("layout")
         return cls(
             attachment,
             PodInfo.from_dict(d.get("pod")),
@@ -243,6 +251,7 @@ class AddressRecord:
             bool(d.get("requested", False)),
             d.get("sticky") or None,
             detached if isinstance(detached, int | float) else None,
+            layout if isinstance(layout, int) and not isinstance(layout, bool) else None,
         )
 
     @classmethod

@@ -72,7 +72,7 @@ from ipward.store.base import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ipward.core.addr import Block, RangeSet
     from ipward.core.records import Attachment, PodInfo, Sticky
@@ -302,7 +302,7 @@ class Ledger:
         kv = self._get(attachment.key, fresh=True)
         if kv is None:
             return None
-        return self._allocations(AttachmentIndex.decode(kv.value).refs)
+        return self._held_allocations(kv)
 
     def allocate(
         self,
@@ -430,7 +430,7 @@ class Ledger:
             ]
             for pool, pick in picks:
                 record = AddressRecord.new(
-                    request.attachment, request.pod, self.node, pick.block, now
+                    request.attachment, request.pod, self.node, pick.block, now, pool.version
                 )
                 member_compares += pick.compares
                 member_ops += pick.ops
@@ -475,7 +475,7 @@ class Ledger:
             if verify:
                 existing = self._get(attachment.key, fresh=True)
                 if existing is not None:
-                    return self._allocations(AttachmentIndex.decode(existing.value).refs, pools)
+                    return self._held_allocations(existing, pools)
                 if sticky is not None and self._get(sticky.key, fresh=True) is not None:
                     raise _StickyExists  # another sandbox of the identity made it first
                 # A pool read from the store may have changed (or gone): read it again.
@@ -531,6 +531,7 @@ class Ledger:
                     self.node,
                     pick.block,
                     now,
+                    pool.version,
                     requested=(pool.name, pick.set_index) in wanted,
                     sticky=sticky.key if sticky is not None else None,
                 )
@@ -585,7 +586,7 @@ class Ledger:
         for attempt in range(MAX_ATTEMPTS):
             existing = self._get(attachment.key, fresh=True)
             if existing is not None:
-                return self._allocations(AttachmentIndex.decode(existing.value).refs, pools)
+                return self._held_allocations(existing, pools)
             reservation = self._get(sticky.key, fresh=True)
             if reservation is None:
                 try:
@@ -646,6 +647,7 @@ class Ledger:
             compares.append(at_revision(old, old_kv.mod_revision if old_kv else 0))
             if old_kv is not None:
                 ops.append(Delete(old))
+        layouts: dict[str, int | None] = {}
         for ref in refs:
             pool_name, ip = rec.split_pool_ip(ref)
             key = keys.ip_key(pool_name, ip)
@@ -656,13 +658,14 @@ class Ledger:
                     f"{sticky.key} lists {ref}, whose record is not its own; see 'ipward check'"
                 )
             mine = AddressRecord.new(
-                attachment, pod, self.node, record.block, now, sticky=sticky.key
+                attachment, pod, self.node, record.block, now, record.layout, sticky=sticky.key
             )
+            layouts[ref] = record.layout
             compares.append(at_revision(key, kv.mod_revision))
             ops.append(Put(key, mine.encode()))
         if not self._txn(compares, ops):
             return None
-        allocations = self._allocations(refs)
+        allocations = self._allocations(refs, layouts=layouts)
         log.info(
             "sticky address taken over",
             attachment=repr(attachment),
@@ -1376,17 +1379,27 @@ class Ledger:
 
     # -- plumbing ---------------------------------------------------------------------
 
-    def _allocations(self, refs: list[str], known: Sequence[PoolSpec] = ()) -> list[Allocation]:
+    def _allocations(
+        self,
+        refs: list[str],
+        known: Sequence[PoolSpec] = (),
+        layouts: Mapping[str, int | None] | None = None,
+    ) -> list[Allocation]:
+        """Each address with the prefix and gateway of the layout it was given under:
+        `layouts` names that version per ref (its record's); without one, the first
+        layout (current, then retired) in which the address is usable."""
         out = []
         specs = {spec.name: spec for spec in known}
         for ref in refs:
             pool_name, ip = rec.split_pool_ip(ref)
             spec = specs.get(pool_name) or specs.setdefault(pool_name, self.get_pool(pool_name))
             family, value = parse_ip(ip)
-            # An address allocated before the pool's ranges changed is answered with its
-            # own range's prefix and gateway (a retired layout's).
-            sets = [rs for rs in (lay.set_of(family) for lay in spec.layouts()) if rs]
-            r = next((r for rs in sets if (r := rs.range_of(value)) is not None), None)
+            version = (layouts or {}).get(ref)
+            given = [lay for lay in spec.layouts() if lay.version == version] + [
+                lay for lay in spec.layouts() if lay.usable(family, value)
+            ]
+            ranges = (rs.range_of(value) for lay in given if (rs := lay.set_of(family)))
+            r = next((r for r in ranges if r is not None), None)
             if r is None:
                 raise AddressOutsidePool(f"{ref} is no longer inside pool {pool_name}")
             gateway = None
@@ -1394,6 +1407,18 @@ class Ledger:
                 gateway = format_ip(family, r.gateway)
             out.append(Allocation(pool_name, ip, family, r.prefix, gateway))
         return out
+
+    def _held_allocations(
+        self, index: KeyValue, known: Sequence[PoolSpec] = ()
+    ) -> list[Allocation]:
+        """An attachment's allocations, from its index, as its records say they were
+        given (a repeated ADD, a lookup): each record names its layout version."""
+        refs = AttachmentIndex.decode(index.value).refs
+        layouts: dict[str, int | None] = {}
+        for ref in refs:
+            kv = self._get(keys.ip_key(*rec.split_pool_ip(ref)), fresh=True)
+            layouts[ref] = AddressRecord.decode(kv.value).layout if kv is not None else None
+        return self._allocations(refs, known, layouts)
 
     def _get(self, key: str, fresh: bool = False) -> KeyValue | None:
         """The key as last read or written here, or as the store has it now when it is

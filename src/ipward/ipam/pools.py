@@ -39,7 +39,7 @@ from ipward.core import records as rec
 from ipward.core.addr import parse_ip
 from ipward.core.errors import InvalidConfig, IpwardError, TryAgainLater, UnknownPool
 from ipward.core.pool import DELETING, PoolSpec, overlap
-from ipward.core.records import FillRecord
+from ipward.core.records import AddressRecord, FillRecord
 from ipward.store.base import Delete, Put, absent, at_revision
 
 TYPE_CHECKING = False
@@ -233,12 +233,15 @@ def prune(store: Store, name: str, fence: Sequence[Compare] = ()) -> tuple[int, 
     if not spec.retired:
         return len(stale), 0
     needed = set()
-    for record in store.range(keys.ips_prefix(name))[0]:  # at a revision after the spec read
-        family, value = parse_ip(keys.last(record.key))
-        if spec.usable(family, value):
-            continue
+    for kv in store.range(keys.ips_prefix(name))[0]:  # at a revision after the spec read
+        family, value = parse_ip(keys.last(kv.key))
+        version = _layout_of(kv.value)
         for i, layout in enumerate(spec.retired):
-            if layout.usable(family, value):
+            # the layout its record names answers for it (its prefix, its gateway);
+            # a record that names none is held by the first layout it is usable in
+            if layout.version == version or (
+                version is None and not spec.usable(family, value) and layout.usable(family, value)
+            ):
                 needed.add(i)
     kept = [layout for i, layout in enumerate(spec.retired) if i in needed]
     if len(kept) == len(spec.retired):
@@ -254,6 +257,15 @@ def prune(store: Store, name: str, fence: Sequence[Compare] = ()) -> tuple[int, 
         reason="no record holds an address of an earlier version any more",
     )
     return len(stale), pruned
+
+
+def _layout_of(raw: bytes) -> int | None:
+    """The layout version an allocation record names (None: none, or not a record,
+    which `ipward check` reports)."""
+    try:
+        return AddressRecord.decode(raw).layout
+    except ValueError:
+        return None
 
 
 def remove_orphans(store: Store) -> tuple[list[str], dict[str, tuple[int, int]]]:

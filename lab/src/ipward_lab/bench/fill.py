@@ -201,7 +201,7 @@ def write_adds(
         for i in range(len(spec.range_sets)):
             ip, cidr = fill.take(node, i)
             refs.append(f"{spec.name}/{ip}")
-            record = AddressRecord.new(attachment, pod, node, cidr, created_at)
+            record = AddressRecord.new(attachment, pod, node, cidr, created_at, spec.version)
             ops.append(Put(keys.ip_key(spec.name, ip), record.encode()))
         ops.append(Put(attachment.key, rec.encode({"ips": refs})))
         count += 1
