@@ -119,14 +119,37 @@ def wait_for(
         time.sleep(poll)
 
 
-@pytest.fixture
-def world(tmp_path: Path, plugin: Path, sqlite_url: str) -> Iterator[Any]:
+@pytest.fixture(params=["sim", "k8s"])
+def world(
+    request: pytest.FixtureRequest, tmp_path: Path, plugin: Path, sqlite_url: str
+) -> Iterator[Any]:
     """A running `simprocs.World` on SQLite (agents and controllers are added by the
-    test); everything stopped at the end."""
+    test); everything stopped at the end. `sim`: the cluster read from the state file;
+    `k8s`: published to an API server and read through `k8s://` (`scenario_kube`)."""
     from simprocs import World  # simprocs imports this module
 
-    with World(tmp_path, plugin, sqlite_url) as w:
+    kube = request.getfixturevalue("scenario_kube") if request.param == "k8s" else None
+    with World(tmp_path, plugin, sqlite_url, kube=kube) as w:
         yield w
+
+
+@pytest.fixture
+def scenario_kube(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
+    """The API server of a scenario's `k8s` variant: a kube-apiserver of its own when
+    KUBE_APISERVER names one (the scenarios name their nodes, namespace and pods alike,
+    so they cannot share the session's), else the loopback test server."""
+    from ipward_lab import kubelab
+
+    executable = kubelab.binary()
+    if executable is None:
+        yield from _test_kube_server(tmp_path, kube_certs)
+        return
+    with kubelab.kube_apiserver(executable, tmp_path) as lab:
+        api = KubeApi(lab.url, lab.kubeconfig, lab.ca_file, lab.client_pki, "t", None)
+        try:
+            yield api
+        finally:
+            api.close()
 
 
 class KubeApi:
@@ -189,9 +212,13 @@ def kube_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def kube_server(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
     """The loopback test API server (faults can be injected through `.server`)."""
+    yield from _test_kube_server(tmp_path, kube_certs)
+
+
+def _test_kube_server(tmp_path: Path, certs: Path) -> Iterator[KubeApi]:
     from ipward_lab.kubeapi import kube_api_server
 
-    with kube_api_server(tmp_path, certs=kube_certs) as server:
+    with kube_api_server(tmp_path, certs=certs) as server:
         kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
         api = KubeApi(server.url, kubeconfig, server.ca_file, server.client_pki, "t", server)
         try:
