@@ -120,16 +120,24 @@ def wait_for(
 
 
 @pytest.fixture(params=["sim", "k8s"])
+def world_kube(request: pytest.FixtureRequest) -> KubeApi | None:
+    """Where a scenario's `World` keeps its cluster: `sim`, the state file (None); `k8s`,
+    an API server read through `k8s://` (`scenario_kube`). Each scenario runs on both."""
+    if request.param == "sim":
+        return None
+    kube: KubeApi = request.getfixturevalue("scenario_kube")
+    return kube
+
+
+@pytest.fixture
 def world(
-    request: pytest.FixtureRequest, tmp_path: Path, plugin: Path, sqlite_url: str
+    tmp_path: Path, plugin: Path, sqlite_url: str, world_kube: KubeApi | None
 ) -> Iterator[Any]:
     """A running `simprocs.World` on SQLite (agents and controllers are added by the
-    test); everything stopped at the end. `sim`: the cluster read from the state file;
-    `k8s`: published to an API server and read through `k8s://` (`scenario_kube`)."""
+    test), on both `world_kube`s; everything stopped at the end."""
     from simprocs import World  # simprocs imports this module
 
-    kube = request.getfixturevalue("scenario_kube") if request.param == "k8s" else None
-    with World(tmp_path, plugin, sqlite_url, kube=kube) as w:
+    with World(tmp_path, plugin, sqlite_url, kube=world_kube) as w:
         yield w
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import exec_plugin, run_cli, wait_for
+from conftest import KubeApi, exec_plugin, run_cli, wait_for
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward_lab import fleet
@@ -361,8 +361,11 @@ def test_cooldown_across_agent_restart(world: World) -> None:
 
 
 @pytest.fixture
-def etcd_world(tmp_path: Path, plugin: Path) -> Iterator[World]:
-    with etcd_server(tmp_path / "etcd") as server, World(tmp_path, plugin, server.url) as w:
+def etcd_world(tmp_path: Path, plugin: Path, world_kube: KubeApi | None) -> Iterator[World]:
+    with (
+        etcd_server(tmp_path / "etcd") as server,
+        World(tmp_path, plugin, server.url, kube=world_kube) as w,
+    ):
         yield w
 
 
