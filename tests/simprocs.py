@@ -66,6 +66,7 @@ NS = "ns"
 # after 4 s unheard (watches of 2 s) and as_of 1 s before what was heard, as the soak has
 # them. The real kube-apiserver gets the defaults, as in a real cluster.
 TEST_SERVER_K8S = "&stale=4&margin=1"
+CONTROLLER_TOKEN = "controller-token"  # what the controllers read the test server with
 
 
 class World:
@@ -85,9 +86,15 @@ class World:
         self.liveness = f"sim://{self.state}"  # the runtimes (and without `kube` the cluster)
         self.kube = kube
         self.cluster = self.liveness
+        self.gc_liveness = self.liveness  # the controllers'
         if kube is not None:
             options = TEST_SERVER_K8S if kube.server is not None else ""
-            self.cluster = f"k8s://?kubeconfig={kube.kubeconfig}{options}"
+            self.cluster = self.gc_liveness = f"k8s://?kubeconfig={kube.kubeconfig}{options}"
+        if kube is not None and kube.server is not None:
+            # The controllers' own token: revoked, only they are refused (`fail_cluster`).
+            kube.server.tokens[CONTROLLER_TOKEN] = ("controller", None)
+            config = kube.server.kubeconfig(tmp / "controller.kubeconfig", token=CONTROLLER_TOKEN)
+            self.gc_liveness = f"k8s://?kubeconfig={config}{TEST_SERVER_K8S}"
         self.sim = SimCluster(
             str(self.state),
             str(plugin),
@@ -150,7 +157,7 @@ class World:
         if gc:
             extra += [
                 "--liveness",
-                self.cluster,
+                self.gc_liveness,
                 "--add-grace",
                 str(self.grace),
                 "--gc-interval",
@@ -164,33 +171,36 @@ class World:
     # -- faults of the cluster source
 
     def fail_cluster(self, msg: str) -> None:
-        """The cluster source cannot be trusted: the state file's error, or through
-        k8s:// a stale source (the test server's watches stall: no events, no bookmarks,
-        so unavailable once `stale` passes; its lists and writes still work, so the
-        simulated cluster goes on being published)."""
+        """The controllers' cluster source cannot answer: the state file's error, or
+        through k8s:// their watches cut and their token refused (lists and watches get
+        401), so it cannot list again. The agents' k8s:// source, which ADD needs (a pod
+        it cannot read is code 11), and the simulated cluster's writes go on."""
         if self.kube is None:
             self.sim.fail_cluster(msg)
-        else:
-            self._api_server().stall()
+            return
+        server = self._api_server()
+        server.tokens.pop(CONTROLLER_TOKEN)
+        server.cut_streams()
 
     def lag_cluster(self, seconds: float) -> None:
-        """The cluster source answers with an old view: the state file's lag, or through
-        k8s:// a stalled watch (old until `stale` passes, then unavailable)."""
+        """The cluster source answers with an old view: the state file's lag. A k8s://
+        source has no old view to give on demand (it answers while heard within `stale`,
+        else not at all): through k8s:// the controllers' source fails (`fail_cluster`)."""
         if self.kube is None:
             self.sim.lag_cluster(seconds)
         else:
-            self._api_server().stall()
+            self.fail_cluster(f"lag {seconds:g}s")
 
     def clear_faults(self) -> None:
         self.sim.clear_faults()
         if self.kube is not None and self.kube.server is not None:
-            self.kube.server.unstall()
+            self.kube.server.tokens[CONTROLLER_TOKEN] = ("controller", None)
 
     def _api_server(self) -> Any:
         """The test server (faults on demand); the real kube-apiserver has none."""
         assert self.kube is not None
         if self.kube.server is None:
-            pytest.skip("the real kube-apiserver cannot stall its watches on demand")
+            pytest.skip("the real kube-apiserver cannot refuse one client on demand")
         return self.kube.server
 
     # -- observing

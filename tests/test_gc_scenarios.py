@@ -311,10 +311,10 @@ def test_liveness_source_lagging_or_failing_frees_nothing(world: World, fault: s
     time.sleep(GRACE + 4 * INTERVAL)
     assert set(w.records()) == leaked | set(w.sim.ready_addresses())
     assert w.freed_logs() == []
-    if w.kube is not None:  # its only source (the cluster) stalled: passes skipped
+    if w.kube is not None:  # its only source (the cluster) refused: passes skipped
         wait_for(
             lambda: (ctl.metric("ipward_gc_skipped_passes_total") or 0) >= 1,
-            "the controller to skip a pass on the stale k8s:// source",
+            "the controller to skip a pass: its k8s:// source refused",
         )
     elif fault == "lag":  # sources answer, with old views: judged, nothing a candidate
         assert ctl.metric("ipward_gc_candidates", reason="sandbox-gone") == 0
