@@ -119,14 +119,45 @@ def wait_for(
         time.sleep(poll)
 
 
+@pytest.fixture(params=["sim", "k8s"])
+def world_kube(request: pytest.FixtureRequest) -> KubeApi | None:
+    """Where a scenario's `World` keeps its cluster: `sim`, the state file (None); `k8s`,
+    an API server read through `k8s://` (`scenario_kube`). Each scenario runs on both."""
+    if request.param == "sim":
+        return None
+    kube: KubeApi = request.getfixturevalue("scenario_kube")
+    return kube
+
+
 @pytest.fixture
-def world(tmp_path: Path, plugin: Path, sqlite_url: str) -> Iterator[Any]:
+def world(
+    tmp_path: Path, plugin: Path, sqlite_url: str, world_kube: KubeApi | None
+) -> Iterator[Any]:
     """A running `simprocs.World` on SQLite (agents and controllers are added by the
-    test); everything stopped at the end."""
+    test), on both `world_kube`s; everything stopped at the end."""
     from simprocs import World  # simprocs imports this module
 
-    with World(tmp_path, plugin, sqlite_url) as w:
+    with World(tmp_path, plugin, sqlite_url, kube=world_kube) as w:
         yield w
+
+
+@pytest.fixture
+def scenario_kube(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
+    """The API server of a scenario's `k8s` variant: a kube-apiserver of its own when
+    KUBE_APISERVER names one (the scenarios name their nodes, namespace and pods alike,
+    so they cannot share the session's), else the loopback test server."""
+    from ipward_lab import kubelab
+
+    executable = kubelab.binary()
+    if executable is None:
+        yield from _test_kube_server(tmp_path, kube_certs)
+        return
+    with kubelab.kube_apiserver(executable, tmp_path) as lab:
+        api = KubeApi(lab.url, lab.kubeconfig, lab.ca_file, lab.client_pki, "t", None)
+        try:
+            yield api
+        finally:
+            api.close()
 
 
 class KubeApi:
@@ -189,9 +220,13 @@ def kube_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def kube_server(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
     """The loopback test API server (faults can be injected through `.server`)."""
+    yield from _test_kube_server(tmp_path, kube_certs)
+
+
+def _test_kube_server(tmp_path: Path, certs: Path) -> Iterator[KubeApi]:
     from ipward_lab.kubeapi import kube_api_server
 
-    with kube_api_server(tmp_path, certs=kube_certs) as server:
+    with kube_api_server(tmp_path, certs=certs) as server:
         kubeconfig = server.kubeconfig(tmp_path / "kubeconfig")
         api = KubeApi(server.url, kubeconfig, server.ca_file, server.client_pki, "t", server)
         try:

@@ -10,8 +10,11 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from conftest import run_cli, wait_for
+import pytest
+
+from conftest import KubeApi, run_cli, wait_for
 from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab import fleet
@@ -59,20 +62,47 @@ GRACE = 2.0  # the ADD grace of agents and controllers here
 INTERVAL = 0.3  # GC and reconcile passes
 NODE_TTL = 2
 NS = "ns"
+# The k8s:// sources' options on the test server: it has no watch cache to lag, so stale
+# after 4 s unheard (watches of 2 s) and as_of 1 s before what was heard, as the soak has
+# them. The real kube-apiserver gets the defaults, as in a real cluster.
+TEST_SERVER_K8S = "&stale=4&margin=1"
+CONTROLLER_TOKEN = "controller-token"  # what the controllers read the test server with
 
 
 class World:
-    """One store, one simulated cluster, agents per node and controllers."""
+    """One store, one simulated cluster, agents per node and controllers. With `kube`, the
+    cluster is published to that API server and read through `k8s://`: the controller's
+    `--liveness` and the agents' `--cluster`; the agents keep `--liveness sim://` for
+    their node's runtime (the API lists no sandboxes)."""
 
-    def __init__(self, tmp: Path, plugin: Path, url: str, grace: float = GRACE) -> None:
+    def __init__(
+        self, tmp: Path, plugin: Path, url: str, grace: float = GRACE, kube: KubeApi | None = None
+    ) -> None:
         self.grace = grace  # the ADD grace of its agents and controllers
         self.tmp = tmp
         self.url = url
         self.plugin = plugin
         self.state = tmp / "cluster.json"
-        self.liveness = f"sim://{self.state}"
+        self.liveness = f"sim://{self.state}"  # the runtimes (and without `kube` the cluster)
+        self.kube = kube
+        self.cluster = self.liveness
+        self.gc_liveness = self.liveness  # the controllers'
+        if kube is not None:
+            options = TEST_SERVER_K8S if kube.server is not None else ""
+            self.cluster = self.gc_liveness = f"k8s://?kubeconfig={kube.kubeconfig}{options}"
+        if kube is not None and kube.server is not None:
+            # The controllers' own token: revoked, only they are refused (`fail_cluster`).
+            kube.server.tokens[CONTROLLER_TOKEN] = ("controller", None)
+            config = kube.server.kubeconfig(tmp / "controller.kubeconfig", token=CONTROLLER_TOKEN)
+            self.gc_liveness = f"k8s://?kubeconfig={config}{TEST_SERVER_K8S}"
         self.sim = SimCluster(
-            str(self.state), str(plugin), network="simnet", pool="p", grace=1.0, retry_delay=0.3
+            str(self.state),
+            str(plugin),
+            network="simnet",
+            pool="p",
+            grace=1.0,
+            retry_delay=0.3,
+            api=kube.admin if kube is not None else None,
         )
         # Sockets in a short directory: a pytest tmp path can pass AF_UNIX's 108 bytes.
         self.run_dir = Path(tempfile.mkdtemp(prefix="ipw-"))
@@ -102,8 +132,10 @@ class World:
         ]
         if liveness:
             extra += ["--liveness", self.liveness]
-        if cluster:  # pod annotations and owners at ADD: sticky StatefulSets
-            extra += ["--cluster", self.liveness]
+        # Pod annotations and owners at ADD (sticky StatefulSets); through k8s:// also the
+        # pods its reconciliation judges by (the state file has no cluster then).
+        if cluster or (liveness and self.kube is not None):
+            extra += ["--cluster", self.cluster]
         socket = self.run_dir / node / "agent.sock"
         agent = fleet.Agent(node, self.url, socket, self.tmp / "logs", tuple(extra), env)
         self.agents[node] = agent
@@ -125,7 +157,7 @@ class World:
         if gc:
             extra += [
                 "--liveness",
-                self.liveness,
+                self.gc_liveness,
                 "--add-grace",
                 str(self.grace),
                 "--gc-interval",
@@ -135,6 +167,41 @@ class World:
         self.controllers.append(ctl)
         ctl.wait_started()
         return ctl
+
+    # -- faults of the cluster source
+
+    def fail_cluster(self, msg: str) -> None:
+        """The controllers' cluster source cannot answer: the state file's error, or
+        through k8s:// their watches cut and their token refused (lists and watches get
+        401), so it cannot list again. The agents' k8s:// source, which ADD needs (a pod
+        it cannot read is code 11), and the simulated cluster's writes go on."""
+        if self.kube is None:
+            self.sim.fail_cluster(msg)
+            return
+        server = self._api_server()
+        server.tokens.pop(CONTROLLER_TOKEN)
+        server.cut_streams()
+
+    def lag_cluster(self, seconds: float) -> None:
+        """The cluster source answers with an old view: the state file's lag. A k8s://
+        source has no old view to give on demand (it answers while heard within `stale`,
+        else not at all): through k8s:// the controllers' source fails (`fail_cluster`)."""
+        if self.kube is None:
+            self.sim.lag_cluster(seconds)
+        else:
+            self.fail_cluster(f"lag {seconds:g}s")
+
+    def clear_faults(self) -> None:
+        self.sim.clear_faults()
+        if self.kube is not None and self.kube.server is not None:
+            self.kube.server.tokens[CONTROLLER_TOKEN] = ("controller", None)
+
+    def _api_server(self) -> Any:
+        """The test server (faults on demand); the real kube-apiserver has none."""
+        assert self.kube is not None
+        if self.kube.server is None:
+            pytest.skip("the real kube-apiserver cannot refuse one client on demand")
+        return self.kube.server
 
     # -- observing
 

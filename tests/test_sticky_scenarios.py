@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import exec_plugin, wait_for
+from conftest import KubeApi, exec_plugin, wait_for
 from ipward.core import keys
 from ipward.core import records as rec
 from simprocs import INTERVAL, NS, World
@@ -97,9 +97,9 @@ def test_two_statefulsets_share_a_pool_of_five(watched: tuple[World, Watcher]) -
 
 
 def test_statefulset_5_0_5_within_the_grace_gets_every_address_back(
-    tmp_path: Path, plugin: Path, sqlite_url: str
+    tmp_path: Path, plugin: Path, sqlite_url: str, world_kube: KubeApi | None
 ) -> None:
-    with World(tmp_path, plugin, sqlite_url, grace=30.0) as w:
+    with World(tmp_path, plugin, sqlite_url, grace=30.0, kube=world_kube) as w:
         w.pool("--range", "10.81.0.0/24")
         w.node("n1", cluster=True)
         w.controller("c1")
