@@ -463,6 +463,25 @@ def test_a_block_taken_by_requested_addresses_is_claimed_on_the_way(ledger, sqli
     assert check(sqlite_store)[0] == []
 
 
+def test_cni_gc_frees_though_its_pool_was_rewritten_since_it_was_remembered(
+    ledger, sqlite_store, clock
+):
+    """Model-test finding (etcd, slow run): after a refused `pool delete` (the spec
+    marked deleting, then put back), a CNI GC left an unlisted attachment's address: its
+    compare-and-delete failed on the spec revision remembered, and was taken for the
+    record's change."""
+    from ipward.ipam import pools
+
+    spec = pool(cooldown=0)
+    kept, gone = add(ledger, spec, 1), add(ledger, spec, 2)
+    with pytest.raises(InvalidConfig):
+        pools.delete_pool(sqlite_store, "p")  # in use: refused, the spec rewritten
+    clock.now += 60
+    assert ledger.collect_network("net", {("c1", "eth0")}, grace=0) == [f"p/{gone}"]
+    assert [kv.key for kv in sqlite_store.range("ips/")[0]] == [layout.ip_key("p", kept)]
+    assert check(sqlite_store)[0] == []
+
+
 # -- a pool whose ranges change (an inline network's config) -----------------------------
 
 

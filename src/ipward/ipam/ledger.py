@@ -1305,41 +1305,49 @@ class Ledger:
     ) -> AddressRecord:
         """Compare-and-delete one record (the CLI's `release`, garbage collection):
         refuses when the record is not exactly the one the caller saw. `fence`: compares
-        that must hold too (a controller's leadership). Returns the record freed."""
+        that must hold too (a controller's leadership). Returns the record freed. A
+        commit refused by a key read from the remembered cache (its pool spec, its block,
+        changed by another writer) is tried again on fresh reads: only a change of the
+        record itself is the caller's to hear."""
         key = keys.ip_key(pool, ip)
-        record_kv = self._get(key, fresh=True)
-        if record_kv is None or record_kv.mod_revision != expected_mod_revision:
-            raise OwnerChanged(
-                f"{pool}/{ip} changed since it was read (revision {expected_mod_revision});"
-                " look again and retry"
-            )
-        record = AddressRecord.decode(record_kv.value)
-        attachment = record.attachment
-        index_kv = self._get(attachment.key, fresh=True)
-        if record.sticky:
-            # A sticky address is detached with its whole attachment, never freed here:
-            # retiring the reservation is `free_sticky`'s.
-            if index_kv is None or record.is_detached:
-                raise OwnerChanged(f"{pool}/{ip} is reserved by {record.sticky}, detached")
-            compares, ops, freed, detached = self._release_plan(index_kv, attachment)
-            compares += [*fence, at_revision(key, record_kv.mod_revision)]
-        else:
-            ops, compares = self._free_ops(pool, ip, record, self.clock())
-            compares += [*fence, at_revision(key, record_kv.mod_revision)]
-            if index_kv is not None:
-                ref = rec.pool_ip(pool, ip)
-                refs = [r for r in AttachmentIndex.decode(index_kv.value).refs if r != ref]
-                compares.append(at_revision(index_kv.key, index_kv.mod_revision))
-                ops.append(
-                    Put(index_kv.key, AttachmentIndex(refs).encode())
-                    if refs
-                    else Delete(index_kv.key)
+        for attempt in range(MAX_ATTEMPTS):
+            record_kv = self._get(key, fresh=True)
+            if record_kv is None or record_kv.mod_revision != expected_mod_revision:
+                raise OwnerChanged(
+                    f"{pool}/{ip} changed since it was read (revision {expected_mod_revision});"
+                    " look again and retry"
                 )
-            freed, detached = [rec.pool_ip(pool, ip)], []
-        if not self._txn(compares, ops):
-            raise OwnerChanged(f"{pool}/{ip} changed while being released; look again")
-        self._log_release(attachment, freed, detached, reason, revision=expected_mod_revision)
-        return record
+            record = AddressRecord.decode(record_kv.value)
+            attachment = record.attachment
+            index_kv = self._get(attachment.key, fresh=True)
+            if record.sticky:
+                # A sticky address is detached with its whole attachment, never freed
+                # here: retiring the reservation is `free_sticky`'s.
+                if index_kv is None or record.is_detached:
+                    raise OwnerChanged(f"{pool}/{ip} is reserved by {record.sticky}, detached")
+                compares, ops, freed, detached = self._release_plan(index_kv, attachment)
+            else:
+                ops, compares = self._free_ops(pool, ip, record, self.clock())
+                if index_kv is not None:
+                    ref = rec.pool_ip(pool, ip)
+                    refs = [r for r in AttachmentIndex.decode(index_kv.value).refs if r != ref]
+                    compares.append(at_revision(index_kv.key, index_kv.mod_revision))
+                    ops.append(
+                        Put(index_kv.key, AttachmentIndex(refs).encode())
+                        if refs
+                        else Delete(index_kv.key)
+                    )
+                freed, detached = [rec.pool_ip(pool, ip)], []
+            compares += [*fence, at_revision(key, record_kv.mod_revision)]
+            if self._txn(compares, ops):
+                self._log_release(
+                    attachment, freed, detached, reason, revision=expected_mod_revision
+                )
+                return record
+            if not all(c.holds(self._get(c.key, fresh=True)) for c in fence):
+                raise OwnerChanged(f"{pool}/{ip} not released: its fence no longer holds")
+            self._backoff(attempt)
+        raise TryAgainLater(f"{pool}/{ip}: too much contention, nothing released")
 
     def collect_network(
         self, network: str, keep: set[tuple[str, str]], grace: float = ADD_GRACE
