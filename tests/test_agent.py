@@ -517,6 +517,32 @@ def test_cli_exposes_the_agent():
         assert option in out
 
 
+def test_status_names_the_live_agents_and_the_leading_controller(sqlite_url, start_agent, tmp_path):
+    """`ipward status` shows who serves: the nodes whose agent holds its registration,
+    and the controller that leads; none once they stop."""
+
+    def status() -> dict:
+        return json.loads(run_cli("--json", "status", store=sqlite_url, check=True).stdout)
+
+    run_cli("pool", "create", "web", "--range", "10.5.0.0/24", store=sqlite_url, check=True)
+    agent = start_agent(sqlite_url, extra=("--duty-interval", "0.1", "--node-ttl", "2"))
+    ctl = fleet.Controller("c7", sqlite_url, tmp_path, ("--lease-ttl", "2", "--interval", "0.2"))
+    try:
+        ctl.wait_started()
+        shown = wait_for(
+            lambda: (s := status())["leader"] and s["nodes"] and s, "the agent and the leader"
+        )
+        assert shown["nodes"] == [NODE] and shown["leader"]["id"] == "c7"
+        text = run_cli("status", store=sqlite_url, check=True).stdout
+        assert "leader    c7 (since" in text and "nodes     1 with a live agent" in text
+    finally:
+        ctl.stop()
+    agent.stop()
+    wait_for(lambda: not (s := status())["leader"] and not s["nodes"], "both gone")
+    text = run_cli("status", store=sqlite_url, check=True).stdout
+    assert "(no controller leads)" in text and "nodes     0 with a live agent" in text
+
+
 def test_agent_registers_its_node_and_answers_the_handshake(
     plugin, sqlite_url, start_agent, tmp_path
 ):

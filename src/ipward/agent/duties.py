@@ -55,7 +55,7 @@ class NodeDuties:
         if self.lease and self.store.lease_keepalive(self.lease) > 0:
             return
         self.lease = self.store.lease_grant(self.ttl)
-        value = rec.encode({"node": self.node, "pid": os.getpid(), "since": time.time()})
+        value = rec.NodeRegistration(self.node, os.getpid(), time.time()).encode()
         self.store.txn([], [Put(keys.node_key(self.node), value, lease=self.lease)])
         log.info("node registered", node=self.node, lease=self.lease, ttl=self.ttl)
 

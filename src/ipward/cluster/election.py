@@ -106,7 +106,7 @@ class Election:
             return
         started = time.monotonic()
         lease = self.store.lease_grant(self.ttl)
-        value = rec.encode({"id": self.ident, "since": round(time.time(), 3)})
+        value = rec.LeaderRecord(self.ident, time.time()).encode()
         try:
             won = self.store.txn([absent(LEADER_KEY)], [Put(LEADER_KEY, value, lease=lease)])
             ok = won.succeeded

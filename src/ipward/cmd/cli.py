@@ -28,7 +28,7 @@ from ipward.core.addr import format_ip, parse_cidr, parse_ip
 from ipward.core.errors import InvalidConfig, IpwardError
 from ipward.core.policy import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM
 from ipward.core.pool import PoolSpec, check_routes, default_gateway
-from ipward.core.records import AddressRecord, BlockRecord, ReservationRecord
+from ipward.core.records import AddressRecord, BlockRecord, LeaderRecord, ReservationRecord
 from ipward.gc import rules as gc_rules
 from ipward.ipam import transfer
 from ipward.ipam.ledger import Ledger
@@ -791,21 +791,32 @@ def _release_sticky(
 @cli.command("status")
 @pass_ctx
 def status_command(c: Context) -> None:
-    """Store, revision, pools and how full they are."""
+    """Store, revision, the controller leading, the nodes with a live agent, pools and
+    how full they are."""
     pools: list[dict[str, Any]] = [
         {"name": spec.name, "used": used, "capacity": spec.attachments_capacity()}
         for spec, used in _pools_in_use(c)
     ]
+    leader_kv = c.store.get(keys.LEADER_KEY)
+    leader = LeaderRecord.decode(leader_kv.value) if leader_kv is not None else None
+    nodes = sorted(
+        name for kv in c.store.range(keys.NODES)[0] if (name := keys.registered_node(kv.key))
+    )
     data = {
         "store": redact(c.store_url),
         "revision": c.store.revision(),
         "schema": schema.VERSION,  # open_store refuses any other
+        "leader": {"id": leader.ident, "since": leader.since} if leader else None,
+        "nodes": nodes,
         "pools": pools,
     }
+    since = f" (since {_age(time.time() - leader.since)} ago)" if leader else ""
     lines = [
         f"store     {data['store']}",
         f"revision  {data['revision']}",
         f"schema    {data['schema']}",
+        f"leader    {leader.ident + since if leader else '(no controller leads)'}",
+        f"nodes     {len(nodes):,} with a live agent",
     ]
     for p in pools:
         lines.append(

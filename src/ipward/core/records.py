@@ -8,6 +8,8 @@ classes, each with its encoding in one place (`encode` / `decode`: sorted compac
     free/...       FreeRecord        when an address was freed, and its queue entry
     fill/...       FillRecord        the block a node fills fresh addresses from
     blockcursor/.. CursorRecord      the next never-claimed block
+    nodes/...      NodeRegistration  a live agent (under its lease)
+    controller/..  LeaderRecord      the controller that leads (under its lease)
 
 Decoding is lenient where a reader always was (a field missing reads as its default)
 and strict where a record is useless without it (an address record's attachment). A
@@ -572,3 +574,48 @@ class Sticky:
             self.ttl,
             _stamp(now),
         )
+
+
+class NodeRegistration:
+    """`nodes/<node>`, under the agent's lease: the node has a live agent. `pid` and
+    `since` are for an operator (`ipward status`); the key's presence is the fact."""
+
+    __slots__ = ("node", "pid", "since")
+
+    def __init__(self, node: str, pid: int, since: float) -> None:
+        self.node = node
+        self.pid = pid
+        self.since = since
+
+    def encode(self) -> bytes:
+        return encode({"node": self.node, "pid": self.pid, "since": self.since})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> NodeRegistration:
+        d = decode(raw)
+        pid, since = d.get("pid", 0), d.get("since", 0.0)
+        return cls(
+            str(d.get("node", "")),
+            pid if isinstance(pid, int) else 0,
+            float(since) if isinstance(since, int | float) else 0.0,
+        )
+
+
+class LeaderRecord:
+    """The controller leader key, under the leader's lease: which controller instance
+    leads, and since when. Its exact bytes are the fence every leader write compares."""
+
+    __slots__ = ("ident", "since")
+
+    def __init__(self, ident: str, since: float) -> None:
+        self.ident = ident
+        self.since = since
+
+    def encode(self) -> bytes:
+        return encode({"id": self.ident, "since": round(self.since, 3)})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> LeaderRecord:
+        d = decode(raw)
+        since = d.get("since", 0.0)
+        return cls(str(d.get("id", "")), float(since) if isinstance(since, int | float) else 0.0)

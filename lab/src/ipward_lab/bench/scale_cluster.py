@@ -149,7 +149,7 @@ class ScaleCluster:
         ops = [
             Put(
                 keys.node_key(node),
-                rec.encode({"node": node, "pid": os.getpid(), "since": now}),
+                rec.NodeRegistration(node, os.getpid(), now).encode(),
                 lease=lease,
             )
             for node, lease in zip(nodes, leases, strict=True)
