@@ -25,6 +25,7 @@ from aetcd import rpc
 from ipward.store.base import (
     DELETE,
     PUT,
+    Compacted,
     Compare,
     Delete,
     Event,
@@ -394,19 +395,20 @@ class EtcdWatch(Watch):
         # a cancel to etcd, and grpc reads this iterator in a thread of its own.
         self._cancelled.wait()
 
-    def __iter__(self) -> Iterator[Event]:
+    def batches(self) -> Iterator[list[Event]]:
         target = self._endpoint.target
         try:
             for resp in self._call:
                 if resp.compact_revision:
-                    raise StoreError(
+                    raise Compacted(
                         f"etcd {target}: cannot watch from before revision"
                         f" {resp.compact_revision}: compacted"
                     )
                 if resp.canceled:  # by etcd: we cancel by ending the stream
                     raise StoreError(f"etcd {target}: watch refused: {resp.cancel_reason}")
-                for ev in resp.events:
-                    yield _event(ev)
+                # One answer holds whole revisions (no fragmenting is asked for).
+                if resp.events:
+                    yield [_event(ev) for ev in resp.events]
             if not self._cancelled.is_set():
                 raise StoreUnavailable(f"etcd {target}: watch stream ended")
         except grpc.RpcError as e:
