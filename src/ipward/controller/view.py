@@ -115,6 +115,7 @@ class StoreView:
         self._reread_due = 0.0
         self._pending_reread: tuple[str, str] | None = (START, "")
         self._watch: Watch | None = None
+        self._receiver: threading.Thread | None = None
         self._queue: queue.SimpleQueue[list[Event] | _Ended] = queue.SimpleQueue()
         self._pending = 0  # events queued and not applied yet
         self._pending_lock = threading.Lock()
@@ -142,6 +143,12 @@ class StoreView:
 
     def pool(self, name: str) -> PoolKeys:
         return self.pool_keys.get(name) or PoolKeys()
+
+    @property
+    def receiving(self) -> bool:
+        """Whether the watch thread is taking events (it stops on an error, or when too
+        far ahead of the passes, until the next sync)."""
+        return self._receiver is not None and self._receiver.is_alive()
 
     def close(self) -> None:
         self._stop_following()
@@ -207,9 +214,10 @@ class StoreView:
             self._pending = 0
         watch = self.store.watch("", self.revision + 1)
         self._watch = watch
-        threading.Thread(
+        self._receiver = threading.Thread(
             target=self._receive, args=(watch, self._queue), name="view-watch", daemon=True
-        ).start()
+        )
+        self._receiver.start()
 
     def _stop_following(self) -> None:
         if self._watch is not None:
