@@ -265,3 +265,19 @@ def test_a_record_rewritten_while_the_view_lags_is_not_freed(tmp_path: Path) -> 
             assert (now.container, now.mod_revision) == ("sb2", kv.mod_revision)
         finally:
             view.close()
+
+
+def test_a_forgotten_view_holds_nothing_and_reads_whole_again(store: Store) -> None:
+    view, metrics = view_of(store)
+    try:
+        random_writes(store, random.Random(7), 20)
+        view.sync()
+        assert view.records
+        view.forget()  # the controller stepped down
+        assert (view.revision, view.records, view.pool_keys, view.receiving) == (0, {}, {}, False)
+        random_writes(store, random.Random(8), 5)
+        view.sync()
+        assert rereads(metrics, "start") == 2
+        assert contents(view) == fresh(store)
+    finally:
+        view.close()

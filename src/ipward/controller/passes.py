@@ -17,8 +17,9 @@ the lease alone (it has expired, or the key is not ours; and SQLite hands a dele
 lease's id out again, so revoking an id no longer held could end someone else's lease).
 Only a clean stop (SIGTERM, SIGINT) resigns: compare-and-delete of the key, then revoke.
 
-A pass (leader only, every --interval), per pool, from one read of its blocks and one
-scan of its records:
+A pass (leader only, every --interval), per pool, from the store view
+(`ipward.controller.view`: read whole once, kept current from a watch, brought up to the
+store's revision at the start of the pass; a standby lets it go):
   * handshake steps on blocks of registered nodes: `refused` -> resume (an aborted
     handshake); `ready` answered at least --ready-delay ago -> release (completed);
     `marked` waits for the node's agent. A block seen in the handshake and later seen
@@ -170,6 +171,8 @@ class Controller:
         while not self.stopping.is_set():
             if self.election.leading:
                 self.run_pass_logged()
+            else:
+                self.view.forget()  # a standby holds no view; a new term reads whole
             self.wake.wait(self.interval)
             self.wake.clear()
 

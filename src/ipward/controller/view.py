@@ -153,6 +153,14 @@ class StoreView:
     def close(self) -> None:
         self._stop_following()
 
+    def forget(self) -> None:
+        """Let go of everything (a standby holds nothing); the next sync reads whole."""
+        if self.revision or self._watch is not None:
+            self._stop_following()
+            self._clear()
+            self._queue = queue.SimpleQueue()
+            self._pending_reread = (START, "")
+
     # -- keeping current
 
     def _catch_up(self) -> None:
@@ -189,13 +197,7 @@ class StoreView:
         self._pending_reread = (reason, detail)  # again next sync, should this read fail
         self.metrics.view_rereads.labels(reason=reason).inc()
         log.info("controller view: reading the store whole", reason=reason, detail=detail)
-        self.revision = 0
-        self.pools.clear()
-        self.pool_keys.clear()
-        self.records.clear()
-        self.reservations.clear()
-        self.registered.clear()
-        self.affinity.clear()
+        self._clear()
         kvs, revision = self.store.snapshot(PREFIXES)
         kvs.reverse()
         while kvs:  # each raw key let go once applied: the peak is one copy, not two
@@ -205,6 +207,15 @@ class StoreView:
         self._reread_due = self.monotonic() + self.reread_every
         self.metrics.view_lag.set(0)
         self._follow()
+
+    def _clear(self) -> None:
+        self.revision = 0
+        self.pools.clear()
+        self.pool_keys.clear()
+        self.records.clear()
+        self.reservations.clear()
+        self.registered.clear()
+        self.affinity.clear()
 
     def _follow(self) -> None:
         """Watch every key from the view's revision on, in a thread of its own."""
@@ -223,6 +234,7 @@ class StoreView:
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
+        self._receiver = None  # ends on its own: its watch is cancelled
 
     def _receive(self, watch: Watch, out: queue.SimpleQueue[list[Event] | _Ended]) -> None:
         """The watch thread: queue each batch; end with why it stopped."""
