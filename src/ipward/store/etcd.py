@@ -44,7 +44,11 @@ Metadata = tuple[tuple[str, str], ...]
 
 DEFAULT_PORT = 2379
 OPTIONS = ("ca", "cert", "key", "user", "password", "timeout")
-SNAPSHOT_PAGE = 1000  # keys per range request of a snapshot
+# Keys per range request of a snapshot. etcd 3.4 walks the whole rest of the range on
+# every page (to count it), so a read of n keys costs n * n / (2 * page): at 150,000
+# keys, pages of 1,000 took 11 s where pages of 10,000 take 3.6 s (one unpaged range
+# 3.1 s); a page is some 6 MB.
+SNAPSHOT_PAGE = 10_000
 
 # Makes a member cut off from its leader refuse at once ("no leader") instead of hanging
 # until the deadline, and end watches it can no longer feed.
