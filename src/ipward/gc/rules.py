@@ -243,9 +243,9 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
         return Verdict(held, None, f"cluster view only {age:.1f}s after the ADD (grace {grace:g}s)")
     if (
         not stopped
-        and node_name_problem(held.node) is None  # a name no node can have proves nothing
         and held.node not in evidence.registered
         and held.node not in cluster.nodes
+        and node_name_problem(held.node) is None  # a name no node can have proves nothing
     ):
         return Verdict(
             held,
