@@ -183,6 +183,7 @@ def test_a_compaction_under_a_lagging_watch_makes_the_view_read_whole(
             rng = random.Random(3)
             random_writes(store, rng, 30)  # more events than the view may hold for a pass
             wait_for(lambda: not view.receiving, "the watch to stop, too far ahead")
+            random_writes(store, rng, 5)  # after it stopped: only the store's history has them
             etcd_compact(etcd, store.revision())
             view.sync()
             assert rereads(metrics, "compacted") == 1

@@ -86,6 +86,35 @@ class _Ended:
         self.detail = detail
 
 
+class _Inbox:
+    """What one watch delivered and the passes have not applied yet: its batches, then
+    why it ended. One per watch, so a replaced watch's thread cannot reach the next."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self._items: queue.SimpleQueue[list[Event] | _Ended] = queue.SimpleQueue()
+        self._pending = 0  # events queued and not taken yet
+        self._lock = threading.Lock()
+
+    def put(self, batch: list[Event]) -> bool:
+        """Queue a batch; True when too many events are waiting (stop receiving)."""
+        self._items.put(batch)
+        with self._lock:
+            self._pending += len(batch)
+            return self._pending > self.max_pending
+
+    def end(self, reason: str, detail: str) -> None:
+        self._items.put(_Ended(reason, detail))
+
+    def take(self, timeout: float) -> list[Event] | _Ended:
+        """The next item, waiting at most `timeout` (queue.Empty after that)."""
+        item = self._items.get(timeout=timeout)
+        if not isinstance(item, _Ended):
+            with self._lock:
+                self._pending -= len(item)
+        return item
+
+
 class StoreView:
     """See the module docstring. Only the pass thread calls `sync` and reads the fields."""
 
@@ -116,9 +145,7 @@ class StoreView:
         self._pending_reread: tuple[str, str] | None = (START, "")
         self._watch: Watch | None = None
         self._receiver: threading.Thread | None = None
-        self._queue: queue.SimpleQueue[list[Event] | _Ended] = queue.SimpleQueue()
-        self._pending = 0  # events queued and not applied yet
-        self._pending_lock = threading.Lock()
+        self._inbox = _Inbox(max_pending)
 
     # -- what the passes call
 
@@ -158,7 +185,7 @@ class StoreView:
         if self.revision or self._watch is not None:
             self._stop_following()
             self._clear()
-            self._queue = queue.SimpleQueue()
+            self._inbox = _Inbox(self.max_pending)
             self._pending_reread = (START, "")
 
     # -- keeping current
@@ -167,19 +194,14 @@ class StoreView:
         target = self.store.revision()
         self.metrics.view_lag.set(max(0, target - self.revision))
         deadline = self.monotonic() + self.catch_up_timeout
-        while True:
-            behind = self.revision < target
+        # Up to the target only: what comes after waits for the next pass (a busy store
+        # could otherwise keep a pass applying).
+        while self.revision < target:
             try:
-                item = self._queue.get(
-                    block=behind, timeout=max(0.0, deadline - self.monotonic()) if behind else None
-                )
+                item = self._inbox.take(max(0.0, deadline - self.monotonic()))
             except queue.Empty:
-                if not behind:
-                    return
-                self._reread(
-                    BROKEN,
-                    f"the watch did not reach revision {target} in time (at {self.revision})",
-                )
+                late = f"the watch did not reach revision {target} in time (at {self.revision})"
+                self._reread(BROKEN, late)
                 return
             if isinstance(item, _Ended):
                 if item.reason == _LAGGED:
@@ -187,8 +209,6 @@ class StoreView:
                     continue
                 self._reread(item.reason, item.detail)
                 return
-            with self._pending_lock:
-                self._pending -= len(item)
             self._apply(item)
             self.revision = max(self.revision, item[-1].kv.mod_revision)
 
@@ -220,13 +240,11 @@ class StoreView:
     def _follow(self) -> None:
         """Watch every key from the view's revision on, in a thread of its own."""
         self._stop_following()
-        self._queue = queue.SimpleQueue()
-        with self._pending_lock:
-            self._pending = 0
+        self._inbox = _Inbox(self.max_pending)
         watch = self.store.watch("", self.revision + 1)
         self._watch = watch
         self._receiver = threading.Thread(
-            target=self._receive, args=(watch, self._queue), name="view-watch", daemon=True
+            target=self._receive, args=(watch, self._inbox), name="view-watch", daemon=True
         )
         self._receiver.start()
 
@@ -236,28 +254,24 @@ class StoreView:
             self._watch = None
         self._receiver = None  # ends on its own: its watch is cancelled
 
-    def _receive(self, watch: Watch, out: queue.SimpleQueue[list[Event] | _Ended]) -> None:
+    def _receive(self, watch: Watch, inbox: _Inbox) -> None:
         """The watch thread: queue each batch; end with why it stopped."""
         try:
             for batch in watch.batches():
                 if self._watch is not watch:
-                    return  # replaced: its queue is no one's any more
-                out.put(batch)
-                with self._pending_lock:
-                    self._pending += len(batch)
-                    lagged = self._pending > self.max_pending
-                if lagged:
+                    return  # replaced: its inbox is no one's any more
+                if inbox.put(batch):
                     watch.cancel()
-                    out.put(_Ended(_LAGGED, f"{self.max_pending} events ahead of the passes"))
+                    inbox.end(_LAGGED, f"over {inbox.max_pending} events ahead of the passes")
                     return
         except Compacted as e:
-            out.put(_Ended(COMPACTED, str(e)))
+            inbox.end(COMPACTED, str(e))
             return
         except Exception as e:  # a broken stream: read whole at the next sync
-            out.put(_Ended(BROKEN, f"{type(e).__name__}: {e}"))
+            inbox.end(BROKEN, f"{type(e).__name__}: {e}")
             return
         if self._watch is watch:
-            out.put(_Ended(BROKEN, "the watch stream ended"))
+            inbox.end(BROKEN, "the watch stream ended")
 
     # -- applying changes
 
