@@ -282,3 +282,23 @@ def test_a_forgotten_view_holds_nothing_and_reads_whole_again(store: Store) -> N
         assert contents(view) == fresh(store)
     finally:
         view.close()
+
+
+def test_a_watch_batch_holds_whole_transactions(store: Store) -> None:
+    """What lets a pass never see part of a transaction: each batch ends at a revision's
+    end, on both stores."""
+    start = store.revision() + 1
+    for i in range(20):
+        store.txn([], [Put(f"{keys.NODES}n{i}-{k}", b"{}") for k in range(3)])
+    watch = store.watch("", start)
+    seen: dict[int, int] = {}
+    try:
+        for batch in watch.batches():
+            for event in batch:
+                seen[event.kv.mod_revision] = seen.get(event.kv.mod_revision, 0) + 1
+            assert seen[batch[-1].kv.mod_revision] == 3  # the batch's last revision is whole
+            if len(seen) == 20:
+                break
+    finally:
+        watch.cancel()
+    assert sorted(seen.values()) == [3] * 20
