@@ -622,6 +622,7 @@ SCALE_ROW = {
     "controller_hwm_mib",
     "controller_assigned_first",
     "controller_pass_errors",
+    "controller_view_rereads",
     "changed_pods",
     "add_running_p50_ms",
     "add_running_p99_ms",
@@ -657,6 +658,7 @@ def check_scale_result(
             assert row["churn_errors"] == row["controller_pass_errors"] == 0
         assert 0 <= row["controller_cpu"] <= (os.cpu_count() or 1)
         assert row["changed_pods"] == max(row["records"] // 100, 1)
+        assert row["controller_view_rereads"] == 1  # at its start: the steady pass follows
         assert row["nodes"] > agents
         assert row["agent_hwm_mib"] >= row["agent_rss_mib"]
     assert set(result["targets"]) == {

@@ -15,6 +15,7 @@ from ipward.cmd import daemon
 from ipward.cmd.daemon import Signals, add_grace_option, redact
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller, ControllerError
+from ipward.controller.view import DEFAULT_REREAD_EVERY
 from ipward.core import log
 from ipward.core.errors import InvalidConfig
 from ipward.core.policy import ADD_GRACE
@@ -34,6 +35,7 @@ def run_controller(
     liveness: str | None = None,
     add_grace: float = ADD_GRACE,
     gc_interval: float = 30.0,
+    view_reread: float = DEFAULT_REREAD_EVERY,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status."""
     controllers: list[Controller] = []  # the one made below, for the signal handler
@@ -64,6 +66,7 @@ def run_controller(
             liveness=open_source(liveness) if liveness else None,
             add_grace=add_grace,
             gc_interval=gc_interval,
+            view_reread=view_reread,
         )
         controllers.append(controller)
         election.on_change = controller.on_leadership
@@ -96,12 +99,14 @@ def run_controller(
                 liveness=liveness,
                 add_grace=add_grace,
                 gc_interval=gc_interval,
+                view_reread=view_reread,
                 metrics=None if http is None else daemon.http_url(http),
                 pid=os.getpid(),
             )
             controller.run()
         finally:
             controller.stop()
+            controller.view.close()
             election.stop()  # resigns when leading: the successor need not wait for the lease
             metrics.leader.set(0)
             daemon.stop_http(http)
@@ -164,6 +169,15 @@ def run_controller(
     help="Seconds between garbage-collection passes (a record is freed on its second"
     " pass as a candidate).",
 )
+@click.option(
+    "--view-reread",
+    type=click.FloatRange(1),
+    default=DEFAULT_REREAD_EVERY,
+    show_default=True,
+    help="Seconds between whole reads of the store by the controller's view, a safety"
+    " net under the watch that keeps it current (it also reads whole at the start, on a"
+    " compaction and on a broken watch).",
+)
 @click.pass_context
 def controller_command(
     ctx: click.Context,
@@ -178,6 +192,7 @@ def controller_command(
     liveness: str | None,
     add_grace: float,
     gc_interval: float,
+    view_reread: float,
 ) -> None:
     """Run the cluster's controller: assign blocks to keep nodes warm, reclaim surplus
     blocks through the release handshake. One instance leads; others wait to take over."""
@@ -194,5 +209,6 @@ def controller_command(
         liveness=liveness,
         add_grace=add_grace,
         gc_interval=gc_interval,
+        view_reread=view_reread,
     )
     ctx.exit(status)

@@ -17,6 +17,8 @@ from prometheus_client.registry import Collector
 
 from ipward.gc import rules as gc
 
+REREAD_REASONS = ("start", "compacted", "timer", "broken")  # `view`'s, named there
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
@@ -123,6 +125,22 @@ class Metrics:
             self.gc_freed.labels(reason=reason)
         for source in ("runtime", "cluster"):
             self.gc_source_errors.labels(source=source)
+        self.view_lag = Gauge(
+            "ipward_controller_view_lag_revisions",
+            "Revisions the controller's store view (kept from a watch) was behind the store"
+            " when the last pass began (it catches up before the pass reads it).",
+            registry=self.registry,
+        )
+        self.view_rereads = Counter(
+            "ipward_controller_view_rereads",
+            "Whole reads of the store by the controller's view, by reason: start, compacted"
+            " (the watch's history was gone), timer (the safety net), broken (the watch"
+            " stream broke or fell behind).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in REREAD_REASONS:
+            self.view_rereads.labels(reason=reason)
         self.info = Gauge(
             "ipward_controller_info", "This instance's id.", ["id"], registry=self.registry
         )

@@ -17,8 +17,9 @@ the lease alone (it has expired, or the key is not ours; and SQLite hands a dele
 lease's id out again, so revoking an id no longer held could end someone else's lease).
 Only a clean stop (SIGTERM, SIGINT) resigns: compare-and-delete of the key, then revoke.
 
-A pass (leader only, every --interval), per pool, from one read of its blocks and one
-scan of its records:
+A pass (leader only, every --interval), per pool, from the store view
+(`ipward.controller.view`: read whole once, kept current from a watch, brought up to the
+store's revision at the start of the pass; a standby lets it go):
   * handshake steps on blocks of registered nodes: `refused` -> resume (an aborted
     handshake); `ready` answered at least --ready-delay ago -> release (completed);
     `marked` waits for the node's agent. A block seen in the handshake and later seen
@@ -63,7 +64,8 @@ from typing import TYPE_CHECKING
 from ipward.cluster.election import Election
 from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView
 from ipward.controller.metrics import Metrics
-from ipward.core import keys, log
+from ipward.controller.view import DEFAULT_REREAD_EVERY, StoreView
+from ipward.core import log
 from ipward.core.errors import IpwardError
 from ipward.core.keys import LEADER_KEY
 from ipward.core.names import node_name_problem
@@ -74,9 +76,7 @@ from ipward.core.records import (
     MARKED,
     READY,
     REFUSED,
-    AddressRecord,
     BlockRecord,
-    FillRecord,
 )
 from ipward.gc import rules as gc
 from ipward.ipam import blocks, pools
@@ -136,8 +136,10 @@ class Controller:
         gc_interval: float = 30.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        view_reread: float = DEFAULT_REREAD_EVERY,
     ) -> None:
         self.store = store
+        self.view = StoreView(store, metrics, reread_every=view_reread, monotonic=monotonic)
         self.liveness = liveness
         self.add_grace = add_grace
         self.gc_interval = gc_interval
@@ -169,6 +171,8 @@ class Controller:
         while not self.stopping.is_set():
             if self.election.leading:
                 self.run_pass_logged()
+            else:
+                self.view.forget()  # a standby holds no view; a new term reads whole
             self.wake.wait(self.interval)
             self.wake.clear()
 
@@ -225,13 +229,13 @@ class Controller:
         if self.liveness is not None and self.monotonic() >= self.gc_due:
             self.gc_due = self.monotonic() + self.gc_interval
             self.gc_pass(self.liveness)
-        nodes = set(gc.registered_nodes(self.store))
+        self.view.sync()  # after garbage collection: its frees are counted
+        nodes = set(self.view.registered)
         counts: dict[tuple[str, str, str], int] = {}
         deficits: dict[tuple[str, str, str], int] = {}
         seen: set[tuple[str, str]] = set()
         failed: set[str] = set()
-        for kv in self.store.range(keys.POOLS)[0]:
-            name = keys.pool_name(kv.key)
+        for name, kv in sorted(self.view.pools.items()):
             try:
                 spec = PoolSpec.decode(kv.value)
             except (IpwardError, ValueError) as e:
@@ -265,7 +269,15 @@ class Controller:
         registrations, then liveness; frees what the previous pass found too, each by
         compare-and-delete on the revision judged, fenced. Returns what it freed."""
         started = time.monotonic()
-        seen = gc.look(self.store, source, self.add_grace)
+        view = self.view
+        view.sync()
+        seen = gc.look_at(
+            view.held(),
+            list(view.reservations.values()),
+            frozenset(view.registered),
+            source,
+            self.add_grace,
+        )
         nodes, evidence = seen.nodes, seen.evidence
         cluster_ok = isinstance(evidence.cluster, ClusterView)
         runtime_ok = [n for n in nodes if isinstance(evidence.nodes.get(n), NodeView)]
@@ -284,7 +296,7 @@ class Controller:
             )
             return []
         if isinstance(evidence.cluster, ClusterView):
-            named = {*nodes, *self._block_nodes()}
+            named = {*nodes, *self.view.block_nodes()}
             unnamed = sorted(n for n in named if node_name_problem(n))
             if unnamed:  # written before names were checked: never judged gone
                 log.error("records name invalid nodes; not judged gone", nodes=unnamed)
@@ -326,14 +338,6 @@ class Controller:
         )
         return freed
 
-    def _block_nodes(self) -> set[str]:
-        nodes = set()
-        for kv in self.store.range(keys.AFFINITY)[0]:
-            node = keys.affinity_parts(kv.key)[1]
-            if node:
-                nodes.add(node)
-        return nodes
-
     def _pool_pass(
         self,
         spec: PoolSpec,
@@ -374,30 +378,17 @@ class Controller:
             pools.prune(self.store, pool, self._fence())
 
     def _read_pool(self, spec: PoolSpec, nodes: set[str]) -> _PoolState:
-        """The pool's blocks, then its records and fills. Blocks before records: an
-        allocation of a fresh address after this read moves the block's revision, so a
-        mark decided on a stale count loses its CAS."""
-        pool = spec.name
+        """The pool's blocks, records per block and fills, from the view (one revision:
+        an allocation of a fresh address after it moves the block's revision, so a mark
+        decided on a stale count loses its CAS). The blocks are copied: the steps change
+        them for the steps after."""
         state = _PoolState(spec, self.clock(), self.monotonic(), self.gone_nodes - nodes)
-        for kv in self.store.range(keys.blocks_prefix(pool))[0]:
-            cidr = keys.cidr_of(kv.key)
-            try:
-                state.blocks[cidr] = BlockRecord.decode(kv.value)
-            except ValueError:
-                log.error("block record unreadable", key=kv.key)
-                continue
+        read = self.view.pool(spec.name)
+        for cidr, (kv, block) in read.blocks.items():
+            state.blocks[cidr] = block
             state.block_kvs[cidr] = kv
-        for kv in self.store.range(keys.ips_prefix(pool))[0]:
-            try:
-                state.records[AddressRecord.decode(kv.value).block] += 1
-            except ValueError:
-                log.error("address record unreadable", key=kv.key)
-        for kv in self.store.range(keys.fills_prefix(pool))[0]:
-            _, family_text, filler = keys.fill_parts(kv.key)
-            try:
-                state.fills[(int(family_text), filler)] = FillRecord.decode(kv.value).block
-            except ValueError:
-                continue
+        state.records = read.records  # only read by the steps
+        state.fills = read.fills
         return state
 
     def _handshake_steps(

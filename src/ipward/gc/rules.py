@@ -69,7 +69,7 @@ TTL_EXPIRED = "ttl-expired"
 RETIRE_REASONS = (SET_DELETED, ORDINAL_OUT, TTL_EXPIRED)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Held:
     """One allocation record as read, with the revision a free must compare."""
 
@@ -243,9 +243,9 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
         return Verdict(held, None, f"cluster view only {age:.1f}s after the ADD (grace {grace:g}s)")
     if (
         not stopped
-        and node_name_problem(held.node) is None  # a name no node can have proves nothing
         and held.node not in evidence.registered
         and held.node not in cluster.nodes
+        and node_name_problem(held.node) is None  # a name no node can have proves nothing
     ):
         return Verdict(
             held,
@@ -378,9 +378,18 @@ class Look:
 
 
 def look(store: Store, source: LivenessSource | None, grace: float) -> Look:
-    held = snapshot(store)
-    reserved = reservations(store)
-    registered = registered_nodes(store)
+    return look_at(snapshot(store), reservations(store), registered_nodes(store), source, grace)
+
+
+def look_at(
+    held: list[Held],
+    reserved: list[Reservation],
+    registered: frozenset[str],
+    source: LivenessSource | None,
+    grace: float,
+) -> Look:
+    """`look` on records, reservations and registrations already read (rule 1: all of
+    them before liveness, which is read here)."""
     nodes = sorted({h.node for h in held})
     evidence = gather(source, nodes, grace=grace, registered=registered)
     return Look(

@@ -38,6 +38,11 @@ class StoreIncompatible(StoreError):
     not yet migrated, an import in progress. Permanent: trying again cannot help."""
 
 
+class Compacted(StoreError):
+    """A watch asked for revisions whose history the store no longer keeps (etcd's
+    compaction, SQLite's bounded events table): read the keys whole again."""
+
+
 class TxnTooLarge(StoreError):
     """The store refused a transaction as over its limits (see `Store.txn_problem`):
     trying again cannot help."""
@@ -176,10 +181,18 @@ class Event:
 
 
 class Watch(abc.ABC):
-    """An open watch: iterate for events in revision order; cancel to stop."""
+    """An open watch: iterate for events in revision order (or for `batches` of them);
+    cancel to stop."""
 
     @abc.abstractmethod
-    def __iter__(self) -> Iterator[Event]: ...
+    def batches(self) -> Iterator[list[Event]]:
+        """The events in groups as the store delivers them, each group whole revisions
+        (never part of one transaction's changes): a reader applying group by group
+        sees only states the store had."""
+
+    def __iter__(self) -> Iterator[Event]:
+        for batch in self.batches():
+            yield from batch
 
     @abc.abstractmethod
     def cancel(self) -> None: ...
@@ -222,7 +235,8 @@ class Store(abc.ABC):
     missing keys) makes no new revision. A Put with an unknown or expired lease fails
     the whole `txn` with StoreError. Revoking a lease that is gone is not an error.
     A watch reports a broken stream by raising StoreUnavailable from iteration; watch
-    again from the last revision seen plus one. etcd raises lease TTLs below 2 s to 2 s.
+    again from the last revision seen plus one. A watch from a revision whose history
+    is gone raises Compacted. etcd raises lease TTLs below 2 s to 2 s.
 
     A transaction must respect the store's limits, None where it has none of that kind:
     `max_txn_ops`, compares and the writes of each branch, each counted apart (as etcd

@@ -25,6 +25,7 @@ from aetcd import rpc
 from ipward.store.base import (
     DELETE,
     PUT,
+    Compacted,
     Compare,
     Delete,
     Event,
@@ -43,7 +44,11 @@ Metadata = tuple[tuple[str, str], ...]
 
 DEFAULT_PORT = 2379
 OPTIONS = ("ca", "cert", "key", "user", "password", "timeout")
-SNAPSHOT_PAGE = 1000  # keys per range request of a snapshot
+# Keys per range request of a snapshot. etcd 3.4 walks the whole rest of the range on
+# every page (to count it), so a read of n keys costs n * n / (2 * page): at 150,000
+# keys, pages of 1,000 took 11 s where pages of 10,000 take 3.6 s (one unpaged range
+# 3.1 s); a page is some 6 MB.
+SNAPSHOT_PAGE = 10_000
 
 # Makes a member cut off from its leader refuse at once ("no leader") instead of hanging
 # until the deadline, and end watches it can no longer feed.
@@ -394,19 +399,20 @@ class EtcdWatch(Watch):
         # a cancel to etcd, and grpc reads this iterator in a thread of its own.
         self._cancelled.wait()
 
-    def __iter__(self) -> Iterator[Event]:
+    def batches(self) -> Iterator[list[Event]]:
         target = self._endpoint.target
         try:
             for resp in self._call:
                 if resp.compact_revision:
-                    raise StoreError(
+                    raise Compacted(
                         f"etcd {target}: cannot watch from before revision"
                         f" {resp.compact_revision}: compacted"
                     )
                 if resp.canceled:  # by etcd: we cancel by ending the stream
                     raise StoreError(f"etcd {target}: watch refused: {resp.cancel_reason}")
-                for ev in resp.events:
-                    yield _event(ev)
+                # One answer holds whole revisions (no fragmenting is asked for).
+                if resp.events:
+                    yield [_event(ev) for ev in resp.events]
             if not self._cancelled.is_set():
                 raise StoreUnavailable(f"etcd {target}: watch stream ended")
         except grpc.RpcError as e:

@@ -21,6 +21,7 @@ import time
 from ipward.store.base import (
     DELETE,
     PUT,
+    Compacted,
     Compare,
     Delete,
     Event,
@@ -509,7 +510,7 @@ class SqliteStore(Store):
         with self._lock:
             compacted = self._query_one("SELECT value FROM meta WHERE name = 'compacted'", ())
             if compacted is not None and revision <= compacted[0]:
-                raise StoreError(f"revision {revision} has been compacted ({compacted[0]})")
+                raise Compacted(f"revision {revision} has been compacted ({compacted[0]})")
             if self._has_expired_lease():
                 self.txn((), ())  # the sweep runs inside any write transaction
             try:
@@ -537,13 +538,14 @@ class _SqliteWatch(Watch):
 
         self._cancelled = threading.Event()
 
-    def __iter__(self) -> Iterator[Event]:
+    def batches(self) -> Iterator[list[Event]]:
         while not self._cancelled.is_set():
+            # One statement: whole revisions.
             events = self._store._events_since(self._prefix, self._next)
-            for event in events:
-                if self._cancelled.is_set():
-                    return
-                yield event
+            if events:
+                yield events
+            if self._cancelled.is_set():
+                return
             if events:
                 self._next = events[-1].kv.mod_revision + 1
             else:

@@ -161,7 +161,8 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
                 if freed:
                     raise BenchError(f"the controller's GC pass freed {len(freed)} records")
     finally:
-        for _, store, _, _ in sessions:
+        for _, store, _, controller in sessions:
+            controller.view.close()
             store.close()
     return {
         n: {name: statistics.median(values) for name, values in times.items()}

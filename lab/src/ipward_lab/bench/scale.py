@@ -288,6 +288,8 @@ def controller_figures(cluster: ScaleCluster, controller: Controller) -> dict[st
     samples = _scrape(controller)
     freed = samples.get("ipward_gc_freed_total", 0.0)
     errors = samples.get("ipward_controller_pass_errors_total", 0.0)
+    # Its view's whole reads so far: 1 (the start) unless the steady pass read whole too.
+    rereads = samples.get("ipward_controller_view_rereads_total", 0.0)
     if freed:
         raise BenchError(f"the controller freed {freed:.0f} records of live pods")
     return {
@@ -297,6 +299,7 @@ def controller_figures(cluster: ScaleCluster, controller: Controller) -> dict[st
         "controller_hwm_mib": memory["hwm_mib"],
         "controller_assigned_first": assigned,
         "controller_pass_errors": errors,
+        "controller_view_rereads": rereads,
         "changed_pods": float(changed),
     }
 
@@ -472,6 +475,7 @@ CONTROLLER_KEYS = (
     "controller_hwm_mib",
     "controller_assigned_first",
     "controller_pass_errors",
+    "controller_view_rereads",
     "changed_pods",
 )
 CHURN_KEYS = (
@@ -706,6 +710,7 @@ TABLE_ROWS = [
     ("controller first pass ms", "controller_first_pass_ms", "{:,.0f}", ""),
     ("controller pass ms, 1% changed", "controller_steady_pass_ms", "{:,.0f}", "steady_pass"),
     ("controller passes failed", "controller_pass_errors", "{:.0f}", ""),
+    ("controller view whole reads", "controller_view_rereads", "{:.0f}", ""),
     ("controller VmHWM MiB", "controller_hwm_mib", "{:.1f}", "controller_hwm_mib"),
     ("  its liveness source alone MiB", "liveness_hwm_mib", "{:.1f}", ""),
     ("ADD p50 ms, controller running", "add_running_p50_ms", "{:.1f}", ""),

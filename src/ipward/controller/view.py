@@ -1,0 +1,350 @@
+"""The controller's view of the store: the keys its passes read (pools, blocks, affinity,
+fills, allocation records, sticky reservations, registrations), read whole once at one
+revision and then kept current from a watch, so a pass costs what changed since the
+last, not what exists.
+
+A watch thread only receives: it queues the store's event batches (whole revisions
+each), and the pass thread applies them in `sync`, up to at least the revision the store
+had when the pass began. So the view is only ever changed between passes, a pass reads
+one state the store had (the view's `revision`), and nothing is shared with the thread
+but the queue.
+
+Read whole again: at the start, when the watch reports compaction (its history is gone),
+when the stream breaks or does not reach the store's revision within `catch_up_timeout`,
+and every `reread_every` seconds as a safety net. A watch that gets more than
+`max_pending` events ahead of the passes (a standby, a long pass) stops receiving and is
+resumed from the view's revision at the next sync: the events wait in the store, not in
+memory (resuming past the store's history is a compaction, read whole).
+
+A view that is behind is safe: every write a pass decides compares the revisions it read
+(a record's compare-and-delete, a block's compare-and-swap), so a stale view can only
+make a write fail, and the next pass sees why.
+
+Memory: records are kept decoded (`gc.Held`, slotted), blocks as their KeyValue and
+decoded record (the compare needs the revision), the rest as names; no raw record bytes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter as Tally
+from typing import TYPE_CHECKING
+
+from ipward.controller.metrics import REREAD_REASONS
+from ipward.core import keys, log
+from ipward.core.records import AddressRecord, BlockRecord, FillRecord, ReservationRecord
+from ipward.gc.rules import Held, Reservation
+from ipward.store.base import DELETE, Compacted, Event, KeyValue
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from ipward.controller.metrics import Metrics
+    from ipward.store import Store
+    from ipward.store.base import Watch
+
+# What the passes read.
+PREFIXES = (
+    keys.POOLS,
+    keys.BLOCKS,
+    keys.AFFINITY,
+    keys.FILL,
+    keys.ADDRESSES,
+    keys.STICKY,
+    keys.NODES,
+)
+# Why the view read the store whole (metrics labels; the README explains each).
+START, COMPACTED, TIMER, BROKEN = REREAD_REASONS
+_LAGGED = "lagged"  # the watch stopped receiving: resume from the view's revision
+
+DEFAULT_REREAD_EVERY = 600.0
+DEFAULT_CATCH_UP_TIMEOUT = 30.0
+DEFAULT_MAX_PENDING = 50_000
+
+
+class PoolKeys:
+    """One pool's blocks (cidr -> its KeyValue and record), address records per block,
+    and fill records ((family, node) -> block)."""
+
+    __slots__ = ("blocks", "fills", "records")
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, tuple[KeyValue, BlockRecord]] = {}
+        self.records: Tally[str] = Tally()
+        self.fills: dict[tuple[int, str], str] = {}
+
+
+class _Ended:
+    """The watch thread's last item: why it stopped."""
+
+    __slots__ = ("detail", "reason")
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+
+
+class _Inbox:
+    """What one watch delivered and the passes have not applied yet: its batches, then
+    why it ended. One per watch, so a replaced watch's thread cannot reach the next."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self._items: queue.SimpleQueue[list[Event] | _Ended] = queue.SimpleQueue()
+        self._pending = 0  # events queued and not taken yet
+        self._lock = threading.Lock()
+
+    def put(self, batch: list[Event]) -> bool:
+        """Queue a batch; True when too many events are waiting (stop receiving)."""
+        self._items.put(batch)
+        with self._lock:
+            self._pending += len(batch)
+            return self._pending > self.max_pending
+
+    def end(self, reason: str, detail: str) -> None:
+        self._items.put(_Ended(reason, detail))
+
+    def take(self, timeout: float) -> list[Event] | _Ended:
+        """The next item, waiting at most `timeout` (queue.Empty after that)."""
+        item = self._items.get(timeout=timeout)
+        if not isinstance(item, _Ended):
+            with self._lock:
+                self._pending -= len(item)
+        return item
+
+
+class StoreView:
+    """See the module docstring. Only the pass thread calls `sync` and reads the fields."""
+
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        *,
+        reread_every: float = DEFAULT_REREAD_EVERY,
+        catch_up_timeout: float = DEFAULT_CATCH_UP_TIMEOUT,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.reread_every = reread_every
+        self.catch_up_timeout = catch_up_timeout
+        self.max_pending = max_pending
+        self.monotonic = monotonic
+        self.revision = 0  # the store revision the view is at (0: not read yet)
+        self.pools: dict[str, KeyValue] = {}  # pool name -> its spec's KeyValue
+        self.pool_keys: dict[str, PoolKeys] = {}
+        self.records: dict[str, Held] = {}  # `ips/` key -> the record as held
+        self.reservations: dict[str, Reservation] = {}
+        self.registered: set[str] = set()  # nodes holding a registration
+        self.affinity: dict[str, str] = {}  # affinity key -> the node it names
+        self._reread_due = 0.0
+        self._pending_reread: tuple[str, str] | None = (START, "")
+        self._watch: Watch | None = None
+        self._receiver: threading.Thread | None = None
+        self._inbox = _Inbox(max_pending)
+
+    # -- what the passes call
+
+    def sync(self) -> int:
+        """Bring the view to at least the store's current revision; returns it."""
+        if self._pending_reread is None and self.monotonic() >= self._reread_due:
+            self._pending_reread = (TIMER, f"every {self.reread_every:g}s")
+        if self._pending_reread is not None:
+            self._reread(*self._pending_reread)
+        else:
+            self._catch_up()
+        return self.revision
+
+    def block_nodes(self) -> set[str]:
+        """Nodes some block is assigned to (by the affinity index)."""
+        return {node for node in self.affinity.values() if node}
+
+    def held(self) -> list[Held]:
+        """The allocation records garbage collection judges (a detached record has no
+        sandbox to judge: its reservation is retired by identity)."""
+        return [h for h in self.records.values() if not h.record.is_detached]
+
+    def pool(self, name: str) -> PoolKeys:
+        return self.pool_keys.get(name) or PoolKeys()
+
+    @property
+    def receiving(self) -> bool:
+        """Whether the watch thread is taking events (it stops on an error, or when too
+        far ahead of the passes, until the next sync)."""
+        return self._receiver is not None and self._receiver.is_alive()
+
+    def close(self) -> None:
+        self._stop_following()
+
+    def forget(self) -> None:
+        """Let go of everything (a standby holds nothing); the next sync reads whole."""
+        if self.revision or self._watch is not None:
+            self._stop_following()
+            self._clear()
+            self._inbox = _Inbox(self.max_pending)
+            self._pending_reread = (START, "")
+
+    # -- keeping current
+
+    def _catch_up(self) -> None:
+        target = self.store.revision()
+        self.metrics.view_lag.set(max(0, target - self.revision))
+        deadline = self.monotonic() + self.catch_up_timeout
+        # Up to the target only: what comes after waits for the next pass (a busy store
+        # could otherwise keep a pass applying).
+        while self.revision < target:
+            try:
+                item = self._inbox.take(max(0.0, deadline - self.monotonic()))
+            except queue.Empty:
+                late = f"the watch did not reach revision {target} in time (at {self.revision})"
+                self._reread(BROKEN, late)
+                return
+            if isinstance(item, _Ended):
+                if item.reason == _LAGGED:
+                    self._follow()
+                    continue
+                self._reread(item.reason, item.detail)
+                return
+            self._apply(item)
+            self.revision = max(self.revision, item[-1].kv.mod_revision)
+
+    def _reread(self, reason: str, detail: str) -> None:
+        self._stop_following()
+        self._pending_reread = (reason, detail)  # again next sync, should this read fail
+        self.metrics.view_rereads.labels(reason=reason).inc()
+        log.info("controller view: reading the store whole", reason=reason, detail=detail)
+        self._clear()
+        kvs, revision = self.store.snapshot(PREFIXES)
+        kvs.reverse()
+        while kvs:  # each raw key let go once applied: the peak is one copy, not two
+            self._put(kvs.pop())
+        self.revision = revision
+        self._pending_reread = None
+        self._reread_due = self.monotonic() + self.reread_every
+        self.metrics.view_lag.set(0)
+        self._follow()
+
+    def _clear(self) -> None:
+        self.revision = 0
+        self.pools.clear()
+        self.pool_keys.clear()
+        self.records.clear()
+        self.reservations.clear()
+        self.registered.clear()
+        self.affinity.clear()
+
+    def _follow(self) -> None:
+        """Watch every key from the view's revision on, in a thread of its own."""
+        self._stop_following()
+        self._inbox = _Inbox(self.max_pending)
+        watch = self.store.watch("", self.revision + 1)
+        self._watch = watch
+        self._receiver = threading.Thread(
+            target=self._receive, args=(watch, self._inbox), name="view-watch", daemon=True
+        )
+        self._receiver.start()
+
+    def _stop_following(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self._receiver = None  # ends on its own: its watch is cancelled
+
+    def _receive(self, watch: Watch, inbox: _Inbox) -> None:
+        """The watch thread: queue each batch; end with why it stopped."""
+        try:
+            for batch in watch.batches():
+                if self._watch is not watch:
+                    return  # replaced: its inbox is no one's any more
+                if inbox.put(batch):
+                    watch.cancel()
+                    inbox.end(_LAGGED, f"over {inbox.max_pending} events ahead of the passes")
+                    return
+        except Compacted as e:
+            inbox.end(COMPACTED, str(e))
+            return
+        except Exception as e:  # a broken stream: read whole at the next sync
+            inbox.end(BROKEN, f"{type(e).__name__}: {e}")
+            return
+        if self._watch is watch:
+            inbox.end(BROKEN, "the watch stream ended")
+
+    # -- applying changes
+
+    def _apply(self, events: Iterable[Event]) -> None:
+        for event in events:
+            if event.kind == DELETE:
+                self._delete(event.kv.key)
+            else:
+                self._put(event.kv)
+
+    def _put(self, kv: KeyValue) -> None:
+        key = kv.key
+        prefix = keys.prefix_of(key)
+        if prefix not in PREFIXES:
+            return
+        self._delete(key)  # what the key held before
+        try:
+            if prefix == keys.ADDRESSES:
+                pool, ip = keys.ip_parts(key)
+                held = Held(pool, ip, kv.mod_revision, AddressRecord.decode(kv.value))
+                self.records[key] = held
+                self._pool_keys(pool).records[held.record.block] += 1
+            elif prefix == keys.BLOCKS:
+                pool = keys.state_pool(key) or ""
+                block = BlockRecord.decode(kv.value)
+                self._pool_keys(pool).blocks[keys.cidr_of(key)] = (kv, block)
+            elif prefix == keys.FILL:
+                pool, family, node = keys.fill_parts(key)
+                fill = FillRecord.decode(kv.value)
+                self._pool_keys(pool).fills[(int(family), node)] = fill.block
+            elif prefix == keys.POOLS:
+                self.pools[keys.pool_name(key)] = kv
+            elif prefix == keys.AFFINITY:
+                self.affinity[key] = keys.affinity_parts(key)[1]
+            elif prefix == keys.STICKY:
+                record = ReservationRecord.decode(kv.value)
+                self.reservations[key] = Reservation(key, kv.mod_revision, record)
+            elif (registered := keys.registered_node(key)) is not None:
+                self.registered.add(registered)
+        except ValueError as e:
+            log.error("record unreadable; left out of the controller's view", key=key, error=str(e))
+
+    def _delete(self, key: str) -> None:
+        prefix = keys.prefix_of(key)
+        if prefix == keys.ADDRESSES:
+            held = self.records.pop(key, None)
+            if held is not None:
+                records = self._pool_keys(held.pool).records
+                records[held.record.block] -= 1
+                if records[held.record.block] <= 0:
+                    del records[held.record.block]
+        elif prefix == keys.BLOCKS:
+            self.pool(keys.state_pool(key) or "").blocks.pop(keys.cidr_of(key), None)
+        elif prefix == keys.FILL:
+            try:
+                pool, family, node = keys.fill_parts(key)
+                self.pool(pool).fills.pop((int(family), node), None)
+            except ValueError:
+                pass  # never stored (its put was unreadable)
+        elif prefix == keys.POOLS:
+            self.pools.pop(keys.pool_name(key), None)
+        elif prefix == keys.AFFINITY:
+            self.affinity.pop(key, None)
+        elif prefix == keys.STICKY:
+            self.reservations.pop(key, None)
+        elif prefix == keys.NODES and (registered := keys.registered_node(key)) is not None:
+            self.registered.discard(registered)
+
+    def _pool_keys(self, pool: str) -> PoolKeys:
+        found = self.pool_keys.get(pool)
+        if found is None:
+            found = self.pool_keys[pool] = PoolKeys()
+        return found
+
+
+__all__ = ["PREFIXES", "REREAD_REASONS", "PoolKeys", "StoreView"]
