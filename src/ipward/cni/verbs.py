@@ -13,7 +13,7 @@ through `jsonc`, see there).
 
 from __future__ import annotations
 
-import os
+import posix
 import sys
 
 from ipward.cni.cniio import (
@@ -299,9 +299,9 @@ def main(stdin: bytes | None = None) -> None:
     (`wire.environment`), so both paths judge the same call the same way."""
     from ipward.cni.plugin import read_stdin
 
-    env = environment(os.environb)
+    env = environment(posix.environ)
     data = read_stdin() if stdin is None else stdin
     status, out = answer(env, data)
     sys.stdout.write(out)
     sys.stdout.flush()
-    os._exit(status)  # skip interpreter teardown: nothing is left to flush; saves ~1 ms
+    posix._exit(status)  # skip interpreter teardown: nothing is left to flush; saves ~1 ms
