@@ -114,6 +114,13 @@ _KV_COLUMNS = ["key", "value", "create_revision", "mod_revision", "version", "le
 # SQLite's answers for a file that is not a database, or not a sound one.
 _NOT_A_DATABASE = (26, 11)  # SQLITE_NOTADB, SQLITE_CORRUPT
 
+# A commit that leaves the WAL larger than this checkpoints it and empties it (SQLite's
+# own checkpoints never empty it in a process that commits once: see _bound_wal).
+WAL_LIMIT = 512 * 1024
+# How long that checkpoint waits for other processes' transactions (the commit it
+# follows is done: a busy store is checkpointed by a later commit).
+_CHECKPOINT_WAIT_MS = 50
+
 # Watch history kept in the file: a watcher further behind than this gets StoreError,
 # as with a compacted etcd revision.
 HISTORY_REVISIONS = 50_000
@@ -165,6 +172,7 @@ class SqliteStore(Store):
     def __init__(self, path: str, busy_timeout: float = 5.0, *, create: bool = True) -> None:
         self.path = path
         self._lock = _thread.RLock()
+        self._busy_ms = int(busy_timeout * 1000)
         try:
             if not create and _mode(path) is None:
                 raise StoreMissing(f"no store at sqlite://{path}")
@@ -380,6 +388,7 @@ class SqliteStore(Store):
             except StoreError:
                 self._rollback()
                 raise
+            self._bound_wal()
         return TxnResult(ok, revision)
 
     def watch(self, prefix: str, start_revision: int) -> Watch:
@@ -454,6 +463,29 @@ class SqliteStore(Store):
                 self._conn.execute("ROLLBACK")
             except _sqlite3.Error:
                 pass  # already rolled back on SQLITE_BUSY
+
+    def _bound_wal(self) -> None:
+        """Checkpoint the WAL into the file and empty it once it outgrows WAL_LIMIT.
+        SQLite's automatic checkpoint copies the WAL into the file but leaves it to the
+        connection's next write to start the WAL over; a process that writes once and
+        exits (each plugin exec) never does, and the next process, rebuilding the WAL
+        index from the WAL alone, counts none of it as copied. So the WAL grew by every
+        plugin ADD, without bound (12 MB after 400), and every exec read all of it and
+        copied it all again. TRUNCATE waits for no reader's snapshot to need the WAL
+        (briefly: if it cannot finish, a later commit does it)."""
+        try:
+            if posix.stat(f"{self.path}-wal").st_size <= WAL_LIMIT:
+                return
+        except OSError:
+            return
+        conn = self._conn
+        try:
+            conn.execute(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except _sqlite3.Error:
+            pass  # committed already; the next commit tries again
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
 
     def _current_revision(self) -> int:
         row = self._conn.execute("SELECT value FROM meta WHERE name = 'revision'").fetchone()
