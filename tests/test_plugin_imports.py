@@ -191,3 +191,39 @@ print("ok")
 """
     done = subprocess.run([HOST_PYTHON, "-I", "-S", "-c", program], capture_output=True, timeout=60)
     assert done.stdout == b"ok\n", done.stderr.decode()
+
+
+def test_install_writes_the_bytecode_the_launcher_loads(tmp_path: Path, sqlite_url: str) -> None:
+    """`install-cni` compiles the package for the launcher's interpreter, so no exec
+    compiles (a module without fresh bytecode costs its compile on every exec where
+    the package directory is not writable). A copy of the package without bytecode is
+    installed, then every ipward module an ADD imports has a `.pyc` of that interpreter
+    from before the exec, and the exec writes none."""
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(SRC / "ipward", tmp_path / "pkg" / "ipward", ignore=skip)
+    target = tmp_path / "bin" / "ipward"
+    program = (
+        "import sys;from pathlib import Path;sys.path.insert(0,sys.argv[1]);"
+        "from ipward.cmd.install import write_launcher;print(write_launcher(Path(sys.argv[2])))"
+    )
+    argv = [HOST_PYTHON, "-I", "-S", "-B", "-c", program, str(tmp_path / "pkg"), str(target)]
+    done = subprocess.run(argv, capture_output=True, timeout=300)
+    assert done.stdout == b"None\n", done.stderr.decode()
+    tag = (
+        subprocess.run(
+            [HOST_PYTHON, "-I", "-S", "-c", "import sys;print(sys.implementation.cache_tag)"],
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .strip()
+    )
+    before = set((tmp_path / "pkg").rglob("*.pyc"))
+    ipward_modules = {
+        m for m in imported(target, "ADD", in_process_config(sqlite_url)) if m.startswith("ipward")
+    }
+    assert set((tmp_path / "pkg").rglob("*.pyc")) == before  # the exec wrote none
+    for module in ipward_modules:
+        source = tmp_path / "pkg" / Path(*module.split("."))
+        source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+        assert source.parent / "__pycache__" / f"{source.stem}.{tag}.pyc" in before, module
