@@ -138,7 +138,7 @@ def _ledger(config: IpamConfig) -> Ledger:
             " SQLite (sqlite:///PATH); other stores are reached through an agent"
         )
     try:
-        return Ledger(open_store(config.store_url), config.node)
+        return Ledger(open_store(config.store_url, short_lived=True), config.node)
     except StoreUnavailable as e:
         raise TryAgainLater(f"store unreachable: {e}") from e
     except StoreIncompatible as e:

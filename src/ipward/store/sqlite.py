@@ -167,10 +167,20 @@ def _prefix_end(prefix: str) -> str:
 
 class SqliteStore(Store):
     """`create`: a missing or empty file (and its directory) may be made into a store;
-    without it such a file is StoreMissing and nothing is created."""
+    without it such a file is StoreMissing and nothing is created. `short_lived`: the
+    process commits a few times and exits without closing the store (each plugin
+    exec), so its commits keep the WAL bounded themselves (`_bound_wal`)."""
 
-    def __init__(self, path: str, busy_timeout: float = 5.0, *, create: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        busy_timeout: float = 5.0,
+        *,
+        create: bool = True,
+        short_lived: bool = False,
+    ) -> None:
         self.path = path
+        self._short_lived = short_lived
         self._lock = _thread.RLock()
         self._busy_ms = int(busy_timeout * 1000)
         try:
@@ -298,7 +308,7 @@ class SqliteStore(Store):
         return "ours"
 
     @classmethod
-    def from_url(cls, url: str, *, create: bool = True) -> SqliteStore:
+    def from_url(cls, url: str, *, create: bool = True, short_lived: bool = False) -> SqliteStore:
         """`sqlite:///ABSOLUTE/PATH`; no options (a query or fragment is refused rather
         than taken as part of the file name)."""
         path = url[len("sqlite://") :]
@@ -312,7 +322,7 @@ class SqliteStore(Store):
                 )
         if path.endswith("/") or "\0" in path:
             raise StoreError(f"sqlite URL {url!r}: the path must name a file")
-        return cls(path, create=create)
+        return cls(path, create=create, short_lived=short_lived)
 
     def get(self, key: str) -> KeyValue | None:
         with self._lock:
@@ -388,7 +398,8 @@ class SqliteStore(Store):
             except StoreError:
                 self._rollback()
                 raise
-            self._bound_wal()
+            if self._short_lived:
+                self._bound_wal()
         return TxnResult(ok, revision)
 
     def watch(self, prefix: str, start_revision: int) -> Watch:
@@ -471,8 +482,12 @@ class SqliteStore(Store):
         exits (each plugin exec) never does, and the next process, rebuilding the WAL
         index from the WAL alone, counts none of it as copied. So the WAL grew by every
         plugin ADD, without bound (12 MB after 400), and every exec read all of it and
-        copied it all again. TRUNCATE waits for no reader's snapshot to need the WAL
-        (briefly: if it cannot finish, a later commit does it)."""
+        copied it all again. TRUNCATE, as RESTART would leave the old frames for the
+        next process to find; it waits briefly for other processes' transactions (if
+        it cannot finish, a later commit does it). Only for `short_lived` stores: a
+        long-lived writer's WAL starts over in place, and emptying it would make every
+        commit grow the file again (an fsync that writes metadata: half the commit
+        rate, measured)."""
         try:
             if posix.stat(f"{self.path}-wal").st_size <= WAL_LIMIT:
                 return
