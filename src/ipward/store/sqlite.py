@@ -114,8 +114,8 @@ _KV_COLUMNS = ["key", "value", "create_revision", "mod_revision", "version", "le
 # SQLite's answers for a file that is not a database, or not a sound one.
 _NOT_A_DATABASE = (26, 11)  # SQLITE_NOTADB, SQLITE_CORRUPT
 
-# A commit that leaves the WAL larger than this checkpoints it and empties it (SQLite's
-# own checkpoints never empty it in a process that commits once: see _bound_wal).
+# A commit of a short-lived store that leaves the WAL larger than this checkpoints it
+# and empties it (SQLite's own checkpoints never do in such a process: see _bound_wal).
 WAL_LIMIT = 512 * 1024
 # How long that checkpoint waits for other processes' transactions (the commit it
 # follows is done: a busy store is checkpointed by a later commit).
