@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from ipward.cmd.install import LAUNCHER, write_executable, write_launcher
+from ipward.core.pool import PoolSpec
+from ipward.ipam.pools import create_pool
+from ipward.store import open_store
 from test_install_standalone import ALLOWED_IMPORTS as STANDALONE_IMPORTS
 
 HOST_PYTHON = "/usr/bin/python3"
@@ -57,31 +61,10 @@ IN_PROCESS = {
     "__future__",
     "_json",
     "_socket",
-    # os (the environment, the store's directory) and its path module
-    "os",
-    "stat",
-    "_stat",
-    "posixpath",
-    "genericpath",
-    "_collections_abc",
-    # sqlite3 and what it imports
-    "sqlite3",
-    "sqlite3.dbapi2",
+    # the C module under sqlite3 (not the package: it adds datetime, collections.abc),
+    # and the C module under functools (its lru_cache is the statement cache)
     "_sqlite3",
-    "datetime",
-    "_datetime",
-    "math",
-    "collections",
-    "collections.abc",
-    "_collections",
-    "functools",
     "_functools",
-    "itertools",
-    "keyword",
-    "operator",
-    "_operator",
-    "reprlib",
-    "types",
 }
 # Only the ADD that stores (or changes) an inline pool: its overlap guard.
 STORING_A_POOL = {"ipward.ipam.pools"}
@@ -90,13 +73,10 @@ STORING_A_POOL = {"ipward.ipam.pools"}
 FORWARDING = STANDALONE_IMPORTS - {"ipward.cni.standalone"}
 
 
-def imported(src: Path, command: str, config: dict, container: str = "c1") -> set[str]:
-    """The modules one plugin exec imports beyond a bare interpreter's start: the
-    launcher's own program (`ipward install-cni`'s, with `src` on the path), run with
-    `-X importtime`."""
-    program = (
-        f"import sys;sys.path.insert(0,{str(src)!r});from ipward.cni.plugin import main;main()"
-    )
+def imported(launcher: Path, command: str, config: dict, container: str = "c1") -> set[str]:
+    """The modules one exec of an installed `launcher` imports beyond a bare interpreter's
+    start: run as its shebang line says, with `-X importtime` added."""
+    interpreter, *options = launcher.read_text().splitlines()[0].removeprefix("#!").split()
 
     def modules(argv: list[str], stdin: bytes) -> tuple[set[str], subprocess.CompletedProcess]:
         env = {"CNI_COMMAND": command, "CNI_CONTAINERID": container, "CNI_IFNAME": "eth0"}
@@ -107,34 +87,53 @@ def imported(src: Path, command: str, config: dict, container: str = "c1") -> se
         return names - {"module"}, proc  # "module": the header line
 
     bare, _ = modules([HOST_PYTHON, "-X", "importtime", "-I", "-S", "-c", "pass"], b"")
-    argv = [HOST_PYTHON, "-X", "importtime", "-I", "-S", "-c", program]
+    argv = [interpreter, "-X", "importtime", *options, str(launcher)]
     found, proc = modules(argv, json.dumps(config).encode())
     assert "ipward.cni.plugin" in found, proc.stderr.decode()[-2000:]
     assert b"Traceback" not in proc.stderr, proc.stderr.decode()[-2000:]
     return found - bare
 
 
+@pytest.fixture
+def launcher(tmp_path: Path) -> Path:
+    """The plugin as `ipward install-cni` installs it."""
+    write_launcher(tmp_path / "bin" / "ipward")
+    return tmp_path / "bin" / "ipward"
+
+
 def in_process_config(url: str) -> dict:
     return {"cniVersion": "1.0.0", "name": "net1", "ipam": {"type": "ipward", "store": url, **V4}}
 
 
-def test_in_process_add_imports_only_the_allow_list(sqlite_url: str) -> None:
+def test_in_process_add_imports_only_the_allow_list(launcher: Path, sqlite_url: str) -> None:
     config = in_process_config(sqlite_url)
-    first = imported(SRC, "ADD", config, container="c1")
+    first = imported(launcher, "ADD", config, container="c1")
     assert first - IN_PROCESS - STORING_A_POOL == set()
     assert first >= STORING_A_POOL  # the pool was stored: the measurement saw the ADD
-    assert imported(SRC, "ADD", config, container="c2") - IN_PROCESS == set()
-    assert imported(SRC, "DEL", config, container="c2") - IN_PROCESS == set()
-    assert imported(SRC, "VERSION", config) - IN_PROCESS == set()
+    assert imported(launcher, "ADD", config, container="c2") - IN_PROCESS == set()
+    assert imported(launcher, "DEL", config, container="c2") - IN_PROCESS == set()
+    assert imported(launcher, "VERSION", config) - IN_PROCESS == set()
 
 
-def test_forwarding_path_imports_only_the_allow_list() -> None:
+def test_named_pool_add_imports_only_the_allow_list(launcher: Path, sqlite_url: str) -> None:
+    store = open_store(sqlite_url)
+    try:
+        create_pool(store, PoolSpec("named", [[{"subnet": "10.9.0.0/24"}]]))
+    finally:
+        store.close()
+    ipam = {"type": "ipward", "store": sqlite_url, "pool": "named"}
+    config = {"cniVersion": "1.0.0", "name": "net1", "ipam": ipam}
+    assert imported(launcher, "ADD", config, container="c1") - IN_PROCESS == set()
+    assert imported(launcher, "DEL", config, container="c1") - IN_PROCESS == set()
+
+
+def test_forwarding_path_imports_only_the_allow_list(launcher: Path) -> None:
     config = {
         "cniVersion": "1.0.0",
         "name": "net1",
         "ipam": {"type": "ipward", "agentSocket": "/run/ipward-test-none/agent.sock"},
     }
-    assert imported(SRC, "ADD", config) - FORWARDING == set()
+    assert imported(launcher, "ADD", config) - FORWARDING == set()
 
 
 @pytest.mark.parametrize(
@@ -144,6 +143,8 @@ def test_forwarding_path_imports_only_the_allow_list() -> None:
         ("cni/selection.py", "ipaddress"),
         ("store/sqlite.py", "logging"),
         ("cni/wire.py", "dataclasses"),
+        ("cni/config.py", "os"),
+        ("store/sqlite.py", "sqlite3"),
     ],
 )
 def test_a_costly_import_on_the_start_path_is_found(
@@ -155,5 +156,74 @@ def test_a_costly_import_on_the_start_path_is_found(
     source = path.read_text()
     head, marker, rest = source.partition("from __future__ import annotations\n")
     path.write_text(f"{head}{marker}import {added}\n{rest}")
-    found = imported(tmp_path, "ADD", in_process_config(sqlite_url))
+    copy_launcher = tmp_path / "bin" / "ipward"
+    write_executable(copy_launcher, LAUNCHER.format(path=str(tmp_path)).encode())
+    found = imported(copy_launcher, "ADD", in_process_config(sqlite_url))
     assert added in found - IN_PROCESS - STORING_A_POOL
+
+
+def test_a_launcher_without_isolation_flags_is_found(tmp_path: Path, sqlite_url: str) -> None:
+    """Its shebang is what the measurement runs: without -S, `site` (and with it `os`)
+    is imported on every exec."""
+    slow = tmp_path / "bin" / "ipward"
+    text = LAUNCHER.format(path=str(SRC)).replace("#!/usr/bin/python3 -IS", "#!/usr/bin/python3 -I")
+    write_executable(slow, text.encode())
+    found = imported(slow, "ADD", in_process_config(sqlite_url))
+    assert {"site", "os"} <= found - IN_PROCESS
+
+
+def test_sqlite_without_functools_leaves_the_real_one(tmp_path: Path) -> None:
+    """The store imports `_sqlite3` with a stand-in for `functools` (its lru_cache only):
+    `functools` is then not imported, a later `import functools` gets the real module,
+    and the statement cache the stand-in built works past its size (evictions)."""
+    program = f"""
+import sys
+sys.path.insert(0, {str(SRC)!r})
+from ipward.store.sqlite import SqliteStore
+assert "functools" not in sys.modules, "functools imported"
+store = SqliteStore({str(tmp_path / "s.db")!r})
+for n in range(300):  # distinct statements: more than the cache's 128
+    assert store._conn.execute(f"SELECT {{n}}").fetchone() == (n,)
+import functools
+assert functools.reduce(lambda a, b: a + b, [1, 2, 3]) == 6
+assert hasattr(functools, "partial") and functools.lru_cache(2)(abs)(-3) == 3
+print("ok")
+"""
+    done = subprocess.run([HOST_PYTHON, "-I", "-S", "-c", program], capture_output=True, timeout=60)
+    assert done.stdout == b"ok\n", done.stderr.decode()
+
+
+def test_install_writes_the_bytecode_the_launcher_loads(tmp_path: Path, sqlite_url: str) -> None:
+    """`install-cni` compiles the package for the launcher's interpreter, so no exec
+    compiles (a module without fresh bytecode costs its compile on every exec where
+    the package directory is not writable). A copy of the package without bytecode is
+    installed, then every ipward module an ADD imports has a `.pyc` of that interpreter
+    from before the exec, and the exec writes none."""
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(SRC / "ipward", tmp_path / "pkg" / "ipward", ignore=skip)
+    target = tmp_path / "bin" / "ipward"
+    program = (
+        "import sys;from pathlib import Path;sys.path.insert(0,sys.argv[1]);"
+        "from ipward.cmd.install import write_launcher;print(write_launcher(Path(sys.argv[2])))"
+    )
+    argv = [HOST_PYTHON, "-I", "-S", "-B", "-c", program, str(tmp_path / "pkg"), str(target)]
+    done = subprocess.run(argv, capture_output=True, timeout=300)
+    assert done.stdout == b"None\n", done.stderr.decode()
+    tag = (
+        subprocess.run(
+            [HOST_PYTHON, "-I", "-S", "-c", "import sys;print(sys.implementation.cache_tag)"],
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .strip()
+    )
+    before = set((tmp_path / "pkg").rglob("*.pyc"))
+    ipward_modules = {
+        m for m in imported(target, "ADD", in_process_config(sqlite_url)) if m.startswith("ipward")
+    }
+    assert set((tmp_path / "pkg").rglob("*.pyc")) == before  # the exec wrote none
+    for module in ipward_modules:
+        source = tmp_path / "pkg" / Path(*module.split("."))
+        source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+        assert source.parent / "__pycache__" / f"{source.stem}.{tag}.pyc" in before, module

@@ -928,7 +928,9 @@ def install_cni(bin_dir: str, name: str, standalone: bool, host_root: str) -> No
 
     target = Path(bin_dir) / name
     if not standalone:
-        install.write_launcher(target)
+        problem = install.write_launcher(target)
+        if problem:
+            click.echo(f"warning: {problem}", err=True)
     else:
         problem = standalone_build.host_python_problem(Path(host_root))
         if problem:

@@ -12,7 +12,7 @@ An inline pool (host-local or whereabouts dialect) is named after the network.
 
 from __future__ import annotations
 
-import os
+import posix
 
 from ipward.cni.wire import agent_socket, socket_path_problem
 from ipward.core.addr import family_of, format_cidr, format_ip, parse_cidr, parse_ip
@@ -98,7 +98,7 @@ class IpamConfig:
             if problem:
                 raise InvalidConfig(f"ipam.{field} {problem}")
         self.agent_socket = agent_socket(raw) or ""
-        self.node = check_node_name(_str(ipam, "node", "") or os.uname().nodename, "ipam.node")
+        self.node = check_node_name(_str(ipam, "node", "") or posix.uname().nodename, "ipam.node")
         self.log_file = _path(ipam, "logFile", "") or _path(ipam, "log_file", "")
         self.log_level = _str(ipam, "logLevel", "info")
         if self.log_level not in LEVELS:

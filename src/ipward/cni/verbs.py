@@ -13,7 +13,7 @@ through `jsonc`, see there).
 
 from __future__ import annotations
 
-import os
+import posix
 import sys
 
 from ipward.cni.cniio import (
@@ -138,7 +138,7 @@ def _ledger(config: IpamConfig) -> Ledger:
             " SQLite (sqlite:///PATH); other stores are reached through an agent"
         )
     try:
-        return Ledger(open_store(config.store_url), config.node)
+        return Ledger(open_store(config.store_url, short_lived=True), config.node)
     except StoreUnavailable as e:
         raise TryAgainLater(f"store unreachable: {e}") from e
     except StoreIncompatible as e:
@@ -299,9 +299,9 @@ def main(stdin: bytes | None = None) -> None:
     (`wire.environment`), so both paths judge the same call the same way."""
     from ipward.cni.plugin import read_stdin
 
-    env = environment(os.environb)
+    env = environment(posix.environ)
     data = read_stdin() if stdin is None else stdin
     status, out = answer(env, data)
     sys.stdout.write(out)
     sys.stdout.flush()
-    os._exit(status)  # skip interpreter teardown: nothing is left to flush; saves ~1 ms
+    posix._exit(status)  # skip interpreter teardown: nothing is left to flush; saves ~1 ms

@@ -16,7 +16,7 @@ dict lookup.
 
 from __future__ import annotations
 
-import os
+import posix
 import time
 
 GATE_LIMIT = 120.0
@@ -24,7 +24,9 @@ GATE_LIMIT = 120.0
 
 def _points(variable: str) -> dict[str, str]:
     points = {}
-    for item in os.environ.get(variable, "").split(","):
+    # `posix`, not `os` (~0.5 ms per plugin exec): its environment is bytes.
+    raw = posix.environ.get(variable.encode(), b"").decode(errors="surrogateescape")
+    for item in raw.split(","):
         point, _, value = item.partition("=")
         if point and value:
             points[point.strip()] = value
@@ -41,9 +43,17 @@ def pause(point: str) -> None:
         time.sleep(seconds)
     gates = _GATES.get(point)
     if gates:
-        base = os.path.join(gates, point)
+        base = f"{gates}/{point}"
         with open(f"{base}.reached", "w"):
             pass
         deadline = time.monotonic() + GATE_LIMIT
-        while not os.path.exists(f"{base}.open") and time.monotonic() < deadline:
+        while not _exists(f"{base}.open") and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _exists(path: str) -> bool:
+    try:
+        posix.stat(path)
+    except OSError:
+        return False
+    return True

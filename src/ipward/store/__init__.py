@@ -35,13 +35,15 @@ def store_location(url: str) -> str:
     return url.partition("?")[0]
 
 
-def open_store(url: str, *, create: bool = True) -> Store:
+def open_store(url: str, *, create: bool = True, short_lived: bool = False) -> Store:
     """The store at `url`, checked: ipward's, at the schema version this code knows, no
     import in progress (else StoreIncompatible). `create`: a store that is not there is
-    made (file, tables, schema key); without it, StoreMissing and nothing is created."""
+    made (file, tables, schema key); without it, StoreMissing and nothing is created.
+    `short_lived`: this process commits a few times and exits without closing it (a
+    plugin exec; see `SqliteStore`)."""
     from ipward.store import schema
 
-    store = open_backend(url, create=create)
+    store = open_backend(url, create=create, short_lived=short_lived)
     try:
         schema.ensure(store, store_location(url), create=create)
     except BaseException:
@@ -73,13 +75,13 @@ def open_store_waiting(url: str, stop: Event) -> Store | None:
             delay = min(2 * delay, 30.0)
 
 
-def open_backend(url: str, *, create: bool = True) -> Store:
+def open_backend(url: str, *, create: bool = True, short_lived: bool = False) -> Store:
     """The backend at `url`, without the schema check: for the store's own tests and for
     the commands that handle the schema themselves (`migrate`, `import`)."""
     if url.startswith("sqlite://"):
         from ipward.store.sqlite import SqliteStore
 
-        return SqliteStore.from_url(url, create=create)
+        return SqliteStore.from_url(url, create=create, short_lived=short_lived)
     if url.startswith(("etcd://", "etcds://")):
         from ipward.store.etcd import EtcdStore
 

@@ -14,8 +14,8 @@ On the CNI plugin's start path: standard library only.
 from __future__ import annotations
 
 import _thread
-import os
-import sqlite3
+import posix
+import sys
 import time
 
 from ipward.store.base import (
@@ -39,6 +39,39 @@ from ipward.store.base import (
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
+
+
+def _import_sqlite() -> None:
+    """Import the C module `_sqlite3`, not the `sqlite3` package: the package adds
+    `datetime`, `collections.abc` and its date adapters (unused here), ~1.5 ms per plugin
+    exec. `_sqlite3` itself imports `functools` (and with it `collections`, `operator`,
+    `types`, `_collections_abc`: ~1.5 ms more) only for `functools.lru_cache`, with which
+    it builds each connection's statement cache. When nothing has imported `functools`
+    yet (the plugin), `_sqlite3` is given that same cache, the C `_lru_cache_wrapper`
+    that `lru_cache` returns, through a stand-in module taken out of `sys.modules` again
+    at once: a later `import functools` gets the real one."""
+    if "functools" in sys.modules:
+        return  # the module-level import below loads it
+    import _functools
+
+    def lru_cache(maxsize: int) -> object:
+        def decorate(function: object) -> object:
+            return _functools._lru_cache_wrapper(function, max(maxsize, 0), False, tuple)
+
+        return decorate
+
+    stand_in = type(sys)("functools")
+    stand_in.lru_cache = lru_cache  # type: ignore[attr-defined]
+    sys.modules["functools"] = stand_in
+    try:
+        import _sqlite3  # noqa: F401
+    finally:
+        if sys.modules.get("functools") is stand_in:
+            del sys.modules["functools"]
+
+
+_import_sqlite()
+import _sqlite3  # noqa: E402  (after the stand-in above)
 
 # The tables, made in one transaction with the marks below when a file is new.
 _TABLES = (
@@ -82,6 +115,13 @@ _KV_COLUMNS = ["key", "value", "create_revision", "mod_revision", "version", "le
 # SQLite's answers for a file that is not a database, or not a sound one.
 _NOT_A_DATABASE = (26, 11)  # SQLITE_NOTADB, SQLITE_CORRUPT
 
+# A commit of a short-lived store that leaves the WAL larger than this checkpoints it
+# and empties it (SQLite's own checkpoints never do in such a process: see _bound_wal).
+WAL_LIMIT = 512 * 1024
+# How long that checkpoint waits for other processes' transactions (the commit it
+# follows is done: a busy store is checkpointed by a later commit).
+_CHECKPOINT_WAIT_MS = 50
+
 # Watch history kept in the file: a watcher further behind than this gets StoreError,
 # as with a compacted etcd revision.
 HISTORY_REVISIONS = 50_000
@@ -94,13 +134,24 @@ _HEADER = (
 )
 
 
-def _marks(conn: sqlite3.Connection) -> tuple[int, int]:
+def _marks(conn: _sqlite3.Connection) -> tuple[int, int]:
     """(application_id, user_version) from the file's header. Two PRAGMAs: the one-query
     form (`pragma_application_id()` table functions) costs some 50 us more per open."""
     return (
         conn.execute("PRAGMA application_id").fetchone()[0],
         conn.execute("PRAGMA user_version").fetchone()[0],
     )
+
+
+_S_IFMT, _S_IFDIR, _S_IFREG = 0o170000, 0o040000, 0o100000
+
+
+def _mode(path: str) -> int | None:
+    """The file type bits of `path` (followed), None if it cannot be stat'ed."""
+    try:
+        return posix.stat(path).st_mode & _S_IFMT
+    except (OSError, ValueError):
+        return None
 
 
 def _row(row: tuple) -> KeyValue:
@@ -117,40 +168,53 @@ def _prefix_end(prefix: str) -> str:
 
 class SqliteStore(Store):
     """`create`: a missing or empty file (and its directory) may be made into a store;
-    without it such a file is StoreMissing and nothing is created."""
+    without it such a file is StoreMissing and nothing is created. `short_lived`: the
+    process commits a few times and exits without closing the store (each plugin
+    exec), so its commits keep the WAL bounded themselves (`_bound_wal`)."""
 
-    def __init__(self, path: str, busy_timeout: float = 5.0, *, create: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        busy_timeout: float = 5.0,
+        *,
+        create: bool = True,
+        short_lived: bool = False,
+    ) -> None:
         self.path = path
+        self._short_lived = short_lived
         self._lock = _thread.RLock()
+        self._busy_ms = int(busy_timeout * 1000)
         try:
-            if not create and not os.path.exists(path):
+            if not create and _mode(path) is None:
                 raise StoreMissing(f"no store at sqlite://{path}")
-            directory = os.path.dirname(path)
-            if directory and create:
+            directory = path.rpartition("/")[0]
+            if directory and create and _mode(directory) != _S_IFDIR:
+                import os  # only to make the directory: `os` costs ~0.5 ms per plugin exec
+
                 os.makedirs(directory, exist_ok=True)
             self._conn = self._open(path, busy_timeout, create)
-        except (sqlite3.Error, OSError) as e:
-            if isinstance(e, sqlite3.Error) and e.sqlite_errorcode in _NOT_A_DATABASE:
+        except (_sqlite3.Error, OSError) as e:
+            if isinstance(e, _sqlite3.Error) and e.sqlite_errorcode in _NOT_A_DATABASE:
                 raise StoreIncompatible(f"{path} is not an SQLite database: {e}") from e
-            if os.path.isdir(path):
+            if _mode(path) == _S_IFDIR:
                 raise StoreIncompatible(f"{path} is a directory, not a store file") from e
             raise StoreUnavailable(f"sqlite store {path}: {e}") from e
         # A txn reads its keys with one SQL variable each (see _read_keys).
-        self.max_txn_keys = self._conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+        self.max_txn_keys = self._conn.getlimit(_sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
 
     @classmethod
-    def _open(cls, path: str, busy_timeout: float, create: bool) -> sqlite3.Connection:
+    def _open(cls, path: str, busy_timeout: float, create: bool) -> _sqlite3.Connection:
         """Connect, make sure the file is ipward's (or make it so), and set it up.
         Switching a new file to WAL does not wait on the busy timeout (SQLite answers
         "locked" at once while another process does the same), so the first use of a file
         by several processes at once retries here."""
         # A URI, so that a read-only open never creates the file.
         quoted = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-        uri = f"file://{quoted if quoted.startswith('/') else os.path.abspath(quoted)}"
+        uri = f"file://{quoted if quoted.startswith('/') else f'{posix.getcwd()}/{quoted}'}"
         uri += "?mode=rwc" if create else "?mode=rw"
         deadline = time.monotonic() + busy_timeout
         while True:
-            conn = sqlite3.connect(
+            conn = _sqlite3.connect(
                 uri, timeout=busy_timeout, isolation_level=None, check_same_thread=False, uri=True
             )
             try:
@@ -160,7 +224,7 @@ class SqliteStore(Store):
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")
                 return conn
-            except sqlite3.OperationalError as e:
+            except _sqlite3.OperationalError as e:
                 conn.close()
                 if "locked" not in str(e) and "busy" not in str(e):
                     raise
@@ -172,7 +236,7 @@ class SqliteStore(Store):
                 raise
 
     @classmethod
-    def _claim(cls, conn: sqlite3.Connection, path: str, create: bool) -> None:
+    def _claim(cls, conn: _sqlite3.Connection, path: str, create: bool) -> None:
         """A file not (yet) marked as an ipward store of this layout: refuse it, or, if it
         is new or empty (and `create`), make the tables and mark it in one transaction;
         a file of ipward's made before the mark existed is marked on the way."""
@@ -196,7 +260,7 @@ class SqliteStore(Store):
             raise
 
     @staticmethod
-    def _judge(conn: sqlite3.Connection, path: str) -> str:
+    def _judge(conn: _sqlite3.Connection, path: str) -> str:
         """What the file is: `ours` (marked, or an ipward file from before the mark,
         which is marked now if the file may be written), `empty` (no tables: a new,
         0-byte or empty database file), or StoreIncompatible naming why it is not ours."""
@@ -215,12 +279,13 @@ class SqliteStore(Store):
             )
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables:
-            if not os.path.isfile(path):  # /dev/null, a fifo: SQLite would take them
+            st = posix.stat(path)
+            if st.st_mode & _S_IFMT != _S_IFREG:  # /dev/null, a fifo: SQLite would take them
                 raise StoreIncompatible(f"{path} is not a regular file; not touching it")
             # SQLite reads a few bytes of anything as an empty database. (Never open the
             # file itself to look: closing any descriptor of it drops this process's
             # POSIX locks, and another process would then delete the WAL under us.)
-            if os.path.getsize(path) and not conn.execute("PRAGMA page_count").fetchone()[0]:
+            if st.st_size and not conn.execute("PRAGMA page_count").fetchone()[0]:
                 raise StoreIncompatible(f"{path} is not an SQLite database")
             return "empty"
         columns = [r[1] for r in conn.execute("PRAGMA table_info(kv)")]
@@ -236,7 +301,7 @@ class SqliteStore(Store):
             conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
             conn.execute(f"PRAGMA user_version={LAYOUT}")
             conn.execute("COMMIT")
-        except sqlite3.OperationalError as e:
+        except _sqlite3.OperationalError as e:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             if "readonly" not in str(e):  # a reader without write access uses it as is
@@ -244,7 +309,7 @@ class SqliteStore(Store):
         return "ours"
 
     @classmethod
-    def from_url(cls, url: str, *, create: bool = True) -> SqliteStore:
+    def from_url(cls, url: str, *, create: bool = True, short_lived: bool = False) -> SqliteStore:
         """`sqlite:///ABSOLUTE/PATH`; no options (a query or fragment is refused rather
         than taken as part of the file name)."""
         path = url[len("sqlite://") :]
@@ -258,7 +323,7 @@ class SqliteStore(Store):
                 )
         if path.endswith("/") or "\0" in path:
             raise StoreError(f"sqlite URL {url!r}: the path must name a file")
-        return cls(path, create=create)
+        return cls(path, create=create, short_lived=short_lived)
 
     def get(self, key: str) -> KeyValue | None:
         with self._lock:
@@ -281,7 +346,7 @@ class SqliteStore(Store):
         with self._lock:
             try:
                 rows = self._conn.execute(sql, params).fetchall()
-            except sqlite3.Error as e:
+            except _sqlite3.Error as e:
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
         return [_row(r) for r in rows[:-1]], int(rows[-1][3])
 
@@ -298,7 +363,7 @@ class SqliteStore(Store):
                     kvs.extend(_row(r) for r in rows)
                 revision = self._current_revision()
                 self._conn.execute("COMMIT")
-            except sqlite3.Error as e:
+            except _sqlite3.Error as e:
                 self._rollback()
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
         return kvs, revision
@@ -328,12 +393,14 @@ class SqliteStore(Store):
                     revision += 1
                     self._set_revision(revision)
                 self._conn.execute("COMMIT")
-            except sqlite3.Error as e:
+            except _sqlite3.Error as e:
                 self._rollback()
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
             except StoreError:
                 self._rollback()
                 raise
+            if self._short_lived:
+                self._bound_wal()
         return TxnResult(ok, revision)
 
     def watch(self, prefix: str, start_revision: int) -> Watch:
@@ -347,7 +414,7 @@ class SqliteStore(Store):
                     "INSERT INTO leases (ttl, expires_at) VALUES (?, ?)", (ttl, time.time() + ttl)
                 )
                 self._conn.execute("COMMIT")
-            except sqlite3.Error as e:
+            except _sqlite3.Error as e:
                 self._rollback()
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
         assert cur.lastrowid is not None
@@ -365,7 +432,7 @@ class SqliteStore(Store):
                 )
                 row = cur.fetchone()
                 self._conn.execute("COMMIT")
-            except sqlite3.Error as e:
+            except _sqlite3.Error as e:
                 self._rollback()
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
         return 0 if row is None else int(row[0])
@@ -378,7 +445,7 @@ class SqliteStore(Store):
                 self._conn.execute("UPDATE leases SET expires_at = 0 WHERE id = ?", (lease,))
                 self._expire_leases(time.time(), self._current_revision())
                 self._conn.execute("COMMIT")
-            except sqlite3.Error as e:
+            except _sqlite3.Error as e:
                 self._rollback()
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
 
@@ -398,7 +465,7 @@ class SqliteStore(Store):
         try:
             row: tuple | None = self._conn.execute(sql, params).fetchone()
             return row
-        except sqlite3.Error as e:
+        except _sqlite3.Error as e:
             raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
 
     def _rollback(self) -> None:
@@ -406,8 +473,35 @@ class SqliteStore(Store):
             # Not contextlib.suppress: its import costs ~3 ms per plugin exec.
             try:
                 self._conn.execute("ROLLBACK")
-            except sqlite3.Error:
+            except _sqlite3.Error:
                 pass  # already rolled back on SQLITE_BUSY
+
+    def _bound_wal(self) -> None:
+        """Checkpoint the WAL into the file and empty it once it outgrows WAL_LIMIT.
+        SQLite's automatic checkpoint copies the WAL into the file but leaves it to the
+        connection's next write to start the WAL over; a process that writes once and
+        exits (each plugin exec) never does, and the next process, rebuilding the WAL
+        index from the WAL alone, counts none of it as copied. So the WAL grew by every
+        plugin ADD, without bound (12 MB after 400), and every exec read all of it and
+        copied it all again. TRUNCATE, as RESTART would leave the old frames for the
+        next process to find; it waits briefly for other processes' transactions (if
+        it cannot finish, a later commit does it). Only for `short_lived` stores: a
+        long-lived writer's WAL starts over in place, and emptying it would make every
+        commit grow the file again (an fsync that writes metadata: half the commit
+        rate, measured)."""
+        try:
+            if posix.stat(f"{self.path}-wal").st_size <= WAL_LIMIT:
+                return
+        except OSError:
+            return
+        conn = self._conn
+        try:
+            conn.execute(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except _sqlite3.Error:
+            pass  # committed already; the next commit tries again
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
 
     def _current_revision(self) -> int:
         row = self._conn.execute("SELECT value FROM meta WHERE name = 'revision'").fetchone()
@@ -520,7 +614,7 @@ class SqliteStore(Store):
                     " ORDER BY revision, seq",
                     (revision, prefix, _prefix_end(prefix)),
                 ).fetchall()
-            except sqlite3.Error as e:
+            except _sqlite3.Error as e:
                 raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
         return [Event(r[0], KeyValue(r[1], bytes(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
 

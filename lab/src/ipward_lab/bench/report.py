@@ -70,14 +70,16 @@ def headline(result: dict) -> list[list[str]]:
                 f"raw CAS {f[f'{name}.raw_cas_per_s']:,.0f}/s",
                 f"{f[f'{name}.ledger_vs_cas']:.2f}x",
             )
-    if "exec.ipward.median_ms" in f:
+    for kind, what in (("ipward_pool", "named pool"), ("ipward", "inline ranges")):
+        if f"exec.{kind}.median_ms" not in f:
+            continue
         host_local = f.get("exec.host_local.median_ms")
         add(
-            "plugin ADD exec, single-node (median)",
-            f"{f['exec.ipward.median_ms']:.2f} ms",
+            f"plugin ADD exec, single-node, {what} (median)",
+            f"{f[f'exec.{kind}.median_ms']:.2f} ms",
             f"python3 -I -S start {f['exec.python.median_ms']:.2f} ms"
             + (f"; host-local {host_local:.2f} ms" if host_local is not None else ""),
-            f"{f['exec.ipward_minus_python_ms']:+.2f} ms",
+            f"{f[f'exec.{kind}_minus_python_ms']:+.2f} ms",
         )
     cluster = result.get("cluster")
     if cluster:
