@@ -50,8 +50,11 @@ def _import_sqlite() -> None:
     yet (the plugin), `_sqlite3` is given that same cache, the C `_lru_cache_wrapper`
     that `lru_cache` returns, through a stand-in module taken out of `sys.modules` again
     at once: a later `import functools` gets the real one."""
-    if "functools" in sys.modules:
-        return  # the module-level import below loads it
+    if "functools" in sys.modules or sys.version_info[:2] != (3, 11):
+        # Loaded already, or a Python whose `_sqlite3` may use `functools` otherwise
+        # (the stand-in is made for 3.11's, the interpreter of the hosts we ship for):
+        # the module-level import below loads the real one.
+        return
     import _functools
 
     def lru_cache(maxsize: int) -> object:
