@@ -9,13 +9,28 @@ from ipward.cluster.liveness import (
     LivenessSource,
     NodeView,
 )
-from ipward.core import log
+from ipward.core import keys, log
 from ipward.gc import rules as gc
 from ipward.store import StoreError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.agent.server import Agent
+    from ipward.store import Store
+
+
+def node_records(store: Store, node: str) -> list[gc.Held]:
+    """The node's allocation records that hold a sandbox, with their revisions, found
+    through its index (`nodeips/<node>/`) and read one by one: what a pass reads grows
+    with the node's records, never with the cluster's. A record freed since its entry
+    was read is gone; one taken over by another node since is not this node's."""
+    found = []
+    for entry in store.range(keys.node_ips_prefix(node))[0]:
+        _, pool, ip = keys.node_ip_parts(entry.key)
+        kv = store.get(keys.ip_key(pool, ip))
+        if kv is not None:
+            found.append(kv)
+    return gc.held_records(found, node)
 
 
 class Reconciler:
@@ -71,7 +86,7 @@ class Reconciler:
     def run_once(self) -> list[gc.Verdict] | None:
         """One pass; the records freed, or None when the runtime gave no usable view."""
         node = self.agent.node
-        held = gc.snapshot(self.agent.store, node)  # records first, then the runtime
+        held = node_records(self.agent.store, node)  # records first, then the runtime
         evidence = gc.gather(self.source, [node], grace=self.grace, ask_cluster=False)
         view = evidence.nodes[node]
         if not isinstance(view, NodeView):

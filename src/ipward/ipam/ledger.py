@@ -198,6 +198,20 @@ def _last_write_per_key(ops: list[Put | Delete]) -> list[Put | Delete]:
     return list(last.values())
 
 
+def record_writes(
+    pool: str, ip: str, record: AddressRecord, moved_from: str = ""
+) -> list[Put | Delete]:
+    """Store an allocation record with its node's index entry (`nodeips/`), dropping the
+    entry of the node it moved from: every write that makes a record, or gives it to
+    another node, goes with these in one transaction (the delete side: `_free_ops`)."""
+    ops: list[Put | Delete] = [Put(keys.ip_key(pool, ip), record.encode())]
+    if moved_from and moved_from != record.node:
+        ops.append(Delete(keys.node_ip_key(moved_from, pool, ip)))
+    if record.node:
+        ops.append(Put(keys.node_ip_key(record.node, pool, ip), b""))
+    return ops
+
+
 class _Conflict(Exception):
     """What was read changed before it could be used; read again."""
 
@@ -434,7 +448,7 @@ class Ledger:
                 )
                 member_compares += pick.compares
                 member_ops += pick.ops
-                member_ops.append(Put(keys.ip_key(pool.name, pick.ip), record.encode()))
+                member_ops += record_writes(pool.name, pick.ip, record)
             grown_compares = _unique_compares(compares + member_compares)
             grown_ops = _last_write_per_key(ops + member_ops)
             if self.store.txn_problem(grown_compares, grown_ops) is not None:
@@ -537,7 +551,7 @@ class Ledger:
                 )
                 compares += pick.compares
                 ops += pick.ops
-                ops.append(Put(keys.ip_key(pool.name, pick.ip), record.encode()))
+                ops += record_writes(pool.name, pick.ip, record)
             testpoints.pause("allocate")
             if self._txn(compares, ops):
                 self._log_pool_writes(pools, guards, picks)
@@ -662,7 +676,7 @@ class Ledger:
             )
             layouts[ref] = record.layout
             compares.append(at_revision(key, kv.mod_revision))
-            ops.append(Put(key, mine.encode()))
+            ops += record_writes(pool_name, ip, mine, moved_from=record.node)
         if not self._txn(compares, ops):
             return None
         allocations = self._allocations(refs, layouts=layouts)
@@ -1267,6 +1281,8 @@ class Ledger:
         spec_kv = self._get(pool_key)
         compares = [at_revision(pool_key, spec_kv.mod_revision if spec_kv else 0)]
         ops: list[Put | Delete] = [Delete(keys.ip_key(pool_name, ip))]
+        if record.node:
+            ops.append(Delete(keys.node_ip_key(record.node, pool_name, ip)))
         if spec_kv is None:
             return ops, compares
         family, value = parse_ip(ip)
