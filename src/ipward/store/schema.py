@@ -228,13 +228,18 @@ def repair_node_index(store: Store) -> list[tuple[str, str]]:
     dangling one, every fix compared against the record (and entry) as read, in bounded
     transactions; read again until nothing differs. Returns (kind, entry key) fixed."""
     fixed: list[tuple[str, str]] = []
+    # At most two compares a fix: within the store's limit on a transaction's compares.
+    chunk_size = min(BUILD_CHUNK, max(1, (store.max_txn_ops or BUILD_CHUNK * 2) // 2))
     for _ in range(BUILD_ATTEMPTS):
-        records = store.range(keys.ADDRESSES)[0]
-        drift = node_index_drift(records, store.range(keys.NODE_ADDRESSES)[0])
+        # Both at one revision: a write between two reads would look like drift.
+        kvs, _ = store.snapshot((keys.ADDRESSES, keys.NODE_ADDRESSES))
+        records = [kv for kv in kvs if kv.key.startswith(keys.ADDRESSES)]
+        entries = [kv for kv in kvs if kv.key.startswith(keys.NODE_ADDRESSES)]
+        drift = node_index_drift(records, entries)
         if not drift:
             return fixed
-        for start in range(0, len(drift), BUILD_CHUNK):
-            chunk = drift[start : start + BUILD_CHUNK]
+        for start in range(0, len(drift), chunk_size):
+            chunk = drift[start : start + chunk_size]
             compares: list[Compare] = []
             ops: list[Put | Delete] = []
             for _kind, record_kv, entry, key in chunk:
