@@ -118,13 +118,15 @@ def test_check_reports_each_node_index_problem_and_remove_orphans_fixes_them(
     sqlite_url, sqlite_store, pool
 ) -> None:
     ledger = Ledger(sqlite_store, "n1")
-    a, b = (ledger.allocate([pool], attachment(n), pod(n))[0].ip for n in ("a", "b"))
+    a, b, c = (ledger.allocate([pool], attachment(n), pod(n))[0].ip for n in ("a", "b", "c"))
+    copy_of_b = sqlite_store.get(keys.ip_key("p", b)).value
     sqlite_store.txn(
         [],
         [
             Delete(keys.node_ip_key("n1", "p", a)),  # a record without its entry
-            Put(keys.node_ip_key("n1", "p", "10.0.200.1"), b""),  # an entry without a record
-            Put(keys.node_ip_key("n7", "p", b), b""),  # an entry for another node's record
+            Put(keys.node_ip_key("n1", "p", "10.0.200.1"), copy_of_b),  # without a record
+            Put(keys.node_ip_key("n7", "p", b), copy_of_b),  # for another node's record
+            Put(keys.node_ip_key("n1", "p", c), copy_of_b),  # a copy that is not its record
         ],
     )
     problems = {(p.kind, p.key) for p in check(sqlite_store)[0]}
@@ -132,6 +134,7 @@ def test_check_reports_each_node_index_problem_and_remove_orphans_fixes_them(
         ("node-index-missing", keys.ip_key("p", a)),
         ("node-index-dangling", keys.node_ip_key("n1", "p", "10.0.200.1")),
         ("node-index-dangling", keys.node_ip_key("n7", "p", b)),
+        ("node-index-stale", keys.node_ip_key("n1", "p", c)),
     }
     assert run_cli("check", store=sqlite_url).returncode == 1
     fixed = run_cli("--json", "check", "--remove-orphans", store=sqlite_url)
@@ -140,8 +143,12 @@ def test_check_reports_each_node_index_problem_and_remove_orphans_fixes_them(
         "dangling",
         "dangling",
         "missing",
+        "stale",
     ]
     assert index(sqlite_store) == recorded(sqlite_store)
+    for ip in (a, b, c):
+        entry = sqlite_store.get(keys.node_ip_key("n1", "p", ip)).value
+        assert entry == sqlite_store.get(keys.ip_key("p", ip)).value
 
 
 def test_plugin_processes_racing_keep_the_index_in_step(tmp_path: Path, plugin: Path) -> None:
@@ -221,5 +228,21 @@ def test_reconciliation_reads_none_of_other_nodes_records(tmp_path: Path, pool, 
         assert len(their_records) == 80
         assert not their_records & read
         assert not [k for k in read if k.startswith(keys.node_ips_prefix()) and "/n1/" not in k]
+        # The record decides, not its copy: an entry saying the live sandbox's address
+        # is another (unlisted) sandbox's frees nothing ...
+        ip = mine.lookup(attachment("live"))[0].ip
+        record = rec.AddressRecord.decode(store.get(keys.ip_key("p", ip)).value)
+        record.container = "elsewhere"
+        store.txn([], [Put(keys.node_ip_key("n1", "p", ip), record.encode())])
+        # ... and an entry written after its record (as `ipward migrate` builds them)
+        # still frees a gone sandbox's address, at the record's own revision.
+        late = mine.allocate([pool], attachment("late"), pod("late"))[0].ip
+        record_kv = store.get(keys.ip_key("p", late))
+        store.txn([], [Put(keys.node_ip_key("n1", "p", late), record_kv.value)])
+        freed = reconciler.run_once()
+        assert freed is not None
+        assert sorted(v.held.container for v in freed) == ["late", "late"]  # dual stack
+        assert store.get(keys.ip_key("p", ip)) is not None
+        assert store.get(keys.ip_key("p", late)) is None
     finally:
         agent.close(wait=True)

@@ -13,8 +13,8 @@ keys, reads them back and names their prefixes through the functions and constan
                                                   never-claimed block (of that layout version)
     blockfree/<pool>/<family>/<cidr>              a released block, claimed again first
     ips/<pool>/<ip>                               allocation record (records.AddressRecord)
-    nodeips/<node>/<pool>/<ip>                    empty: the record's node (index of ips/,
-                                                  written in the record's transactions)
+    nodeips/<node>/<pool>/<ip>                    a copy of the record, under its node
+                                                  (index of ips/, written with the record)
     attach/<network>/<container>/<ifname>         attachment index (records.AttachmentIndex)
     free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
     freeq/<pool>/<family>/<node>/<ms>/<ip>        the same fact ordered by the time it was freed

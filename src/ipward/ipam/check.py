@@ -6,6 +6,7 @@
   index-missing        a record whose attachment index does not list it
   index-dangling       an index entry with no record, or a record owned by another
   node-index-missing   a record without its node's entry (`nodeips/<node>/<pool>/<ip>`)
+  node-index-stale     a node's entry whose copy of the record differs from it
   node-index-dangling  a node's entry with no record, or whose record is another node's
   outside-pool         a record of an unknown pool, or of no address its pool hands out
                        now or did before its last change (a retired layout)
@@ -175,7 +176,8 @@ def check(store: Store) -> tuple[list[Problem], dict]:
 
 
 def _node_index(records: list[KeyValue], entries: list[KeyValue]) -> list[Problem]:
-    """The node index as the store shows it: one entry per record, under its node."""
+    """The node index as the store shows it: one entry per record, under its node, a copy
+    of it."""
     problems = []
     remedy = "fix with 'ipward check --remove-orphans'"
     for kind, record_kv, _, key in node_index_drift(records, entries):
@@ -183,6 +185,10 @@ def _node_index(records: list[KeyValue], entries: list[KeyValue]) -> list[Proble
             assert record_kv is not None
             problems.append(
                 Problem("node-index-missing", record_kv.key, f"no entry {key} ({remedy})")
+            )
+        elif kind == "stale":
+            problems.append(
+                Problem("node-index-stale", key, f"its copy of the record differs ({remedy})")
             )
         elif record_kv is None:
             problems.append(Problem("node-index-dangling", key, f"no record ({remedy})"))

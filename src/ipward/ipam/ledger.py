@@ -201,14 +201,16 @@ def _last_write_per_key(ops: list[Put | Delete]) -> list[Put | Delete]:
 def record_writes(
     pool: str, ip: str, record: AddressRecord, moved_from: str = ""
 ) -> list[Put | Delete]:
-    """Store an allocation record with its node's index entry (`nodeips/`), dropping the
-    entry of the node it moved from: every write that makes a record, or gives it to
-    another node, goes with these in one transaction (the delete side: `_free_ops`)."""
-    ops: list[Put | Delete] = [Put(keys.ip_key(pool, ip), record.encode())]
+    """Store an allocation record with its node's index entry (`nodeips/`, holding a copy
+    of the record: an agent's reconciliation reads its node's records in one range),
+    dropping the entry of the node it moved from: every write of a record goes with
+    these in one transaction (the delete side: `_free_ops`)."""
+    value = record.encode()
+    ops: list[Put | Delete] = [Put(keys.ip_key(pool, ip), value)]
     if moved_from and moved_from != record.node:
         ops.append(Delete(keys.node_ip_key(moved_from, pool, ip)))
     if record.node:
-        ops.append(Put(keys.node_ip_key(record.node, pool, ip), b""))
+        ops.append(Put(keys.node_ip_key(record.node, pool, ip), value))
     return ops
 
 
@@ -1201,7 +1203,7 @@ class Ledger:
             if record.sticky:
                 # Detach: the reservation keeps the address for the identity's next
                 # sandbox (DESIGN 2); retiring it is the controller's.
-                ops.append(Put(key, record.detached(now).encode()))
+                ops += record_writes(pool_name, ip, record.detached(now))
                 sticky_ops, sticky_compares = self._detach_reservation(
                     record.sticky, attachment, now
                 )

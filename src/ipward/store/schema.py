@@ -18,8 +18,9 @@ Every refusal is StoreIncompatible (CNI code 106): permanent, never "try again".
 Versions (keep the README's table in step):
   0  stores made before the schema key existed
   1  `meta/schema` written; nothing else changed
-  2  the node index: `nodeips/<node>/<pool>/<ip>` for every allocation record, written
-     in the record's own transactions (so an agent reads only its node's records)
+  2  the node index: `nodeips/<node>/<pool>/<ip>`, a copy of every allocation record
+     under its node, written in the record's own transactions (so an agent reads only
+     its node's records, in one range)
 
 The step 1 -> 2 writes the index of every record there is; a process of version 1
 still writing meanwhile would leave records without their entry, so it refuses while
@@ -199,9 +200,10 @@ def node_index_drift(
 ) -> list[tuple[str, KeyValue | None, KeyValue | None, str]]:
     """How the node index (`entries`, under `nodeips/`) differs from the allocation
     records (`records`, under `ips/`): (kind, record, entry, the entry's key) for each
-    record without its node's entry ("missing") and each entry whose record is not
-    there or is another node's ("dangling"). A record that cannot be read, or names no
-    node, wants no entry (`ipward check` reports the record itself)."""
+    record without its node's entry ("missing"), each entry whose copy of the record
+    differs from it ("stale") and each entry whose record is not there or is another
+    node's ("dangling"). A record that cannot be read, or names no node, wants no entry
+    (`ipward check` reports the record itself)."""
     wanted: dict[str, KeyValue] = {}
     for kv in records:
         try:
@@ -213,7 +215,9 @@ def node_index_drift(
             wanted[keys.node_ip_key(node, pool, ip)] = kv
     found = {kv.key: kv for kv in entries}
     drift: list[tuple[str, KeyValue | None, KeyValue | None, str]] = [
-        ("missing", kv, None, key) for key, kv in wanted.items() if key not in found
+        ("missing", kv, None, key) if key not in found else ("stale", kv, found[key], key)
+        for key, kv in wanted.items()
+        if key not in found or found[key].value != kv.value
     ]
     by_key = {kv.key: kv for kv in records}
     for key, entry in found.items():
@@ -224,11 +228,12 @@ def node_index_drift(
 
 
 def repair_node_index(store: Store) -> list[tuple[str, str]]:
-    """Make the node index match the records: write each missing entry and delete each
-    dangling one, every fix compared against the record (and entry) as read, in bounded
-    transactions; read again until nothing differs. Returns (kind, entry key) fixed."""
+    """Make the node index match the records: write each missing or stale entry (a copy
+    of its record) and delete each dangling one, every fix compared against the record
+    and the entry as read, in bounded transactions; read again until nothing differs.
+    Returns (kind, entry key) fixed."""
     fixed: list[tuple[str, str]] = []
-    # At most two compares a fix: within the store's limit on a transaction's compares.
+    # Two compares a fix: within the store's limit on a transaction's compares.
     chunk_size = min(BUILD_CHUNK, max(1, (store.max_txn_ops or BUILD_CHUNK * 2) // 2))
     for _ in range(BUILD_ATTEMPTS):
         # Both at one revision: a write between two reads would look like drift.
@@ -242,17 +247,17 @@ def repair_node_index(store: Store) -> list[tuple[str, str]]:
             chunk = drift[start : start + chunk_size]
             compares: list[Compare] = []
             ops: list[Put | Delete] = []
-            for _kind, record_kv, entry, key in chunk:
-                if record_kv is not None:
-                    compares.append(at_revision(record_kv.key, record_kv.mod_revision))
-                if entry is None:
-                    ops.append(Put(key, b""))
+            for kind, record_kv, entry, key in chunk:
+                _, pool, ip = keys.node_ip_parts(key)
+                if record_kv is None:
+                    compares.append(absent(keys.ip_key(pool, ip)))
                 else:
-                    _, pool, ip = keys.node_ip_parts(key)
-                    if record_kv is None:
-                        compares.append(absent(keys.ip_key(pool, ip)))
-                    compares.append(at_revision(key, entry.mod_revision))
+                    compares.append(at_revision(record_kv.key, record_kv.mod_revision))
+                compares.append(at_revision(key, entry.mod_revision if entry else 0))
+                if kind == "dangling" or record_kv is None:
                     ops.append(Delete(key))
+                else:
+                    ops.append(Put(key, record_kv.value))
             if store.txn(compares, ops).succeeded:
                 fixed += [(kind, key) for kind, _, _, key in chunk]
     raise StoreUnavailable("the node index kept changing while it was repaired; run it again")
