@@ -4,6 +4,7 @@ runtime reports gone, with garbage collection's rules."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 from ipward.cluster.liveness import (
@@ -100,6 +101,7 @@ class Reconciler:
     def run_once(self) -> list[gc.Verdict] | None:
         """One pass; the records freed, or None when the runtime gave no usable view."""
         node = self.agent.node
+        started = time.perf_counter()
         held = node_records(self.agent.store, node)  # records first, then the runtime
         evidence = gc.gather(self.source, [node], grace=self.grace, ask_cluster=False)
         view = evidence.nodes[node]
@@ -125,5 +127,6 @@ class Reconciler:
             records=len(held),
             sandboxes=len(view.sandboxes),
             freed=len(freed),
+            ms=round((time.perf_counter() - started) * 1000, 3),
         )
         return freed
