@@ -672,7 +672,7 @@ def test_store_refusing_a_batch_still_answers_every_caller(plugin, start_agent, 
     """The store raises something the ledger did not foresee inside a batch (etcd run
     with fewer operations per transaction than its default): every caller of the batch
     is answered, served one by one."""
-    with etcd_server(tmp_path / "etcd", extra_args=["--max-txn-ops=12"]) as etcd:
+    with etcd_server(tmp_path / "etcd", extra_args=["--max-txn-ops=16"]) as etcd:
         agent = start_agent(etcd.url, env=PAUSED, extra=("--max-workers", "32"))
         cfg = config(agent.socket, pool="dual")
         dual_stack_pool_with_a_free_queue(plugin, etcd.url, cfg, 24)

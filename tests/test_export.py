@@ -22,7 +22,7 @@ from ipward_lab.etcdlab import etcd_server
 
 INCOMPATIBLE = 106
 KINDS = {"pools", "ips", "attach", "blocks", "affinity", "fill", "blockcursor", "free", "freeq",
-         "sticky"}  # fmt: skip
+         "sticky", "nodeips"}  # fmt: skip
 
 
 def cni(url: str, network: str, **ipam: object) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IPWARD, exec_plugin, run_cli, wait_for
+from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
@@ -474,9 +475,12 @@ def test_check_names_orphans_and_removal_leaves_it_clean(sqlite_url: str) -> Non
     with open_store(sqlite_url) as store:
         assert store.get("ips/ghost/10.9.0.9") is not None
         assert store.get("somebody/else") is not None
-        # The rest needs a person: the record (by hand here: its pool is gone), the key
-        # of another program, the delete run again.
-        store.txn([], [Delete("ips/ghost/10.9.0.9"), Delete("somebody/else")])
+        # The rest needs a person: the record (by hand here: its pool is gone; with the
+        # node index entry `--remove-orphans` gave it), the key of another program, the
+        # delete run again.
+        entry = keys.node_ip_key("n1", "ghost", "10.9.0.9")
+        assert store.get(entry) is not None
+        store.txn([], [Delete("ips/ghost/10.9.0.9"), Delete(entry), Delete("somebody/else")])
     assert run_cli("pool", "delete", "gone-soon", store=sqlite_url).returncode == 0
     assert_clean(sqlite_url)
 

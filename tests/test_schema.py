@@ -160,7 +160,7 @@ def test_a_store_from_before_the_schema_key_is_refused_until_migrated(
     ]
     results = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert sorted(r["steps"] for r in results) == [[], [1]]
+    assert sorted(v for r in results for v in r["steps"]) == [1, 2]  # each step once
     again = run_cli("migrate", store=url, check=True)
     assert "nothing to do" in again.stdout
 
@@ -188,6 +188,59 @@ def test_a_newer_schema_is_refused_naming_both_versions(
     refused_everywhere(url, tmp_path, plugin, needles)
     migrate = run_cli("migrate", store=url)
     assert migrate.returncode == 2 and all(n in migrate.stderr for n in needles)
+
+
+def as_version_1(url: str) -> list[str]:
+    """Turn the store into one of schema version 1 (no node index); the entries it had."""
+    with open_backend(url) as store:
+        entries = [kv.key for kv in store.range(keys.node_ips_prefix())[0]]
+        ops = [Delete(key) for key in entries] + [Put(keys.SCHEMA_KEY, schema.record(1))]
+        assert store.txn([], ops).succeeded
+    return entries
+
+
+def node_index(url: str) -> list[str]:
+    return sorted(key for key in dump(url)[0] if key.startswith(keys.node_ips_prefix()))
+
+
+def test_a_version_1_store_gets_its_node_index_from_migrate_with_no_process_running(
+    url: str, tmp_path: Path, plugin: Path
+) -> None:
+    fill(url)
+    entries = as_version_1(url)
+    assert len(entries) == 4  # c1 and c2, dual stack
+    refused_everywhere(url, tmp_path, plugin, ["schema version 1", "ipward migrate"])
+    # A running agent of version 1 would write records without their entries: refused.
+    with open_backend(url) as store:
+        lease = store.lease_grant(60)
+        assert store.txn([], [Put(keys.node_key("n1"), b"{}", lease=lease)]).succeeded
+        before = dump(url)
+        refused = run_cli("migrate", store=url)
+        assert refused.returncode == 2 and "stop them first" in refused.stderr, refused
+        assert keys.node_key("n1") in refused.stderr and dump(url) == before
+        store.lease_revoke(lease)
+    done = json.loads(run_cli("--json", "migrate", store=url, check=True).stdout)
+    assert done["found"] == 1 and done["steps"] == [2]
+    assert node_index(url) == sorted(entries)
+    assert json.loads(dump(url)[0][keys.SCHEMA_KEY]) == {"version": schema.VERSION}
+    assert run_cli("check", store=url).returncode == 0
+
+
+def test_an_interrupted_index_build_is_refused_until_migrate_finishes_it(
+    url: str, tmp_path: Path, plugin: Path
+) -> None:
+    """A migrate stopped after its bump (the store says version 2, building) leaves a
+    store every process refuses; the next `ipward migrate` completes the index."""
+    fill(url)
+    entries = as_version_1(url)
+    with open_backend(url) as store:
+        half = [Put(entries[0], b""), Put(keys.SCHEMA_KEY, schema.record(2, building="index"))]
+        assert store.txn([], half).succeeded
+    refused_everywhere(url, tmp_path, plugin, ["being migrated", "ipward migrate"])
+    done = json.loads(run_cli("--json", "migrate", store=url, check=True).stdout)
+    assert done["found"] == 2 and done["steps"] == [2]
+    assert node_index(url) == sorted(entries)
+    assert run_cli("check", store=url).returncode == 0
 
 
 def garbage(path: Path) -> None:

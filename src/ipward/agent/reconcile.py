@@ -4,18 +4,48 @@ runtime reports gone, with garbage collection's rules."""
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import replace
 
 from ipward.cluster.liveness import (
     LivenessSource,
     NodeView,
 )
-from ipward.core import log
+from ipward.core import keys, log
+from ipward.core.records import AddressRecord
 from ipward.gc import rules as gc
 from ipward.store import StoreError
+from ipward.store.base import KeyValue
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.agent.server import Agent
+    from ipward.store import Store
+
+
+def node_records(store: Store, node: str) -> list[gc.Held]:
+    """The node's allocation records that hold a sandbox, as its index (`nodeips/<node>/`)
+    has copies of them, read with one range: what a pass reads grows with the node's
+    records, never with the cluster's. Each carries its entry's revision; a free is
+    confirmed against the record itself first (`confirmed`)."""
+    copies = [
+        KeyValue(keys.ip_key(pool, ip), kv.value, kv.create_revision, kv.mod_revision, 0)
+        for kv in store.range(keys.node_ips_prefix(node))[0]
+        for _, pool, ip in [keys.node_ip_parts(kv.key)]
+    ]
+    return gc.held_records(copies, node)
+
+
+def confirmed(store: Store, verdict: gc.Verdict) -> gc.Verdict | None:
+    """The verdict on the record itself: the same judgement, pinned to the record's own
+    revision, when the record is still what its index entry's copy said (written in one
+    transaction, they can only differ when it changed since the pass read it: then it
+    is judged again next pass). None otherwise."""
+    held = verdict.held
+    kv = store.get(keys.ip_key(held.pool, held.ip))
+    if kv is None or AddressRecord.decode(kv.value).encode() != held.record.encode():
+        return None
+    return gc.Verdict(replace(held, mod_revision=kv.mod_revision), verdict.reason, verdict.evidence)
 
 
 class Reconciler:
@@ -71,7 +101,8 @@ class Reconciler:
     def run_once(self) -> list[gc.Verdict] | None:
         """One pass; the records freed, or None when the runtime gave no usable view."""
         node = self.agent.node
-        held = gc.snapshot(self.agent.store, node)  # records first, then the runtime
+        started = time.perf_counter()
+        held = node_records(self.agent.store, node)  # records first, then the runtime
         evidence = gc.gather(self.source, [node], grace=self.grace, ask_cluster=False)
         view = evidence.nodes[node]
         if not isinstance(view, NodeView):
@@ -83,9 +114,12 @@ class Reconciler:
             verdict = gc.judge(h, evidence)
             if verdict.reason is None:
                 continue
-            if gc.free(self.agent.ledger, verdict, f"agent {node} reconcile"):
-                self.agent.metrics.reconcile_freed.labels(reason=verdict.reason).inc()
-                freed.append(verdict)
+            sure = confirmed(self.agent.store, verdict)
+            if sure is None:
+                continue
+            if gc.free(self.agent.ledger, sure, f"agent {node} reconcile"):
+                self.agent.metrics.reconcile_freed.labels(reason=sure.reason).inc()
+                freed.append(sure)
         self.agent.metrics.reconcile_passes.inc()
         log.debug(
             "reconciled",
@@ -93,5 +127,6 @@ class Reconciler:
             records=len(held),
             sandboxes=len(view.sandboxes),
             freed=len(freed),
+            ms=round((time.perf_counter() - started) * 1000, 3),
         )
         return freed

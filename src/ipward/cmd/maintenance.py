@@ -29,8 +29,9 @@ from ipward.store import schema
     "--remove-orphans",
     is_flag=True,
     help="First remove keys left by deleted pools and state a pool's current ranges do"
-    " not use, and prune earlier pool versions no record holds (each a compare-and-"
-    "delete; never an allocation record, never a key ipward does not know).",
+    " not use, prune earlier pool versions no record holds (each a compare-and-"
+    "delete; never an allocation record, never a key ipward does not know), and put"
+    " the node index in step with the records.",
 )
 @pass_ctx
 def check_command(c: Context, remove_orphans: bool) -> None:
@@ -42,16 +43,19 @@ def check_command(c: Context, remove_orphans: bool) -> None:
         from ipward.ipam import pools
 
         keys, pruned = pools.remove_orphans(c.store)
+        indexed = schema.repair_node_index(c.store)
         removed = {
             "removed": keys,
             "pruned": {name: {"keys": k, "layouts": n} for name, (k, n) in pruned.items()},
+            "node_index": [{"fixed": kind, "key": key} for kind, key in indexed],
         }
         if not c.as_json:
             pruned_keys = sum(k for k, _ in pruned.values())
             pruned_layouts = sum(n for _, n in pruned.values())
             console.print(
                 f"removed {len(keys)} orphan key(s), {pruned_keys} stale key(s), pruned"
-                f" {pruned_layouts} earlier pool version(s)"
+                f" {pruned_layouts} earlier pool version(s), fixed {len(indexed)} node index"
+                " entries"
             )
     problems, counts = check(c.store)
     data = {"ok": not problems, "problems": [p.to_dict() for p in problems], **counts, **removed}

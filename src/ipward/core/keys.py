@@ -13,6 +13,8 @@ keys, reads them back and names their prefixes through the functions and constan
                                                   never-claimed block (of that layout version)
     blockfree/<pool>/<family>/<cidr>              a released block, claimed again first
     ips/<pool>/<ip>                               allocation record (records.AddressRecord)
+    nodeips/<node>/<pool>/<ip>                    a copy of the record, under its node
+                                                  (index of ips/, written with the record)
     attach/<network>/<container>/<ifname>         attachment index (records.AttachmentIndex)
     free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
     freeq/<pool>/<family>/<node>/<ms>/<ip>        the same fact ordered by the time it was freed
@@ -42,6 +44,7 @@ FILL = "fill/"
 BLOCK_CURSOR = "blockcursor/"
 RELEASED_BLOCKS = "blockfree/"
 ADDRESSES = "ips/"
+NODE_ADDRESSES = "nodeips/"
 ATTACHMENTS = "attach/"
 FREE = "free/"
 FREE_QUEUES = "freeq/"
@@ -63,7 +66,7 @@ POOL_STATE_PREFIXES = (
     FREE_QUEUES,
 )
 # The ledger's keys, by prefix (exported and imported whole) ...
-DATA_PREFIXES = (POOLS, *POOL_STATE_PREFIXES, ADDRESSES, ATTACHMENTS, STICKY)
+DATA_PREFIXES = (POOLS, *POOL_STATE_PREFIXES, ADDRESSES, NODE_ADDRESSES, ATTACHMENTS, STICKY)
 # ... keys held by a running process's lease (never exported) ...
 LEASED_PREFIXES = (CONTROLLER, NODES)
 # ... and so every key ipward writes: what makes a store hold ipward data (ipward's keys
@@ -194,6 +197,21 @@ def ip_parts(key: str) -> tuple[str, str]:
     """(pool, ip) of an `ips/` or `free/` key."""
     pool, _, ip = key.partition("/")[2].partition("/")
     return pool, ip
+
+
+def node_ip_key(node: str, pool: str, ip: str) -> str:
+    return f"{NODE_ADDRESSES}{node}/{pool}/{ip}"
+
+
+def node_ips_prefix(node: str | None = None) -> str:
+    """The index entries of one node's allocation records, or of every node's."""
+    return NODE_ADDRESSES if node is None else f"{NODE_ADDRESSES}{node}/"
+
+
+def node_ip_parts(key: str) -> tuple[str, str, str]:
+    """(node, pool, ip) of a `nodeips/` key; a part it lacks is empty."""
+    node, pool, ip = (*key[len(NODE_ADDRESSES) :].split("/", 2), "", "")[:3]
+    return node, pool, ip
 
 
 def attach_key(network: str, container: str, ifname: str) -> str:

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
     from ipward.ipam.ledger import Ledger
-    from ipward.store.base import Compare, Store
+    from ipward.store.base import Compare, KeyValue, Store
 
 # Candidate reasons (metrics labels; the README explains each).
 SANDBOX_GONE = "sandbox-gone"
@@ -133,10 +133,15 @@ class Verdict:
         }
 
 
-def snapshot(store: Store, node: str | None = None) -> list[Held]:
-    """Every allocation record (of `node` only, when given), with its revision."""
+def snapshot(store: Store) -> list[Held]:
+    """Every allocation record, with its revision."""
+    return held_records(store.range(keys.ADDRESSES)[0])
+
+
+def held_records(kvs: Iterable[KeyValue], node: str | None = None) -> list[Held]:
+    """The allocation records `kvs` that hold a sandbox (of `node` only, when given)."""
     held = []
-    for kv in store.range(keys.ADDRESSES)[0]:
+    for kv in kvs:
         pool, ip = keys.ip_parts(kv.key)
         try:
             record = AddressRecord.decode(kv.value)

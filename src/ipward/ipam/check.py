@@ -5,6 +5,9 @@
                        or an attachment holding two addresses of one family in a pool
   index-missing        a record whose attachment index does not list it
   index-dangling       an index entry with no record, or a record owned by another
+  node-index-missing   a record without its node's entry (`nodeips/<node>/<pool>/<ip>`)
+  node-index-stale     a node's entry whose copy of the record differs from it
+  node-index-dangling  a node's entry with no record, or whose record is another node's
   outside-pool         a record of an unknown pool, or of no address its pool hands out
                        now or did before its last change (a retired layout)
   free-and-allocated   an address both recorded and queued as free
@@ -21,7 +24,9 @@
   unknown-key          a key under no prefix ipward writes (another program's, or damage)
 
 Orphans and stale keys are removed by `ipward check --remove-orphans`
-(`ipam.pools.remove_orphans`); the rest need a person. Read-only, and at one revision:
+(`ipam.pools.remove_orphans`), which also puts the node index in step with the records
+(`store.schema.repair_node_index`: the index is derived from them); the rest need a
+person. Read-only, and at one revision:
 the whole store is read with one `range`.
 """
 
@@ -40,6 +45,7 @@ from ipward.core.records import (
     ReservationRecord,
 )
 from ipward.ipam.pools import stale_state
+from ipward.store.schema import node_index_drift
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -138,6 +144,8 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             elif owner != key:
                 problems.append(Problem("index-dangling", key, f"{ref} is recorded for {owner}"))
 
+    problems += _node_index(records, by_prefix[keys.NODE_ADDRESSES])
+
     queued = {kv.key for kv in queue}
     referenced = set()
     for kv in frees:
@@ -165,6 +173,31 @@ def check(store: Store) -> tuple[list[Problem], dict]:
         "revision": revision,
     }
     return problems, counts
+
+
+def _node_index(records: list[KeyValue], entries: list[KeyValue]) -> list[Problem]:
+    """The node index as the store shows it: one entry per record, under its node, a copy
+    of it."""
+    problems = []
+    remedy = "fix with 'ipward check --remove-orphans'"
+    for kind, record_kv, _, key in node_index_drift(records, entries):
+        if kind == "missing":
+            assert record_kv is not None
+            problems.append(
+                Problem("node-index-missing", record_kv.key, f"no entry {key} ({remedy})")
+            )
+        elif kind == "stale":
+            problems.append(
+                Problem("node-index-stale", key, f"its copy of the record differs ({remedy})")
+            )
+        elif record_kv is None:
+            problems.append(Problem("node-index-dangling", key, f"no record ({remedy})"))
+        else:
+            node = AddressRecord.decode(record_kv.value).node or "no node"
+            problems.append(
+                Problem("node-index-dangling", key, f"the record is {node}'s ({remedy})")
+            )
+    return problems
 
 
 def _leftovers(

@@ -198,6 +198,22 @@ def _last_write_per_key(ops: list[Put | Delete]) -> list[Put | Delete]:
     return list(last.values())
 
 
+def record_writes(
+    pool: str, ip: str, record: AddressRecord, moved_from: str = ""
+) -> list[Put | Delete]:
+    """Store an allocation record with its node's index entry (`nodeips/`, holding a copy
+    of the record: an agent's reconciliation reads its node's records in one range),
+    dropping the entry of the node it moved from: every write of a record goes with
+    these in one transaction (the delete side: `_free_ops`)."""
+    value = record.encode()
+    ops: list[Put | Delete] = [Put(keys.ip_key(pool, ip), value)]
+    if moved_from and moved_from != record.node:
+        ops.append(Delete(keys.node_ip_key(moved_from, pool, ip)))
+    if record.node:
+        ops.append(Put(keys.node_ip_key(record.node, pool, ip), value))
+    return ops
+
+
 class _Conflict(Exception):
     """What was read changed before it could be used; read again."""
 
@@ -434,7 +450,7 @@ class Ledger:
                 )
                 member_compares += pick.compares
                 member_ops += pick.ops
-                member_ops.append(Put(keys.ip_key(pool.name, pick.ip), record.encode()))
+                member_ops += record_writes(pool.name, pick.ip, record)
             grown_compares = _unique_compares(compares + member_compares)
             grown_ops = _last_write_per_key(ops + member_ops)
             if self.store.txn_problem(grown_compares, grown_ops) is not None:
@@ -537,7 +553,7 @@ class Ledger:
                 )
                 compares += pick.compares
                 ops += pick.ops
-                ops.append(Put(keys.ip_key(pool.name, pick.ip), record.encode()))
+                ops += record_writes(pool.name, pick.ip, record)
             testpoints.pause("allocate")
             if self._txn(compares, ops):
                 self._log_pool_writes(pools, guards, picks)
@@ -662,7 +678,7 @@ class Ledger:
             )
             layouts[ref] = record.layout
             compares.append(at_revision(key, kv.mod_revision))
-            ops.append(Put(key, mine.encode()))
+            ops += record_writes(pool_name, ip, mine, moved_from=record.node)
         if not self._txn(compares, ops):
             return None
         allocations = self._allocations(refs, layouts=layouts)
@@ -1187,7 +1203,7 @@ class Ledger:
             if record.sticky:
                 # Detach: the reservation keeps the address for the identity's next
                 # sandbox (DESIGN 2); retiring it is the controller's.
-                ops.append(Put(key, record.detached(now).encode()))
+                ops += record_writes(pool_name, ip, record.detached(now))
                 sticky_ops, sticky_compares = self._detach_reservation(
                     record.sticky, attachment, now
                 )
@@ -1267,6 +1283,8 @@ class Ledger:
         spec_kv = self._get(pool_key)
         compares = [at_revision(pool_key, spec_kv.mod_revision if spec_kv else 0)]
         ops: list[Put | Delete] = [Delete(keys.ip_key(pool_name, ip))]
+        if record.node:
+            ops.append(Delete(keys.node_ip_key(record.node, pool_name, ip)))
         if spec_kv is None:
             return ops, compares
         family, value = parse_ip(ip)

@@ -10,12 +10,24 @@ write, the same on SQLite and etcd, and read by every process that opens the sto
   version > VERSION           refused, naming both versions: upgrade ipward
   version < VERSION           refused: `ipward migrate` brings it up (`migrate`)
   "import" in the record      an import is in progress: refused until it finishes
+  "building" in the record    a migration is building what its version adds: refused
+                              until `ipward migrate` finishes it
 
 Every refusal is StoreIncompatible (CNI code 106): permanent, never "try again".
 
 Versions (keep the README's table in step):
   0  stores made before the schema key existed
   1  `meta/schema` written; nothing else changed
+  2  the node index: `nodeips/<node>/<pool>/<ip>`, a copy of every allocation record
+     under its node, written in the record's own transactions (so an agent reads only
+     its node's records, in one range)
+
+The step 1 -> 2 writes the index of every record there is; a process of version 1
+still writing meanwhile would leave records without their entry, so it refuses while
+any agent or controller holds its registration (`nodes/`, `controller/leader`), and it
+first marks the store version 2 "building": every process opening the store from then
+on refuses it (a version-1 one: newer schema; this one: building), until the index is
+complete. `ipward check` reports an entry missing or wrong; `--remove-orphans` fixes it.
 
 On the plugin's start path (one `get` per exec): standard library only.
 """
@@ -25,6 +37,7 @@ from __future__ import annotations
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.store.base import (
+    Delete,
     Put,
     StoreIncompatible,
     StoreMissing,
@@ -35,31 +48,38 @@ from ipward.store.base import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
-    from ipward.store.base import Compare, Delete, KeyValue, Store
+    from ipward.store.base import Compare, KeyValue, Store
 
     Step = Callable[[Store], tuple[list[Compare], list[Put | Delete]]]
 
-VERSION = 1
+VERSION = 2
+BUILD_ATTEMPTS = 100  # passes of a build over the store before it gives up
+BUILD_CHUNK = 64  # index writes per transaction (etcd allows 128 operations by default)
 
 
 class State:
     """A store's schema as read: its version, the import in progress if any, and the
     key's mod_revision (0: no key) to compare when changing it."""
 
-    __slots__ = ("importing", "mod_revision", "version")
+    __slots__ = ("building", "importing", "mod_revision", "version")
 
-    def __init__(self, version: int, importing: dict | None, mod_revision: int) -> None:
+    def __init__(
+        self, version: int, importing: dict | None, mod_revision: int, building: str | None = None
+    ) -> None:
         self.version = version
         self.importing = importing
         self.mod_revision = mod_revision
+        self.building = building
 
 
-def record(version: int, importing: dict | None = None) -> bytes:
+def record(version: int, importing: dict | None = None, building: str | None = None) -> bytes:
     value: dict = {"version": version}
     if importing is not None:
         value["import"] = importing
+    if building is not None:
+        value["building"] = building
     return rec.encode(value)
 
 
@@ -93,11 +113,14 @@ def read_record(kv: KeyValue, where: str) -> State:
         value = rec.decode(kv.value)
         version = value["version"]
         importing = value.get("import")
+        building = value.get("building")
         if type(version) is not int or version < 1 or not isinstance(importing, dict | None):
             raise ValueError(f"bad version {version!r}")
+        if not isinstance(building, str | None):
+            raise ValueError(f"bad building {building!r}")
     except (ValueError, KeyError) as e:
         raise StoreIncompatible(f"{where}: unreadable {keys.SCHEMA_KEY} record: {e}") from None
-    return State(version, importing, kv.mod_revision)
+    return State(version, importing, kv.mod_revision, building)
 
 
 def refuse_unusable(state: State, where: str) -> None:
@@ -108,6 +131,11 @@ def refuse_unusable(state: State, where: str) -> None:
             f"{where}: an import is in progress ({progress.get('written')} of"
             f" {progress.get('keys')} keys written, from {progress.get('file')!r}); run"
             " `ipward import` with the same file to finish it"
+        )
+    if state.building is not None and state.version <= VERSION:
+        raise StoreIncompatible(
+            f"{where}: schema version {state.version} is being migrated to ({state.building});"
+            " run `ipward migrate` to finish it"
         )
     if state.version > VERSION:
         raise StoreIncompatible(
@@ -146,17 +174,102 @@ def _to_1(store: Store) -> tuple[list[Compare], list[Put | Delete]]:
     return [], []
 
 
+def _to_2(store: Store) -> tuple[list[Compare], list[Put | Delete]]:
+    """1 -> 2: refused while a process of version 1 may still write records (see the
+    module's docstring); the index itself is BUILDS[2]."""
+    running = [kv.key for prefix in keys.LEASED_PREFIXES for kv in store.range(prefix)[0]]
+    if running:
+        raise StoreIncompatible(
+            f"schema 1 -> 2 builds the node index, and running processes would write"
+            f" records without it: stop them first ({', '.join(running[:5])}"
+            f"{', ...' if len(running) > 5 else ''} registered), then run `ipward migrate`"
+        )
+    return [], []
+
+
 # MIGRATIONS[n] brings a store from version n to n + 1: it reads what it needs and
 # returns the compares and writes of one transaction, to which `migrate` adds a compare
-# on the schema key as read and its new version. A step that needs more than one
-# transaction must be idempotent and resumable, and bump the key only in its last.
-MIGRATIONS: dict[int, Step] = {0: _to_1}
+# on the schema key as read and its new version. A version in BUILDS needs more than one
+# transaction: the bump marks the store "building" (every other process refuses it), and
+# BUILDS[n + 1], idempotent and resumable, runs before `migrate` clears the mark.
+MIGRATIONS: dict[int, Step] = {0: _to_1, 1: _to_2}
+
+
+def node_index_drift(
+    records: Sequence[KeyValue], entries: Sequence[KeyValue]
+) -> list[tuple[str, KeyValue | None, KeyValue | None, str]]:
+    """How the node index (`entries`, under `nodeips/`) differs from the allocation
+    records (`records`, under `ips/`): (kind, record, entry, the entry's key) for each
+    record without its node's entry ("missing"), each entry whose copy of the record
+    differs from it ("stale") and each entry whose record is not there or is another
+    node's ("dangling"). A record that cannot be read, or names no node, wants no entry
+    (`ipward check` reports the record itself)."""
+    wanted: dict[str, KeyValue] = {}
+    for kv in records:
+        try:
+            node = rec.AddressRecord.decode(kv.value).node
+        except (ValueError, KeyError, TypeError):
+            continue
+        if node:
+            pool, ip = keys.ip_parts(kv.key)
+            wanted[keys.node_ip_key(node, pool, ip)] = kv
+    found = {kv.key: kv for kv in entries}
+    drift: list[tuple[str, KeyValue | None, KeyValue | None, str]] = [
+        ("missing", kv, None, key) if key not in found else ("stale", kv, found[key], key)
+        for key, kv in wanted.items()
+        if key not in found or found[key].value != kv.value
+    ]
+    by_key = {kv.key: kv for kv in records}
+    for key, entry in found.items():
+        if key not in wanted:
+            _, pool, ip = keys.node_ip_parts(key)
+            drift.append(("dangling", by_key.get(keys.ip_key(pool, ip)), entry, key))
+    return drift
+
+
+def repair_node_index(store: Store) -> list[tuple[str, str]]:
+    """Make the node index match the records: write each missing or stale entry (a copy
+    of its record) and delete each dangling one, every fix compared against the record
+    and the entry as read, in bounded transactions; read again until nothing differs.
+    Returns (kind, entry key) fixed."""
+    fixed: list[tuple[str, str]] = []
+    # Two compares a fix: within the store's limit on a transaction's compares.
+    chunk_size = min(BUILD_CHUNK, max(1, (store.max_txn_ops or BUILD_CHUNK * 2) // 2))
+    for _ in range(BUILD_ATTEMPTS):
+        # Both at one revision: a write between two reads would look like drift.
+        kvs, _ = store.snapshot((keys.ADDRESSES, keys.NODE_ADDRESSES))
+        records = [kv for kv in kvs if kv.key.startswith(keys.ADDRESSES)]
+        entries = [kv for kv in kvs if kv.key.startswith(keys.NODE_ADDRESSES)]
+        drift = node_index_drift(records, entries)
+        if not drift:
+            return fixed
+        for start in range(0, len(drift), chunk_size):
+            chunk = drift[start : start + chunk_size]
+            compares: list[Compare] = []
+            ops: list[Put | Delete] = []
+            for kind, record_kv, entry, key in chunk:
+                _, pool, ip = keys.node_ip_parts(key)
+                if record_kv is None:
+                    compares.append(absent(keys.ip_key(pool, ip)))
+                else:
+                    compares.append(at_revision(record_kv.key, record_kv.mod_revision))
+                compares.append(at_revision(key, entry.mod_revision if entry else 0))
+                if kind == "dangling" or record_kv is None:
+                    ops.append(Delete(key))
+                else:
+                    ops.append(Put(key, record_kv.value))
+            if store.txn(compares, ops).succeeded:
+                fixed += [(kind, key) for kind, _, _, key in chunk]
+    raise StoreUnavailable("the node index kept changing while it was repaired; run it again")
+
+
+BUILDS: dict[int, Callable[[Store], object]] = {2: repair_node_index}
 
 
 def migrate(store: Store, where: str) -> tuple[int, list[int]]:
-    """Bring the store to VERSION, one step (one transaction) at a time; safe to run
-    again, and alongside another `migrate` (a step that lost the race is re-read).
-    Returns the version found and the versions reached."""
+    """Bring the store to VERSION, one step (one transaction, or a build between two)
+    at a time; safe to run again, and alongside another `migrate` (a step that lost the
+    race is re-read). Returns the version found and the versions reached."""
     reached: list[int] = []
     found: int | None = None
     while True:
@@ -165,11 +278,19 @@ def migrate(store: Store, where: str) -> tuple[int, list[int]]:
             raise StoreMissing(f"no store at {where}")
         if found is None:
             found = state.version
+        key_as_read = at_revision(keys.SCHEMA_KEY, state.mod_revision)
+        if state.building is not None and state.version in BUILDS:
+            BUILDS[state.version](store)
+            done = Put(keys.SCHEMA_KEY, record(state.version))
+            if store.txn([key_as_read], [done]).succeeded:
+                reached.append(state.version)
+            continue
         if state.version >= VERSION or state.importing is not None:
             refuse_unusable(state, where)  # a newer store, an import: not for migrate
             return found, reached
         compares, ops = MIGRATIONS[state.version](store)
-        bump = Put(keys.SCHEMA_KEY, record(state.version + 1))
-        key_as_read = at_revision(keys.SCHEMA_KEY, state.mod_revision)
-        if store.txn([*compares, key_as_read], [*ops, bump]).succeeded:
-            reached.append(state.version + 1)
+        target = state.version + 1
+        building = "node index" if target in BUILDS else None
+        bump = Put(keys.SCHEMA_KEY, record(target, building=building))
+        if store.txn([*compares, key_as_read], [*ops, bump]).succeeded and building is None:
+            reached.append(target)

@@ -13,8 +13,9 @@ from ipward.core import records as rec
 from ipward.core.addr import Block, RangeSet
 from ipward.core.pool import PoolSpec
 from ipward.core.records import AddressRecord, Attachment, CursorRecord, PodInfo
+from ipward.ipam.ledger import record_writes
 from ipward.store import schema
-from ipward.store.base import Put, Store
+from ipward.store.base import Delete, Put, Store
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.bench.common import (
     NODE,
@@ -187,14 +188,15 @@ def write_adds(
     batch: int = 2000,
 ) -> int:
     """Write what the ADDs `adds` ((node, attachment, pod), in order) leave: one record
-    per address naming its block, one index per attachment, and what `fill` moved
-    (blocks, fills, cursors; with the warm assignments made before), after `first`.
-    In transactions of at most `batch` writes (and the store's own limit), without
-    compares: set-up only, with nothing else writing the pool. Returns the ADDs."""
+    per address naming its block, with its node's index entry, one index per attachment,
+    and what `fill` moved (blocks, fills, cursors; with the warm assignments made
+    before), after `first`. In transactions of at most `batch` writes (and the store's
+    own limit), without compares: set-up only, with nothing else writing the pool.
+    Returns the ADDs."""
     if store.max_txn_ops is not None:
         batch = min(batch, store.max_txn_ops)
     spec = fill.spec
-    ops: list[Put] = list(first)
+    ops: list[Put | Delete] = list(first)
     count = 0
     for node, attachment, pod in adds:
         refs = []
@@ -202,7 +204,7 @@ def write_adds(
             ip, cidr = fill.take(node, i)
             refs.append(f"{spec.name}/{ip}")
             record = AddressRecord.new(attachment, pod, node, cidr, created_at, spec.version)
-            ops.append(Put(keys.ip_key(spec.name, ip), record.encode()))
+            ops += record_writes(spec.name, ip, record)
         ops.append(Put(attachment.key, rec.encode({"ips": refs})))
         count += 1
         if len(ops) >= batch:
@@ -212,7 +214,7 @@ def write_adds(
     return count
 
 
-def write_batches(store: Store, ops: Sequence[Put], batch: int = 2000) -> None:
+def write_batches(store: Store, ops: Sequence[Put | Delete], batch: int = 2000) -> None:
     """`ops` in transactions of at most `batch` writes (and the store's own limit)."""
     if store.max_txn_ops is not None:
         batch = min(batch, store.max_txn_ops)
@@ -255,6 +257,6 @@ def bulk_fill(
     return attachments
 
 
-def write_all(store: Store, ops: Sequence[Put]) -> None:
+def write_all(store: Store, ops: Sequence[Put | Delete]) -> None:
     if ops and not store.txn([], list(ops)).succeeded:
         raise BenchError("bulk write failed")
