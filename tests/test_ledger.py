@@ -482,6 +482,22 @@ def test_cni_gc_frees_though_its_pool_was_rewritten_since_it_was_remembered(
     assert check(sqlite_store)[0] == []
 
 
+def test_cni_gc_frees_only_this_nodes_attachments(sqlite_store, clock):
+    """Found: CNI GC ranged the network's attachments over the whole cluster, so a
+    runtime's GC on one node freed every other node's pods' addresses (its list names
+    only its own)."""
+    spec = pool(cooldown=0)
+    here = Ledger(sqlite_store, "node-a", clock=clock)
+    there = Ledger(sqlite_store, "node-b", clock=clock)
+    mine, listed = add(here, spec, "gone"), add(here, spec, "kept")
+    theirs = add(there, spec, "elsewhere")
+    clock.now += 60
+    assert here.collect_network("net", {("ckept", "eth0")}, grace=0) == [f"p/{mine}"]
+    left = {kv.key for kv in sqlite_store.range("ips/")[0]}
+    assert left == {layout.ip_key("p", listed), layout.ip_key("p", theirs)}
+    assert check(sqlite_store)[0] == []
+
+
 # -- a pool whose ranges change (an inline network's config) -----------------------------
 
 

@@ -1371,36 +1371,44 @@ class Ledger:
         self, network: str, keep: set[tuple[str, str]], grace: float = ADD_GRACE
     ) -> list[str]:
         """CNI GC, with garbage collection's rules (ipward.gc) and the runtime's list as
-        the evidence: free each address of `network` whose attachment (container,
-        ifname) the runtime did not list as valid, and whose ADD is older than `grace`
-        (one in flight may not be listed yet), by compare-and-delete on the revision
-        read. Returns the addresses freed."""
-        kvs, _ = self.store_range(keys.attach_prefix(network))
+        the evidence: free each address of `network` on this node whose attachment
+        (container, ifname) the runtime did not list as valid, and whose ADD is older
+        than `grace` (one in flight may not be listed yet), by compare-and-delete on the
+        revision read. Only this node's (read through its index): the runtime lists its
+        own attachments, so another node's are never in its list. Returns the addresses
+        freed."""
+        kvs, _ = self.store_range(keys.node_ips_prefix(self.node))
         now = self.clock()
         freed = []
         for kv in kvs:
-            _, container, ifname = keys.attach_parts(kv.key)
-            if (container, ifname) in keep:
+            _, pool, ip = keys.node_ip_parts(kv.key)
+            try:
+                copy = AddressRecord.decode(kv.value)
+            except ValueError:
+                continue  # 'ipward check' reports it
+            if copy.network != network or (copy.container, copy.ifname) in keep:
                 continue
-            attachment = rec.Attachment(network, container, ifname)
-            for ref in AttachmentIndex.decode(kv.value).refs:
-                pool, ip = rec.split_pool_ip(ref)
-                record_kv = self._get(keys.ip_key(pool, ip), fresh=True)
-                if record_kv is None:
-                    continue
-                record = AddressRecord.decode(record_kv.value)
-                age = now - (record.created_at if record.created_at is not None else now)
-                if record.attachment != attachment or age < grace:
-                    continue
-                reason = (
-                    f"CNI GC: not in cni.dev/valid-attachments, {age:.0f}s after its ADD"
-                    f" (grace {grace:g}s)"
-                )
-                try:
-                    self.release_address(pool, ip, record_kv.mod_revision, reason)
-                except OwnerChanged:
-                    continue  # released or replaced meanwhile: not ours to touch
-                freed.append(ref)
+            record_kv = self._get(keys.ip_key(pool, ip), fresh=True)
+            if record_kv is None:
+                continue
+            record = AddressRecord.decode(record_kv.value)
+            age = now - (record.created_at if record.created_at is not None else now)
+            if (
+                record.is_detached
+                or record.node != self.node
+                or record.attachment != copy.attachment
+                or age < grace
+            ):
+                continue
+            reason = (
+                f"CNI GC: not in cni.dev/valid-attachments, {age:.0f}s after its ADD"
+                f" (grace {grace:g}s)"
+            )
+            try:
+                self.release_address(pool, ip, record_kv.mod_revision, reason)
+            except OwnerChanged:
+                continue  # released or replaced meanwhile: not ours to touch
+            freed.append(rec.pool_ip(pool, ip))
         return freed
 
     # -- plumbing ---------------------------------------------------------------------
