@@ -20,9 +20,7 @@ from ipward.cluster.k8s.config import from_kubeconfig
 from ipward.cluster.k8s.reflector import Reflector
 from ipward.cluster.k8s.source import NODES
 from ipward.cluster.liveness import LivenessUnavailable, Pod
-from ipward_lab import kubelab
 from ipward_lab.kubeadmin import KubeAdmin
-from ipward_lab.sim import Options, Soak
 from ipward_lab.simcluster import SimCluster, SimFileSource
 from simprocs import ManualClock, agents
 from test_sim import CI_RUN, fault_counts, possible, soak
@@ -332,21 +330,6 @@ def test_a_run_that_cannot_be_made_is_refused_by_name(
     assert run.returncode == 2, run.stdout + run.stderr
     assert all(word in run.stderr for word in named), run.stderr
     assert "Traceback" not in run.stderr
-
-
-@pytest.mark.skipif(kubelab.binary() is None, reason="KUBE_APISERVER names no kube-apiserver")
-def test_soak_through_the_real_kube_apiserver(tmp_path: Path) -> None:
-    """A short soak on the real kube-apiserver (its own: `api-down` restarts it), with
-    the faults it can make: no address on two ready pods, no live address lost,
-    `ipward check` clean, convergence, an empty pool after teardown (which needs the
-    k8s:// source to keep its quiet resources current: the real server sends them no
-    bookmark, see test_a_quiet_resource_stays_current_on_the_real_server)."""
-    faults = ("kill-agent", "kill-leader", "drop-del", "delay-del", "api-down")
-    options = Options(nodes=2, pods=12, duration=40, seed=5, faults=faults, api="real", settle=60)
-    s = Soak(options, tmp_path)
-    result = s.run(live=False)
-    assert not result.violations, result.violations
-    assert {kind for _, kind, _ in result.faults} == set(faults)
 
 
 def test_a_quiet_resource_stays_current_on_the_real_server(real_kube_apiserver: Any) -> None:
