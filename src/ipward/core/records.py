@@ -578,7 +578,7 @@ class Sticky:
 
 class NodeRegistration:
     """`nodes/<node>`, under the agent's lease: the node has a live agent. `pid` and
-    `since` are for an operator (`ipward status`); the key's presence is the fact."""
+    `since` are for an operator reading the key; the key's presence is the fact."""
 
     __slots__ = ("node", "pid", "since")
 
@@ -589,16 +589,6 @@ class NodeRegistration:
 
     def encode(self) -> bytes:
         return encode({"node": self.node, "pid": self.pid, "since": self.since})
-
-    @classmethod
-    def decode(cls, raw: bytes) -> NodeRegistration:
-        d = decode(raw)
-        pid, since = d.get("pid", 0), d.get("since", 0.0)
-        return cls(
-            str(d.get("node", "")),
-            pid if isinstance(pid, int) else 0,
-            float(since) if isinstance(since, int | float) else 0.0,
-        )
 
 
 class LeaderRecord:
