@@ -78,8 +78,35 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             by_prefix[prefix].append(kv)
         else:
             problems.append(Problem("unknown-key", kv.key, "not a key ipward writes"))
+    pools = _pools(by_prefix[keys.POOLS], problems)
+    records = by_prefix[keys.ADDRESSES]
+    index_refs = {
+        kv.key: AttachmentIndex.decode(kv.value).refs for kv in by_prefix[keys.ATTACHMENTS]
+    }
+    allocated, sticky_of = _records(records, pools, index_refs, problems)
+    problems += _node_index(records, by_prefix[keys.NODE_ADDRESSES])
+    frees = by_prefix[keys.FREE]
+    _free_queues(frees, by_prefix[keys.FREE_QUEUES], allocated, problems)
+    reservations = by_prefix[keys.STICKY]
+    problems += _reservations(reservations, sticky_of, index_refs)
+    problems += _block_owners(by_prefix)
+    problems += _leftovers(pools, by_prefix)
+    counts = {
+        "pools": len(pools),
+        "allocations": len(records),
+        "attachments": len(index_refs),
+        "free": len(frees),
+        "sticky": len(reservations),
+        "retired_layouts": sum(len(spec.retired) for spec in pools.values() if spec),
+        "revision": revision,
+    }
+    return problems, counts
+
+
+def _pools(specs: list[KeyValue], problems: list[Problem]) -> dict[str, PoolSpec | None]:
+    """Each pool's spec by name (None: unreadable)."""
     pools: dict[str, PoolSpec | None] = {}
-    for kv in by_prefix[keys.POOLS]:
+    for kv in specs:
         name = keys.pool_name(kv.key)
         try:
             parsed = PoolSpec.decode(kv.value)
@@ -92,16 +119,20 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             problems.append(
                 Problem("pool-deleting", kv.key, f"half deleted: 'ipward pool delete {name}'")
             )
-    records = by_prefix[keys.ADDRESSES]
-    indexes = by_prefix[keys.ATTACHMENTS]
-    frees = by_prefix[keys.FREE]
-    queue = by_prefix[keys.FREE_QUEUES]
+    return pools
 
-    sticky_of: dict[str, tuple[str, bool]] = {}  # "<pool>/<ip>" -> (reservation, detached)
-    index_refs: dict[str, list[str]] = {}
-    for kv in indexes:
-        index_refs[kv.key] = AttachmentIndex.decode(kv.value).refs
-    allocated: dict[str, str] = {}  # "<pool>/<ip>" -> attachment key
+
+def _records(
+    records: list[KeyValue],
+    pools: dict[str, PoolSpec | None],
+    index_refs: dict[str, list[str]],
+    problems: list[Problem],
+) -> tuple[dict[str, str], dict[str, tuple[str, bool]]]:
+    """The allocation records against their pools, each other and the attachment index.
+    Returns the attachment of each "<pool>/<ip>", and the reservation (and whether
+    detached) of each sticky one."""
+    allocated: dict[str, str] = {}
+    sticky_of: dict[str, tuple[str, bool]] = {}
     seen_on_network: dict[tuple[str, str], str] = {}
     families: dict[tuple[str, str, int], str] = {}
     for kv in records:
@@ -143,9 +174,16 @@ def check(store: Store) -> tuple[list[Problem], dict]:
                 problems.append(Problem("index-dangling", key, f"{ref} has no record"))
             elif owner != key:
                 problems.append(Problem("index-dangling", key, f"{ref} is recorded for {owner}"))
+    return allocated, sticky_of
 
-    problems += _node_index(records, by_prefix[keys.NODE_ADDRESSES])
 
+def _free_queues(
+    frees: list[KeyValue],
+    queue: list[KeyValue],
+    allocated: dict[str, str],
+    problems: list[Problem],
+) -> None:
+    """Free records against the allocations and their queue entries."""
     queued = {kv.key for kv in queue}
     referenced = set()
     for kv in frees:
@@ -159,20 +197,6 @@ def check(store: Store) -> tuple[list[Problem], dict]:
             problems.append(Problem("free-queue", kv.key, f"queue entry {queue_key} missing"))
     for key in sorted(queued - referenced):
         problems.append(Problem("free-queue", key, "queue entry without a free record"))
-    reservations = by_prefix[keys.STICKY]
-    problems += _reservations(reservations, sticky_of, index_refs)
-    problems += _block_owners(by_prefix)
-    problems += _leftovers(pools, by_prefix)
-    counts = {
-        "pools": len(pools),
-        "allocations": len(records),
-        "attachments": len(indexes),
-        "free": len(frees),
-        "sticky": len(reservations),
-        "retired_layouts": sum(len(spec.retired) for spec in pools.values() if spec),
-        "revision": revision,
-    }
-    return problems, counts
 
 
 def _node_index(records: list[KeyValue], entries: list[KeyValue]) -> list[Problem]:
