@@ -100,18 +100,32 @@ def run_agent(
         )
         while not signals.stop.wait(1.0):
             pass
-        log.info("agent stopping: new connections refused, draining", signal_count=signals.count)
-        agent.begin_stop()
-        if reconciler is not None:
-            reconciler.stop()
-        duties.stop()
-        left = _drain(agent, drain_seconds, signals)
-        daemon.stop_http(http)
-        agent.close(wait=not left)
+        left = _stop(agent, reconciler, duties, http, drain_seconds, signals)
     log.info("agent stopped", node=node)
     if left:
         os._exit(0)  # workers still running must not hold the interpreter's exit
     return 0
+
+
+def _stop(
+    agent: Agent,
+    reconciler: Reconciler | None,
+    duties: NodeDuties,
+    http: daemon.ThreadingHTTPServer | None,
+    drain_seconds: float,
+    signals: Signals,
+) -> int:
+    """Refuse new connections, stop the background work, drain; how many calls were
+    abandoned."""
+    log.info("agent stopping: new connections refused, draining", signal_count=signals.count)
+    agent.begin_stop()
+    if reconciler is not None:
+        reconciler.stop()
+    duties.stop()
+    left = _drain(agent, drain_seconds, signals)
+    daemon.stop_http(http)
+    agent.close(wait=not left)
+    return left
 
 
 def _drain(agent: Agent, seconds: float, signals: Signals) -> int:
