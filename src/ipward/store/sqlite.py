@@ -8,7 +8,10 @@ lives in the file; every write transaction bumps it by one and records its chang
 expired lease are deleted by the next writer (or watcher) that notices, and reads skip
 them before that.
 
-On the CNI plugin's start path: standard library only.
+On the CNI plugin's start path: standard library only. Over 600 lines, on purpose: one
+backend whose parts (opening and judging a file, transactions, leases, the WAL bound,
+watches polling the events table) share one connection and its lock; split, they would
+each reach into the others' state, and the plugin would import more files per exec.
 """
 
 from __future__ import annotations
