@@ -358,7 +358,7 @@ def test_concurrent_callers_are_combined_and_get_distinct_addresses(sqlite_url, 
     spec = pool("10.1.0.0/20", cooldown=0)
     ledger.allocate([spec], att("first"), PodInfo())  # the block is claimed up front
     commits = []
-    real_txn = ledger._txn
+    real_txn = ledger.reads.txn
 
     def counting(compares, ops):
         done = real_txn(compares, ops)
@@ -366,7 +366,7 @@ def test_concurrent_callers_are_combined_and_get_distinct_addresses(sqlite_url, 
             commits.append(sum(op.key.startswith("attach/") for op in ops))
         return done
 
-    ledger._txn = counting
+    ledger.reads.txn = counting
     got: list[str] = []
     barrier = threading.Barrier(16)
 

@@ -23,25 +23,18 @@ from ipward.core.addr import family_of
 from ipward.core.keys import cidr_of
 from ipward.core.policy import MAX_RELEASABLE_BLOCK
 from ipward.core.pool import PoolSpec
-from ipward.core.records import (
-    MARKED,
-    READY,
-    REFUSED,
-    BlockRecord,
-    CursorRecord,
-    FreeRecord,
-)
+from ipward.core.records import MARKED, READY, REFUSED, BlockRecord, FreeRecord
+from ipward.ipam.claims import claim_writes, claims
 from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Sequence
 
-    from ipward.core.addr import Block, RangeSet
+    from ipward.core.addr import Block
     from ipward.store.base import Compare
 
 CLEANUP_CHUNK = 40  # free entries deleted per transaction (two keys each; etcd caps ops)
-RELEASED_WINDOW = 16  # released-block entries looked at for one claim
 
 
 def addresses(block: Block) -> list[str]:
@@ -177,89 +170,6 @@ def complete_hand_back(
             reason="surplus: empty past release_delay, agent answered ready",
         )
     return done.succeeded
-
-
-# -- claiming blocks (the ledger when a node runs out, the controller's warm target) ------
-
-
-class Claim:
-    """A block a node may take: a released one (`entry`: its `blockfree/` key) or the
-    next never-claimed one (`index` in the range set's block numbering, `cursor` as
-    read)."""
-
-    __slots__ = ("block", "cursor", "entry", "index")
-
-    def __init__(
-        self,
-        block: Block,
-        entry: KeyValue | None = None,
-        cursor: KeyValue | None = None,
-        index: int = 0,
-    ) -> None:
-        self.block = block
-        self.entry = entry
-        self.cursor = cursor
-        self.index = index
-
-
-def claims(
-    spec: PoolSpec,
-    rs: RangeSet,
-    get: Callable[[str], KeyValue | None],
-    range_: Callable[[str, int], tuple[list[KeyValue], int]],
-) -> Iterator[Claim]:
-    """The blocks of `rs` a node may claim, in the order they are taken: released blocks
-    first, then never-claimed ones from the block cursor on. A block with no address to
-    hand out is never offered (`next_usable_block` jumps over excluded spans), nor one
-    that exists already. Reads only: the claim is written by `claim_writes`, in the
-    caller's transaction."""
-    released, _ = range_(keys.released_block_prefix(spec.name, rs.family), RELEASED_WINDOW)
-    for entry in released:
-        block = rs.block_by_cidr(cidr_of(entry.key))
-        if block is None or block.next_usable(0) is None:
-            continue  # a block of an earlier layout: `ipam.pools.prune` removes the entry
-        if get(keys.block_key(spec.name, block.cidr)) is None:
-            yield Claim(block, entry=entry)
-    cursor = get(keys.block_cursor_key(spec.name, rs.family))
-    start = CursorRecord.decode(cursor.value).next_for(spec.version) if cursor else 0
-    index = rs.next_usable_block(start)
-    while index is not None:
-        block = rs.block(index)
-        assert block is not None
-        if get(keys.block_key(spec.name, block.cidr)) is None:
-            yield Claim(block, cursor=cursor, index=index)
-        index = rs.next_usable_block(index + 1)  # claimed out of order, or since the change
-
-
-def claim_writes(
-    spec: PoolSpec, family: int, node: str, taken: Sequence[tuple[Claim, int]]
-) -> tuple[list[Compare], list[Put | Delete]]:
-    """Compares and writes that give `node` the claimed blocks, each with its `next`
-    cursor (a block whose first addresses the same transaction allocates starts past
-    them): each block absent, each released entry as read (and deleted), the block
-    cursor as read and moved past the furthest block taken."""
-    compares: list[Compare] = []
-    ops: list[Put | Delete] = []
-    furthest = None
-    for claim, next_offset in taken:
-        key = keys.block_key(spec.name, claim.block.cidr)
-        state = BlockRecord.claimed(node, next_offset, spec.version)
-        compares.append(absent(key))
-        ops += [
-            Put(key, state.encode()),
-            Put(keys.affinity_key(spec.name, node, claim.block.cidr), b""),
-        ]
-        if claim.entry is not None:
-            compares.append(at_revision(claim.entry.key, claim.entry.mod_revision))
-            ops.append(Delete(claim.entry.key))
-        elif furthest is None or claim.index > furthest.index:
-            furthest = claim
-    if furthest is not None:
-        cursor_key = keys.block_cursor_key(spec.name, family)
-        cursor = furthest.cursor
-        compares.append(at_revision(cursor_key, cursor.mod_revision if cursor else 0))
-        ops.append(Put(cursor_key, CursorRecord(furthest.index + 1, spec.version).encode()))
-    return compares, ops
 
 
 def assign(

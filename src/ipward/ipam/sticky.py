@@ -1,0 +1,158 @@
+"""Sticky reservations (DESIGN.md 5.1 step 2): an identity's first ADD makes its
+reservation in the allocating transaction, a new sandbox of the identity takes the
+reserved addresses over by one CAS, and retirement (`free_sticky`) frees a detached
+reservation with its records. The detach itself rides in a DEL (`freeing.free_plan`).
+"""
+
+from __future__ import annotations
+
+from ipward.core import keys, log
+from ipward.core import records as rec
+from ipward.core.errors import AddressTaken, InvalidConfig, OwnerChanged, TryAgainLater
+from ipward.core.records import AddressRecord, AttachmentIndex, ReservationRecord
+from ipward.ipam.allocating import StickyExists, allocate_one
+from ipward.ipam.freeing import free_ops
+from ipward.ipam.reads import MAX_ATTEMPTS, Reads, backoff, record_writes
+from ipward.store.base import Delete, Put, absent, at_revision
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ipward.core.pool import PoolSpec
+    from ipward.core.records import Attachment, PodInfo, Sticky
+    from ipward.ipam.reads import Allocation
+    from ipward.store.base import Compare, KeyValue
+
+
+def allocate_sticky(
+    reads: Reads,
+    pools: list[PoolSpec],
+    attachment: Attachment,
+    pod: PodInfo,
+    requested: Sequence[str],
+    sticky: Sticky,
+) -> list[Allocation]:
+    """The identity's reserved addresses, taken over, or new ones with a new
+    reservation; the attachment's own when it has them already."""
+    for attempt in range(MAX_ATTEMPTS):
+        existing = reads.get(attachment.key, fresh=True)
+        if existing is not None:
+            return reads.held_allocations(existing, pools)
+        reservation = reads.get(sticky.key, fresh=True)
+        if reservation is None:
+            try:
+                return allocate_one(reads, pools, attachment, pod, requested, sticky)
+            except StickyExists:
+                continue
+        taken = take_over(reads, reservation, attachment, pod, sticky, requested)
+        if taken is not None:
+            return taken
+        backoff(attempt)
+    raise TryAgainLater(f"{attachment}: too much contention on {sticky.key}")
+
+
+def take_over(
+    reads: Reads,
+    reservation: KeyValue,
+    attachment: Attachment,
+    pod: PodInfo,
+    sticky: Sticky,
+    requested: Sequence[str],
+) -> list[Allocation] | None:
+    """DESIGN 5.1 step 2: the new sandbox of the identity takes the reserved
+    addresses by one CAS over the reservation, its records and the old sandbox's
+    index (deleted: its DEL then finds nothing). None when something moved."""
+    held = ReservationRecord.decode(reservation.value)
+    refs = held.ips
+    asked = set(requested)
+    if asked and not asked <= {rec.split_pool_ip(r)[1] for r in refs}:
+        raise AddressTaken(
+            f"{sticky.key} holds {', '.join(refs)}; the runtime asked for"
+            f" {', '.join(sorted(asked))}"
+        )
+    old = held.attachment
+    old_uid = held.uid
+    if old and old_uid != pod.uid and sticky.may_take is not None and not sticky.may_take(old_uid):
+        raise TryAgainLater(
+            f"{sticky.key} is bound to {old} of pod UID {old_uid}, which may still be"
+            " live; the address moves once that pod is gone"
+        )
+    now = reads.clock()
+    compares: list[Compare] = [
+        at_revision(reservation.key, reservation.mod_revision),
+        absent(attachment.key),
+    ]
+    ops: list[Put | Delete] = [
+        Put(attachment.key, AttachmentIndex(refs).encode()),
+        Put(reservation.key, sticky.record(refs, attachment, pod.uid, reads.node, now).encode()),
+    ]
+    if old and old != attachment.key:
+        old_kv = reads.get(old, fresh=True)
+        compares.append(at_revision(old, old_kv.mod_revision if old_kv else 0))
+        if old_kv is not None:
+            ops.append(Delete(old))
+    layouts: dict[str, int | None] = {}
+    for ref in refs:
+        pool_name, ip = rec.split_pool_ip(ref)
+        key = keys.ip_key(pool_name, ip)
+        kv = reads.get(key, fresh=True)
+        record = AddressRecord.decode(kv.value) if kv is not None else None
+        if kv is None or record is None or record.sticky != sticky.key:
+            raise InvalidConfig(
+                f"{sticky.key} lists {ref}, whose record is not its own; see 'ipward check'"
+            )
+        mine = AddressRecord.new(
+            attachment, pod, reads.node, record.block, now, record.layout, sticky=sticky.key
+        )
+        layouts[ref] = record.layout
+        compares.append(at_revision(key, kv.mod_revision))
+        ops += record_writes(pool_name, ip, mine, moved_from=record.node)
+    if not reads.txn(compares, ops):
+        return None
+    allocations = reads.allocations(refs, layouts=layouts)
+    log.info(
+        "sticky address taken over",
+        attachment=repr(attachment),
+        ips=refs,
+        sticky=sticky.key,
+        previous=old or "(detached)",
+    )
+    return allocations
+
+
+def free_sticky(
+    reads: Reads,
+    key: str,
+    expected_mod_revision: int,
+    reason: str,
+    fence: Sequence[Compare] = (),
+) -> list[str]:
+    """Retire a detached reservation: delete it and its records, compared at the
+    revision the caller judged, and queue the addresses (cooldown). Refuses
+    (OwnerChanged) when anything moved or a sandbox holds it. Returns the addresses."""
+    kv = reads.get(key, fresh=True)
+    if kv is None or kv.mod_revision != expected_mod_revision:
+        raise OwnerChanged(f"{key} changed since it was read; look again")
+    held = ReservationRecord.decode(kv.value)
+    if held.bound:
+        raise OwnerChanged(f"{key} is bound to {held.attachment}: its pod holds it")
+    now = reads.clock()
+    compares: list[Compare] = [*fence, at_revision(key, kv.mod_revision)]
+    ops: list[Put | Delete] = [Delete(key)]
+    for ref in held.ips:
+        pool_name, ip = rec.split_pool_ip(ref)
+        record_kv = reads.get(keys.ip_key(pool_name, ip), fresh=True)
+        if record_kv is None:
+            compares.append(absent(keys.ip_key(pool_name, ip)))
+            continue
+        record = AddressRecord.decode(record_kv.value)
+        if record.sticky != key or not record.is_detached:
+            raise OwnerChanged(f"{ref} of {key} is in use; look again")
+        record_ops, block_compares = free_ops(reads, pool_name, ip, record, now)
+        compares += [at_revision(record_kv.key, record_kv.mod_revision), *block_compares]
+        ops += record_ops
+    if not reads.txn(compares, ops):
+        raise OwnerChanged(f"{key} changed while being freed; look again")
+    log.info("released", sticky=key, ips=held.ips, reason=reason)
+    return list(held.ips)
