@@ -129,7 +129,7 @@ def test_etcd_certificates_from_the_script_work_with_a_real_etcd(tmp_path: Path)
     """`deploy/make-etcd-certs.sh` makes a CA, a member certificate and a client
     certificate; a real etcd started with the component's TLS flags accepts ipward's
     store client with the client Secret's files, and refuses it without them."""
-    from ipward.store import StoreUnavailable, open_store
+    from ipward.store import StoreUnreachable, open_store
     from ipward_lab.etcdlab import etcd_server
 
     out = subprocess.run(
@@ -161,7 +161,7 @@ def test_etcd_certificates_from_the_script_work_with_a_real_etcd(tmp_path: Path)
         tls = f"?ca={client['ca.crt']}&timeout=2"
         with open_store(f"{etcd.url}{tls}&cert={client['tls.crt']}&key={client['tls.key']}") as s:
             assert s.revision() >= 1
-        with pytest.raises(StoreUnavailable):  # opening it checks the store's schema
+        with pytest.raises(StoreUnreachable):  # opening it checks the store's schema
             open_store(etcd.url + tls)
 
 

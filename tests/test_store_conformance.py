@@ -34,7 +34,7 @@ from ipward.store.base import (
     StoreError,
     StoreIncompatible,
     StoreMissing,
-    StoreUnavailable,
+    StoreUnreachable,
     Watch,
     absent,
     at_revision,
@@ -419,7 +419,7 @@ def test_concurrent_cas_loses_no_update(store: Store, store_url: str, ns: str) -
 def test_etcd_bad_urls(url: str) -> None:
     with pytest.raises(StoreError) as e:
         open_backend(url)
-    assert not isinstance(e.value, StoreUnavailable)
+    assert not isinstance(e.value, StoreUnreachable)
 
 
 def test_etcd_compacted_watch(etcd: EtcdServer, ns: str) -> None:
@@ -456,9 +456,9 @@ def test_etcd_unavailable(tmp_path: Path, ns: str) -> None:
         assert watching.take(1)[0].kv.mod_revision == rev
 
         server.stop()
-        # An open watch ends with StoreUnavailable rather than waiting for ever.
+        # An open watch ends with StoreUnreachable rather than waiting for ever.
         watching.thread.join(5)
-        assert isinstance(watching.error, StoreUnavailable), watching.error
+        assert isinstance(watching.error, StoreUnreachable), watching.error
         calls: list[Callable[[], object]] = [
             lambda: store.get(ns + "k"),
             lambda: store.range(ns),
@@ -471,7 +471,7 @@ def test_etcd_unavailable(tmp_path: Path, ns: str) -> None:
         ]
         for call in calls:
             started = time.monotonic()
-            with pytest.raises(StoreUnavailable, match=server.endpoint):
+            with pytest.raises(StoreUnreachable, match=server.endpoint):
                 call()
             assert time.monotonic() - started < 1.5
 
@@ -483,9 +483,9 @@ def test_etcd_unavailable(tmp_path: Path, ns: str) -> None:
         # A member that accepts connections but never answers: the timeout is kept.
         server.pause()
         started = time.monotonic()
-        with pytest.raises(StoreUnavailable, match="may or may not have been applied"):
+        with pytest.raises(StoreUnreachable, match="may or may not have been applied"):
             put(store, ns + "k", b"4")
-        with pytest.raises(StoreUnavailable, match="DEADLINE_EXCEEDED"):
+        with pytest.raises(StoreUnreachable, match="DEADLINE_EXCEEDED"):
             store.get(ns + "k")
         assert time.monotonic() - started < 2 * 1.5
         server.resume()
@@ -495,14 +495,14 @@ def test_etcd_unavailable(tmp_path: Path, ns: str) -> None:
 
 
 def write_until_done(store: Store, key: str, value: bytes) -> list[str]:
-    """Write, retrying on StoreUnavailable; the errors seen before it went through."""
+    """Write, retrying on StoreUnreachable; the errors seen before it went through."""
     errors: list[str] = []
     deadline = time.monotonic() + 20
     while True:
         try:
             put(store, key, value)
             return errors
-        except StoreUnavailable as e:
+        except StoreUnreachable as e:
             errors.append(str(e))
             assert time.monotonic() < deadline, errors
             time.sleep(0.1)
@@ -521,7 +521,7 @@ def test_etcd_cluster_failover(tmp_path: Path, ns: str) -> None:
 
             # The member in use, a follower, dies: the next call moves on to the leader. If
             # grpc has not yet seen the connection close, that write goes out on it and
-            # fails with its outcome unknown: one StoreUnavailable, then writes go through.
+            # fails with its outcome unknown: one StoreUnreachable, then writes go through.
             cluster.kill(order[0])
             errors = write_until_done(store, key, b"1")
             assert len(errors) <= 1 and all("may or may not" in e for e in errors), errors
@@ -537,7 +537,7 @@ def test_etcd_cluster_failover(tmp_path: Path, ns: str) -> None:
             errors = write_until_done(store, key, b"2")
             print(
                 f"killed member in use (leader: {was_leader}): write went through after"
-                f" {time.monotonic() - started:.2f}s and {len(errors)} StoreUnavailable: {errors}"
+                f" {time.monotonic() - started:.2f}s and {len(errors)} StoreUnreachable: {errors}"
             )
             kv = store.get(key)
             assert kv is not None and kv.value == b"2"
@@ -559,12 +559,12 @@ def root_etcdctl(server: EtcdServer, *args: str, stdin: str = "") -> str:
 def test_etcd_auth(auth_etcd: EtcdServer, ns: str) -> None:
     with open_backend(auth_etcd.url) as anonymous, pytest.raises(StoreError) as e:
         anonymous.get(ns + "k")
-    assert not isinstance(e.value, StoreUnavailable)
+    assert not isinstance(e.value, StoreUnreachable)
 
     with open_backend(auth_etcd.url + "?user=root&password=wrong") as wrong:
         with pytest.raises(StoreError, match="authentication failed") as e:
             wrong.get(ns + "k")
-        assert not isinstance(e.value, StoreUnavailable)
+        assert not isinstance(e.value, StoreUnreachable)
 
     with open_backend(auth_etcd.url + "?user=root&password=rootpw") as store:
         rev = put(store, ns + "k", b"1")
@@ -619,10 +619,10 @@ def test_etcd_tls(tmp_path: Path, ns: str) -> None:
             assert kv is not None and kv.mod_revision == rev
         # Without a client certificate the handshake fails; grpc reports that only as
         # "unavailable", with the reason in the message.
-        with open_backend(server.url + tls) as store, pytest.raises(StoreUnavailable):
+        with open_backend(server.url + tls) as store, pytest.raises(StoreUnreachable):
             store.get(ns + "k")
         plain = server.url.replace("etcds", "etcd")
-        with open_backend(plain) as store, pytest.raises(StoreUnavailable):
+        with open_backend(plain) as store, pytest.raises(StoreUnreachable):
             store.get(ns + "k")
 
 
@@ -800,7 +800,7 @@ def test_sqlite_refuses_a_newer_file_layout(tmp_path: Path) -> None:
 def test_store_urls_are_checked_part_by_part(url: str, needle: str) -> None:
     with pytest.raises(StoreError) as e:
         open_backend(url)
-    assert not isinstance(e.value, StoreUnavailable)
+    assert not isinstance(e.value, StoreUnreachable)
     assert needle in str(e.value)
 
 

@@ -14,7 +14,7 @@ import time
 from ipward.core import log
 from ipward.core import records as rec
 from ipward.core.keys import LEADER_KEY
-from ipward.store import Store, StoreError, StoreUnavailable
+from ipward.store import Store, StoreError, StoreUnreachable
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
 
 TYPE_CHECKING = False
@@ -110,7 +110,7 @@ class Election:
         try:
             won = self.store.txn([absent(LEADER_KEY)], [Put(LEADER_KEY, value, lease=lease)])
             ok = won.succeeded
-        except StoreUnavailable:
+        except StoreUnreachable:
             # Applied or not, nobody can tell: the key says.
             kv = self.store.get(LEADER_KEY)
             ok = kv is not None and kv.value == value

@@ -41,7 +41,6 @@ from ipward.core.errors import (
     InvalidEnvironment,
     IpwardError,
     NotAvailable,
-    TryAgainLater,
     UnknownContainer,
 )
 
@@ -130,7 +129,7 @@ def _ledger(config: IpamConfig) -> Ledger:
         # reached when `ipward.cni.verbs` is run some other way.
         raise InvalidConfig("ipam.agentSocket: this call must go through the ipward-cni plugin")
     from ipward.ipam.ledger import Ledger
-    from ipward.store import StoreError, StoreIncompatible, StoreUnavailable, open_store
+    from ipward.store import StoreError, StoreIncompatible, StoreUnreachable, open_store
 
     if not config.store_url.startswith("sqlite://"):
         raise InvalidConfig(
@@ -139,8 +138,8 @@ def _ledger(config: IpamConfig) -> Ledger:
         )
     try:
         return Ledger(open_store(config.store_url, short_lived=True), config.node)
-    except StoreUnavailable as e:
-        raise TryAgainLater(f"store unreachable: {e}") from e
+    except StoreUnreachable:
+        raise  # a TryAgainLater (code 11) itself
     except StoreIncompatible as e:
         raise IncompatibleStore(f"store not usable: {e}") from e
     except StoreError as e:

@@ -54,10 +54,6 @@ class TryAgainLater(IpwardError):
     retryable = True
 
 
-class StoreUnreachable(TryAgainLater):
-    """The store did not answer (or a write's outcome is unknown)."""
-
-
 class NotAvailable(IpwardError):
     """STATUS: the plugin cannot serve ADDs right now."""
 

@@ -21,14 +21,13 @@ from ipward.core.errors import (
     InvalidConfig,
     IpwardError,
     PoolExhausted,
-    StoreUnreachable,
     TryAgainLater,
     UnknownPool,
 )
 from ipward.core.records import AddressRecord, AttachmentIndex
 from ipward.ipam import claims, picking
 from ipward.ipam.reads import MAX_ATTEMPTS, Allocation, Reads, backoff, record_writes
-from ipward.store.base import Put, absent, at_revision
+from ipward.store.base import Put, StoreUnreachable, absent, at_revision
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

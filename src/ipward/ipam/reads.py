@@ -20,10 +20,10 @@ import time
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.addr import format_ip, parse_ip
-from ipward.core.errors import AddressOutsidePool, InputTooLarge, StoreUnreachable, UnknownPool
+from ipward.core.errors import AddressOutsidePool, InputTooLarge, UnknownPool
 from ipward.core.pool import PoolSpec
 from ipward.core.records import AddressRecord, AttachmentIndex
-from ipward.store.base import Delete, KeyValue, Put, StoreUnavailable, TxnTooLarge
+from ipward.store.base import Delete, KeyValue, Put, StoreUnreachable, TxnTooLarge
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -122,10 +122,7 @@ class Reads:
             known = self.known.get(key)
             if known is not None:
                 return known
-        try:
-            kv = self.store.get(key)
-        except StoreUnavailable as e:
-            raise StoreUnreachable(f"store unreachable: {e}") from e
+        kv = self.store.get(key)
         if kv is None:
             self.known.pop(key, None)
         else:
@@ -138,10 +135,7 @@ class Reads:
         self.known[kv.key] = kv
 
     def range(self, prefix: str, limit: int = 0) -> tuple[list[KeyValue], int]:
-        try:
-            return self.store.range(prefix, limit)
-        except StoreUnavailable as e:
-            raise StoreUnreachable(f"store unreachable: {e}") from e
+        return self.store.range(prefix, limit)
 
     def txn(self, compares: list[Compare], ops: list[Put | Delete]) -> bool:
         problem = self.store.txn_problem(compares, ops)
@@ -151,13 +145,13 @@ class Reads:
             result = self.store.txn(compares, ops)
         except TxnTooLarge as e:  # limits set lower than the store's defaults
             raise InputTooLarge(f"the store refused a transaction as too large: {e}") from e
-        except StoreUnavailable as e:
+        except StoreUnreachable:
             # Applied or not, nobody can tell: forget all it touched.
             touched = {c.key for c in compares} | {op.key for op in ops}
             for key in touched:
                 self.known.pop(key, None)
             self._forget_queues(touched)
-            raise StoreUnreachable(f"store unreachable: {e}") from e
+            raise
         if not result.succeeded:
             for c in compares:
                 self.known.pop(c.key, None)

@@ -10,7 +10,7 @@ from ipward.store.base import (
     StoreError,
     StoreIncompatible,
     StoreMissing,
-    StoreUnavailable,
+    StoreUnreachable,
 )
 
 __all__ = [
@@ -18,7 +18,7 @@ __all__ = [
     "StoreError",
     "StoreIncompatible",
     "StoreMissing",
-    "StoreUnavailable",
+    "StoreUnreachable",
     "open_backend",
     "open_store",
     "open_store_waiting",
@@ -63,7 +63,7 @@ def open_store_waiting(url: str, stop: Event) -> Store | None:
     while True:
         try:
             return open_store(url)
-        except StoreUnavailable as e:
+        except StoreUnreachable as e:
             log.warning(
                 "store unreachable at start; waiting for it",
                 store=store_location(url),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import abc
 
+from ipward.core.errors import TryAgainLater
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -23,8 +25,13 @@ class StoreError(Exception):
     """The store could not do what was asked."""
 
 
-class StoreUnavailable(StoreError):
-    """The store cannot be reached or is too busy; the caller may try again later."""
+class StoreUnreachable(StoreError, TryAgainLater):
+    """The store cannot be reached or is too busy, or a write's outcome is unknown: the
+    caller may try again later. One class for the store layer and the CNI answer (code
+    11), so nothing between them translates it."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(f"store unreachable: {msg}")
 
 
 class StoreMissing(StoreError):
@@ -227,14 +234,14 @@ def _utf8_length(key: str) -> int:
 
 
 class Store(abc.ABC):
-    """What ipward needs of a store. Every method may raise StoreUnavailable.
+    """What ipward needs of a store. Every method may raise StoreUnreachable.
 
-    A `txn` that raises StoreUnavailable may or may not have been applied (the answer
+    A `txn` that raises StoreUnreachable may or may not have been applied (the answer
     was lost, not necessarily the write): callers make their writes idempotent and
     re-read rather than assume either. A `txn` that changes nothing (only deletes of
     missing keys) makes no new revision. A Put with an unknown or expired lease fails
     the whole `txn` with StoreError. Revoking a lease that is gone is not an error.
-    A watch reports a broken stream by raising StoreUnavailable from iteration; watch
+    A watch reports a broken stream by raising StoreUnreachable from iteration; watch
     again from the last revision seen plus one. A watch from a revision whose history
     is gone raises Compacted. etcd raises lease TTLs below 2 s to 2 s.
 

@@ -6,7 +6,7 @@ and must stay off the CNI plugin's path.
 Failover: calls go to one endpoint at a time. When it cannot be reached the call moves on
 to the next, each endpoint tried at most once per call, all within one `timeout`. A write
 (txn) moves on only when it certainly never reached etcd; once sent, a lost answer leaves
-its outcome unknown and it raises StoreUnavailable instead of being sent again, since a
+its outcome unknown and it raises StoreUnreachable instead of being sent again, since a
 resent compare-and-swap that had in fact been applied would report failure.
 """
 
@@ -33,7 +33,7 @@ from ipward.store.base import (
     Put,
     Store,
     StoreError,
-    StoreUnavailable,
+    StoreUnreachable,
     TxnResult,
     TxnTooLarge,
     Watch,
@@ -279,7 +279,7 @@ class EtcdStore(Store):
             try:
                 return int(next(call).TTL)
             except StopIteration:
-                raise StoreUnavailable(f"etcd {ep.target}: keepalive got no answer") from None
+                raise StoreUnreachable(f"etcd {ep.target}: keepalive got no answer") from None
             finally:
                 call.cancel()
 
@@ -337,11 +337,11 @@ class EtcdStore(Store):
                 self._failed(index)
                 failures.append(f"{ep.target} ({code.name}: {details})")
                 if write and sent and not _never_sent(details):
-                    raise StoreUnavailable(
+                    raise StoreUnreachable(
                         f"etcd {ep.target}: {details}; the write may or may not have been applied"
                     ) from None
                 if left == 1 or time.monotonic() >= deadline:
-                    raise StoreUnavailable(
+                    raise StoreUnreachable(
                         f"etcd unavailable, tried {'; '.join(failures)}"
                     ) from None
 
@@ -414,7 +414,7 @@ class EtcdWatch(Watch):
                 if resp.events:
                     yield [_event(ev) for ev in resp.events]
             if not self._cancelled.is_set():
-                raise StoreUnavailable(f"etcd {target}: watch stream ended")
+                raise StoreUnreachable(f"etcd {target}: watch stream ended")
         except grpc.RpcError as e:
             if self._cancelled.is_set():
                 return
@@ -517,5 +517,5 @@ def _token_rejected(code: grpc.StatusCode, details: str | None) -> bool:
 def _error(target: str, code: grpc.StatusCode, details: str | None) -> StoreError:
     if (details or "").startswith(TOO_LARGE):
         return TxnTooLarge(f"etcd {target}: {code.name}: {details}")
-    cls = StoreUnavailable if code in UNAVAILABLE or _retryable(code, details) else StoreError
+    cls = StoreUnreachable if code in UNAVAILABLE or _retryable(code, details) else StoreError
     return cls(f"etcd {target}: {code.name}: {details}")

@@ -41,7 +41,7 @@ from ipward.store.base import (
     Put,
     StoreIncompatible,
     StoreMissing,
-    StoreUnavailable,
+    StoreUnreachable,
     absent,
     at_revision,
 )
@@ -160,7 +160,7 @@ def ensure(store: Store, where: str, *, create: bool) -> None:
         store.txn([absent(keys.SCHEMA_KEY)], [Put(keys.SCHEMA_KEY, record(VERSION))])
         state = read(store, where)
         if state is None:
-            raise StoreUnavailable(
+            raise StoreUnreachable(
                 f"{where}: {keys.SCHEMA_KEY} vanished right after it was written"
             )
     refuse_unusable(state, where)
@@ -260,7 +260,7 @@ def repair_node_index(store: Store) -> list[tuple[str, str]]:
                     ops.append(Put(key, record_kv.value))
             if store.txn(compares, ops).succeeded:
                 fixed += [(kind, key) for kind, _, _, key in chunk]
-    raise StoreUnavailable("the node index kept changing while it was repaired; run it again")
+    raise StoreUnreachable("the node index kept changing while it was repaired; run it again")
 
 
 BUILDS: dict[int, Callable[[Store], object]] = {2: repair_node_index}

@@ -34,7 +34,7 @@ from ipward.store.base import (
     StoreError,
     StoreIncompatible,
     StoreMissing,
-    StoreUnavailable,
+    StoreUnreachable,
     TxnResult,
     Watch,
 )
@@ -204,7 +204,7 @@ class SqliteStore(Store):
                 raise StoreIncompatible(f"{path} is not an SQLite database: {e}") from e
             if _mode(path) == _S_IFDIR:
                 raise StoreIncompatible(f"{path} is a directory, not a store file") from e
-            raise StoreUnavailable(f"sqlite store {path}: {e}") from e
+            raise StoreUnreachable(f"sqlite store {path}: {e}") from e
         # A txn reads its keys with one SQL variable each (see _read_keys).
         self.max_txn_keys = self._conn.getlimit(_sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
 
@@ -353,7 +353,7 @@ class SqliteStore(Store):
             try:
                 rows = self._conn.execute(sql, params).fetchall()
             except _sqlite3.Error as e:
-                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+                raise StoreUnreachable(f"sqlite store {self.path}: {e}") from e
         return [_row(r) for r in rows[:-1]], int(rows[-1][3])
 
     def snapshot(self, prefixes: Sequence[str]) -> tuple[list[KeyValue], int]:
@@ -371,7 +371,7 @@ class SqliteStore(Store):
                 self._conn.execute("COMMIT")
             except _sqlite3.Error as e:
                 self._rollback()
-                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+                raise StoreUnreachable(f"sqlite store {self.path}: {e}") from e
         return kvs, revision
 
     def txn(
@@ -401,7 +401,7 @@ class SqliteStore(Store):
                 self._conn.execute("COMMIT")
             except _sqlite3.Error as e:
                 self._rollback()
-                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+                raise StoreUnreachable(f"sqlite store {self.path}: {e}") from e
             except StoreError:
                 self._rollback()
                 raise
@@ -422,7 +422,7 @@ class SqliteStore(Store):
                 self._conn.execute("COMMIT")
             except _sqlite3.Error as e:
                 self._rollback()
-                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+                raise StoreUnreachable(f"sqlite store {self.path}: {e}") from e
         assert cur.lastrowid is not None
         return cur.lastrowid
 
@@ -440,7 +440,7 @@ class SqliteStore(Store):
                 self._conn.execute("COMMIT")
             except _sqlite3.Error as e:
                 self._rollback()
-                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+                raise StoreUnreachable(f"sqlite store {self.path}: {e}") from e
         return 0 if row is None else int(row[0])
 
     def lease_revoke(self, lease: int) -> None:
@@ -453,7 +453,7 @@ class SqliteStore(Store):
                 self._conn.execute("COMMIT")
             except _sqlite3.Error as e:
                 self._rollback()
-                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+                raise StoreUnreachable(f"sqlite store {self.path}: {e}") from e
 
     def revision(self) -> int:
         with self._lock:
@@ -472,7 +472,7 @@ class SqliteStore(Store):
             row: tuple | None = self._conn.execute(sql, params).fetchone()
             return row
         except _sqlite3.Error as e:
-            raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+            raise StoreUnreachable(f"sqlite store {self.path}: {e}") from e
 
     def _rollback(self) -> None:
         if self._conn.in_transaction:
@@ -621,7 +621,7 @@ class SqliteStore(Store):
                     (revision, prefix, _prefix_end(prefix)),
                 ).fetchall()
             except _sqlite3.Error as e:
-                raise StoreUnavailable(f"sqlite store {self.path}: {e}") from e
+                raise StoreUnreachable(f"sqlite store {self.path}: {e}") from e
         return [Event(r[0], KeyValue(r[1], bytes(r[2]), r[3], r[4], r[5], r[6])) for r in rows]
 
 
