@@ -93,13 +93,13 @@ class Ledger:
 
     # -- DEL, GC, CLI -----------------------------------------------------------------
 
-    def release(self, attachment: Attachment, reason: str = "CNI DEL") -> list[str]:
+    def free(self, attachment: Attachment, reason: str = "CNI DEL") -> list[str]:
         """Free the attachment's addresses (detach sticky ones); an unknown attachment is
         not an error. Returns the addresses freed or detached; each is logged with
         `reason`."""
         return freeing.free(self.reads, attachment, reason)
 
-    def release_address(
+    def free_address(
         self,
         pool: str,
         ip: str,
