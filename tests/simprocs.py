@@ -233,10 +233,10 @@ class World:
         wait_for(absent, f"{ref} gone from the API")
 
     def freed_logs(self) -> list[dict]:
-        """Every `released` log line of every process, with who wrote it."""
+        """Every `freed` log line of every process, with who wrote it."""
         out = []
         for p in [*self.agents.values(), *self.controllers]:
-            for entry in p.logged("released"):
+            for entry in p.logged("freed"):
                 out.append({**entry, "by": p.name})
         return out
 

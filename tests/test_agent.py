@@ -317,9 +317,7 @@ def test_agent_not_running_is_try_again_later(plugin, sqlite_url, tmp_path):
         assert "try again later" in add.json["msg"]
         delete = exec_plugin(plugin, "DEL", cfg, container="c1")
         assert delete.returncode == 1 and delete.json["code"] == 11, delete
-        assert (
-            "retry the DEL" in delete.json["msg"] and "nothing was released" in delete.json["msg"]
-        )
+        assert "retry the DEL" in delete.json["msg"] and "nothing was freed" in delete.json["msg"]
     assert snapshot(sqlite_url) == before
 
 

@@ -94,7 +94,7 @@ def test_exhaustion_without_borrow_and_a_borrowed_address_with_it(sqlite_store, 
     assert record["node"] == "node-a"
     assert block_state(sqlite_store, record["block"])["node"] == "node-b"
     # released, it goes back to the owner's queue
-    a.release(att("borrower"))
+    a.free(att("borrower"))
     assert sqlite_store.range("freeq/p/4/node-b/")[0]
     assert check(sqlite_store)[0] == []
 
@@ -160,7 +160,7 @@ def test_node_needing_space_takes_its_block_back(sqlite_store, a, clock):
         sqlite_store, PoolSpec("p", [[{"subnet": "10.0.0.0/28"}]], block_prefix={4: 28}, cooldown=0)
     )
     a.allocate([pool], att("x"), PodInfo())
-    a.release(att("x"))
+    a.free(att("x"))
     kv = sqlite_store.get(keys.block_key("p", "10.0.0.0/28"))
     blocks.mark(sqlite_store, "p", kv, clock.now)
     kv = sqlite_store.get(kv.key)
@@ -184,7 +184,7 @@ def test_take_back_after_partial_cleanup_loses_no_address(sqlite_store, a, clock
     for i in range(14):  # the whole /28: .1-.14
         a.allocate([pool], att(f"x{i}"), PodInfo())
     for i in range(14):
-        a.release(att(f"x{i}"))
+        a.free(att(f"x{i}"))
     kv = sqlite_store.get(keys.block_key("p", "10.0.0.0/28"))
     blocks.mark(sqlite_store, "p", kv, clock.now)
     blocks.answer(sqlite_store, pool, sqlite_store.get(kv.key), clock.now)
@@ -208,12 +208,12 @@ def test_borrowing_takes_another_nodes_freed_address(sqlite_store, a, b):
     )
     for i in range(14):
         b.allocate([pool], att(f"b{i}"), PodInfo())
-    b.release(att("b3"))
+    b.free(att("b3"))
     got = a.allocate([pool], att("borrower"), PodInfo())[0].ip
     assert got == "10.0.0.4"
     record = rec.decode(sqlite_store.get(keys.ip_key("p", got)).value)
     assert record["node"] == "node-a" and record["block"] == "10.0.0.0/28"
-    a.release(att("borrower"))
+    a.free(att("borrower"))
     assert [kv.key.rsplit("/", 1)[-1] for kv in sqlite_store.range("freeq/p/4/node-b/")[0]] == [got]
     assert check(sqlite_store)[0] == []
 
@@ -265,7 +265,7 @@ def test_a_block_whose_every_address_is_queued_is_taken_back(sqlite_store, a, cl
     for i in (5, 2, 9, *range(14)):
         if f"x{i}" not in order:
             order.append(f"x{i}")
-            a.release(att(f"x{i}"))
+            a.free(att(f"x{i}"))
             clock.now += 1
     kv = sqlite_store.get(keys.block_key("p", "10.0.0.0/28"))
     assert blocks.mark(sqlite_store, "p", kv, clock.now)

@@ -409,7 +409,7 @@ def test_del_unknown_attachment_succeeds(plugin: Path, sqlite_url: str) -> None:
     assert dump(sqlite_url) == before
 
 
-def test_del_releases_and_repeated_del_changes_nothing(plugin: Path, sqlite_url: str) -> None:
+def test_del_frees_and_repeated_del_changes_nothing(plugin: Path, sqlite_url: str) -> None:
     prepare(plugin, sqlite_url)
     ip = bare(addresses(add(plugin, net_config(sqlite_url), container="a"))[0])
     res = exec_plugin(plugin, "DEL", net_config(sqlite_url), container="a")
@@ -1038,7 +1038,7 @@ def gc_config(
     return config
 
 
-def test_gc_releases_attachments_not_listed(plugin: Path, sqlite_url: str) -> None:
+def test_gc_frees_attachments_not_listed(plugin: Path, sqlite_url: str) -> None:
     neta = {"ranges": [[{"subnet": "10.0.0.0/24"}]]}
     netb = {"ranges": [[{"subnet": "10.1.0.0/24"}]]}
     held = {}

@@ -858,7 +858,7 @@ def test_sixteen_plugins_with_sigkill(plugin: Path, sqlite_url: str, tmp_path: P
             assert len(got) == capacity, f"{net}: {len(got)} of {capacity} addresses handed out"
             assert len(set(got)) == capacity
             for i in range(capacity):
-                ledger.release(rec.Attachment(net, f"probe-{net}-{i}", "eth0"))
+                ledger.free(rec.Attachment(net, f"probe-{net}-{i}", "eth0"))
     finally:
         store.close()
     assert _dump(sqlite_url, ("ips/", "attach/")) == ""

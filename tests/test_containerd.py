@@ -373,7 +373,7 @@ def test_pods_through_the_node_agent_which_reconciles_with_containerd(
         created_at = allocations(agent_store, "pods")[ip_leaked]["created_at"]
 
         def freed() -> list[dict]:
-            return [e for e in agent.logged("released") if f"pods/{ip_leaked}" in e["ips"]]
+            return [e for e in agent.logged("freed") if f"pods/{ip_leaked}" in e["ips"]]
 
         deadline = time.monotonic() + 60
         while not freed() and time.monotonic() < deadline:

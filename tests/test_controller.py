@@ -412,7 +412,7 @@ def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
     ledger = Ledger(store, "n1")
     spec = pool_spec(store)
     ledger.allocate([spec], att("x"), PodInfo())
-    ledger.release(att("x"))
+    ledger.free(att("x"))
     [cidr] = of_node(store, "n1")
     ctl = spawn(store_url, "c1", ready_delay=60)  # it would release a ready block only later
     wait_for(lambda: of_node(store, "n1", rec.MARKED), "the surplus block marked", TAKEOVER)
@@ -455,7 +455,7 @@ def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
     for i in range(254):
         ledger.allocate([spec], att(f"s{i}"), PodInfo())
     for i in range(254):
-        ledger.release(att(f"s{i}"))
+        ledger.free(att(f"s{i}"))
     every_block = of_node(store, "n1")
     assert len(every_block) == 4 and len(store.range("free/p/")[0]) == 254
 
@@ -514,7 +514,7 @@ def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
                             node = Ledger(own, "n1")
                         i += 1
                     for a in live:
-                        node.release(a)
+                        node.free(a)
                     stop_churn.wait(rng_churn.uniform(0.5, 1.5))
             except (IpwardError, StoreError) as e:
                 churn_errors.append(e)
@@ -668,7 +668,7 @@ def test_the_controller_prunes_an_earlier_layout_once_no_record_holds_it(store_u
 
     ledger.allocate([declared("10.20.0.0/24")], att("a"), PodInfo())
     ledger.allocate([declared("10.20.0.0/24")], att("b"), PodInfo())
-    ledger.release(att("b"))
+    ledger.free(att("b"))
     ledger.allocate([declared("10.30.0.0/24")], att("c"), PodInfo())
     assert len(pool_spec(store).retired) == 1
     ctl = spawn(store_url, "c1")
@@ -681,7 +681,7 @@ def test_the_controller_prunes_an_earlier_layout_once_no_record_holds_it(store_u
     wait_for(lambda: passes(ctl) >= start + 2, "two more passes", 10)
     assert len(pool_spec(store).retired) == 1  # "a" still holds 10.20.0.1
     assert_check_clean(store_url)
-    ledger.release(att("a"))
+    ledger.free(att("a"))
     wait_for(lambda: pool_spec(store).retired == [], "the earlier layout pruned", 10)
     assert ctl.logged("pool layouts pruned")
     assert ctl.terminate() == 0

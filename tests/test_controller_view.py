@@ -254,7 +254,7 @@ def test_a_record_rewritten_while_the_view_lags_is_not_freed(tmp_path: Path) -> 
             view.sync()
             (stale,) = view.held()
             # While the view lags: the pod's DEL, and another pod takes the same address.
-            ledger.release(first)
+            ledger.free(first)
             second = rec.Attachment("net", "sb2", "eth0")
             ledger.allocate([spec], second, rec.PodInfo("ns", "web-1", "u2"), requested=[ip])
             verdict = gc.Verdict(stale, gc.SANDBOX_GONE, "sb1 not listed")

@@ -133,8 +133,8 @@ def test_demo_end_to_end_as_a_subprocess(tmp_path: Path) -> None:
     _assert_store_clean(store, "demo")
     log = [json.loads(line) for line in (state / "ipward.log").read_text().splitlines()]
     allocated = [e for e in log if e["msg"] == "allocated"]
-    released = [e for e in log if e["msg"] == "released"]
-    assert len(allocated) == 4 and len(released) == 4  # the second DEL freed nothing
+    freed = [e for e in log if e["msg"] == "freed"]
+    assert len(allocated) == 4 and len(freed) == 4  # the second DEL freed nothing
     assert {e["ips"][0] for e in allocated} == {f"demo/{i.ip}" for i in ips}
     assert not [e for e in log if e["level"] in ("warning", "error")]
 

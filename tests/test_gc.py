@@ -186,7 +186,7 @@ def test_free_compares_the_revision_judged(sqlite_store) -> None:
     ip = ledger.allocate([spec], a, rec.PodInfo("ns", "web-0", "u1"))[0].ip
     stale = gc.snapshot(sqlite_store)[0]
     # The pod's DEL frees it and another pod takes the same address.
-    ledger.release(a)
+    ledger.free(a)
     b = rec.Attachment("net", "sb2", "eth0")
     ledger.allocate([spec], b, rec.PodInfo("ns", "web-1", "u2"), requested=[ip])
     verdict = gc.judge(stale, evidence(runtime(OTHER)))

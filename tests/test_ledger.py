@@ -66,17 +66,17 @@ def test_add_is_idempotent_and_del_of_unknown_succeeds(ledger, sqlite_store):
     first = add(ledger, spec, 1)
     assert add(ledger, spec, 1) == first
     assert len(keys(sqlite_store, "ips/")) == 1
-    assert ledger.release(att(99)) == []
-    assert ledger.release(att(1)) == [f"p/{first}"]
+    assert ledger.free(att(99)) == []
+    assert ledger.free(att(1)) == [f"p/{first}"]
     revision = sqlite_store.revision()
-    assert ledger.release(att(1)) == []
+    assert ledger.free(att(1)) == []
     assert sqlite_store.revision() == revision  # a repeated DEL writes nothing
 
 
 def test_cooldown_holds_freed_address_back_while_others_are_free(ledger, clock):
     spec = pool(cooldown=30)
     a = add(ledger, spec, 1)
-    ledger.release(att(1))
+    ledger.free(att(1))
     clock.now += 29
     assert add(ledger, spec, 2) != a  # still cooling, fresh addresses exist
     clock.now += 2
@@ -87,7 +87,7 @@ def test_oldest_freed_first(ledger, clock):
     spec = pool(cooldown=0)
     ips = [add(ledger, spec, i) for i in range(4)]
     for i in (2, 0, 3):
-        ledger.release(att(i))
+        ledger.free(att(i))
         clock.now += 1
     assert [add(ledger, spec, f"n{i}") for i in range(3)] == [ips[2], ips[0], ips[3]]
 
@@ -99,11 +99,11 @@ def test_an_address_freed_before_its_block_was_claimed_goes_first(ledger, clock)
     as queued). While it cools, the claim takes a never-used one."""
     cooling = pool(cooldown=30)
     add(ledger, cooling, 1, requested=["10.0.0.7"])
-    ledger.release(att(1))
+    ledger.free(att(1))
     assert add(ledger, cooling, 2) == "10.0.0.1"  # cooling: a never-used one first
     spec = PoolSpec("q", [[{"subnet": "10.0.1.0/24"}]], cooldown=0)
     held = add(ledger, spec, 3, requested=["10.0.1.7"])
-    ledger.release(att(3))
+    ledger.free(att(3))
     clock.now += 1
     assert add(ledger, spec, 4) == held
     assert add(ledger, spec, 5) == "10.0.1.1"  # then the never-used ones, from the start
@@ -113,7 +113,7 @@ def test_cooling_address_is_used_when_nothing_else_is_free(ledger, clock):
     spec = pool("10.0.0.0/30", cooldown=300)  # two usable addresses
     add(ledger, spec, 1)
     b = add(ledger, spec, 2)
-    ledger.release(att(2))
+    ledger.free(att(2))
     assert add(ledger, spec, 3) == b
     with pytest.raises(PoolExhausted):
         add(ledger, spec, 4)
@@ -161,7 +161,7 @@ def test_requested_address_errors(ledger, sqlite_store):
 def test_requested_address_in_cooldown_takes_it_off_the_queue(ledger, sqlite_store, clock):
     spec = pool(cooldown=30)
     a = add(ledger, spec, 1)
-    ledger.release(att(1))
+    ledger.free(att(1))
     assert keys(sqlite_store, "free/") == [f"free/p/{a}"]
     assert add(ledger, spec, 2, requested=[a]) == a
     assert keys(sqlite_store, "free/") == []
@@ -203,7 +203,7 @@ def test_large_pools_cost_what_small_ones_do(ledger, sqlite_store):
         for i in range(70):
             add(ledger, spec, f"{subnet}-{i}")
         for i in range(70):
-            ledger.release(att(f"{subnet}-{i}"))
+            ledger.free(att(f"{subnet}-{i}"))
         sqlite_store.txn([], [])
     # 2 pools' worth of blocks: 70 addresses span two /26 (or /122) blocks each
     assert len(keys(sqlite_store, "blocks/")) == 4
@@ -211,24 +211,24 @@ def test_large_pools_cost_what_small_ones_do(ledger, sqlite_store):
     assert keys(sqlite_store, "ips/") == []
 
 
-def test_release_never_frees_an_address_owned_by_another_attachment(ledger, sqlite_store):
+def test_free_never_touches_an_address_owned_by_another_attachment(ledger, sqlite_store):
     spec = pool()
     ip = add(ledger, spec, 1)
     # Corrupt on purpose: attachment 2's index claims the address of attachment 1.
     sqlite_store.txn([], [Put(att(2).key, rec.encode({"ips": [f"p/{ip}"]}))])
-    assert ledger.release(att(2)) == []
+    assert ledger.free(att(2)) == []
     assert sqlite_store.get(layout.ip_key("p", ip)) is not None
     assert sqlite_store.get(att(2).key) is None  # the stray index entry is dropped
 
 
-def test_release_address_compares_revision(ledger, sqlite_store):
+def test_free_address_compares_revision(ledger, sqlite_store):
     spec = pool()
     ip = add(ledger, spec, 1)
     kv = sqlite_store.get(layout.ip_key("p", ip))
     with pytest.raises(OwnerChanged):
-        ledger.release_address("p", ip, kv.mod_revision - 1, "test")
+        ledger.free_address("p", ip, kv.mod_revision - 1, "test")
     assert sqlite_store.get(layout.ip_key("p", ip)) is not None
-    ledger.release_address("p", ip, kv.mod_revision, "test")
+    ledger.free_address("p", ip, kv.mod_revision, "test")
     assert sqlite_store.get(layout.ip_key("p", ip)) is None
     assert sqlite_store.get(att(1).key) is None
     assert check(sqlite_store)[0] == []
@@ -241,7 +241,7 @@ def test_cooldown_survives_a_restart(sqlite_url, clock):
     with open_store(sqlite_url) as store:
         first = Ledger(store, "node-a", clock=clock)
         freed = add(first, spec, 1)
-        first.release(att(1))
+        first.free(att(1))
     clock.now += 5
     with open_store(sqlite_url) as store:
         again = Ledger(store, "node-a", clock=clock)
@@ -253,7 +253,7 @@ class TestCheck:
         spec = pool()
         for i in range(5):
             add(ledger, spec, i)
-        ledger.release(att(3))
+        ledger.free(att(3))
         problems, counts = check(sqlite_store)
         assert problems == []
         assert counts["allocations"] == 4 and counts["free"] == 1
@@ -262,7 +262,7 @@ class TestCheck:
         spec = pool()
         ip1 = add(ledger, spec, 1)
         ip2 = add(ledger, spec, 2)
-        ledger.release(att(2))
+        ledger.free(att(2))
         other = PoolSpec("q", [[{"subnet": "10.0.0.0/24"}]])
         sqlite_store.txn([], [Put("pools/q", rec.encode(other.to_dict()))])
         record = rec.decode(sqlite_store.get(layout.ip_key("p", ip1)).value)
@@ -304,15 +304,15 @@ class TestMemory:
     def test_stale_memory_never_frees_another_attachments_address(self, ledger, other):
         spec = pool(cooldown=0)
         ip = add(ledger, spec, 1)
-        other.release(att(1))  # behind ledger's back
+        other.free(att(1))  # behind ledger's back
         assert add(other, spec, 2, requested=[ip]) == ip
-        assert ledger.release(att(1)) == []  # its memory of att 1 is stale: nothing freed
+        assert ledger.free(att(1)) == []  # its memory of att 1 is stale: nothing freed
         assert other.lookup(att(2))[0].ip == ip
 
     def test_refusal_on_stale_memory_is_checked_again(self, ledger, other):
         spec = pool(cooldown=0)
         ip = add(ledger, spec, 1)
-        other.release(att(1))
+        other.free(att(1))
         # ledger still remembers ip as allocated; the refusal is re-checked on fresh reads
         assert add(ledger, spec, 3, requested=[ip]) == ip
 
@@ -325,7 +325,7 @@ class TestMemory:
             who = ledger if i % 3 else other
             got.append(add(who, spec, i))
             if i % 4 == 0:
-                (other if i % 3 else ledger).release(att(i - 1))
+                (other if i % 3 else ledger).free(att(i - 1))
         live = {kv.key for kv in sqlite_store.range("ips/")[0]}
         assert check(sqlite_store)[0] == []
         held = [ledger.lookup(att(i)) for i in range(120)]
@@ -517,7 +517,7 @@ def test_a_changed_subnet_is_a_new_version_and_old_records_stay_valid(ledger, sq
     for i in range(70):  # two blocks claimed: the cursor stands at 2
         add_to(ledger, inline("10.20.0.0/24"), i)
     for i in range(70):
-        ledger.release(att(i))
+        ledger.free(att(i))
     assert check(sqlite_store)[0] == []
     new = add_to(ledger, inline("10.30.0.0/26"), "new")
     assert new == "10.30.0.1"
@@ -530,7 +530,7 @@ def test_a_changed_subnet_is_a_new_version_and_old_records_stay_valid(ledger, sq
     (again,) = ledger.allocate([inline("10.30.0.0/26")], att("old"), PodInfo())
     assert (again.ip, again.prefix) == (old, 24)
     # Its DEL frees it without queueing it: the pool no longer hands it out.
-    assert ledger.release(att("old")) == [f"net/{old}"]
+    assert ledger.free(att("old")) == [f"net/{old}"]
     assert sqlite_store.get(layout.free_key("net", old)) is None
     assert check(sqlite_store)[0] == []
     # The new /26 serves its whole capacity: 62 addresses, then 100.
@@ -601,9 +601,9 @@ def test_ranges_changed_and_changed_back_lose_and_double_nothing(ledger, sqlite_
     out exactly once in the end (freed ones found again though their block's cursor
     had passed them, none twice)."""
     a = [add_to(ledger, inline("10.20.0.0/26"), i) for i in range(10)]
-    ledger.release(att(3))  # freed while A is current: queued
+    ledger.free(att(3))  # freed while A is current: queued
     add_to(ledger, inline("10.30.0.0/26"), "b")  # B
-    ledger.release(att(4))  # freed while A is retired: not queued
+    ledger.free(att(4))  # freed while A is retired: not queued
     add_to(ledger, inline("10.20.0.0/26"), "again")  # A again, a third version
     assert ledger.get_pool("net", fresh=True).version == 2
     assert check(sqlite_store)[0] == []
@@ -644,7 +644,7 @@ def test_plain_adds_and_dels_never_write_the_coverage_key(ledger, sqlite_store):
     for i in range(70):  # across a block claim
         add_to(ledger, inline("10.20.0.0/24"), i)
     for i in range(70):
-        ledger.release(att(i))
+        ledger.free(att(i))
     add_to(ledger, inline("10.20.0.0/24", routes=[{"dst": "0.0.0.0/0"}]), "routes")  # not ranges
     assert sqlite_store.get(layout.POOL_COVERAGE_KEY).mod_revision == written
     add_to(ledger, inline("10.20.0.0/23"), "wider")  # grows: tested and written

@@ -83,10 +83,10 @@ def test_every_write_of_a_record_keeps_its_node_entry(sqlite_store, pool) -> Non
         )
     assert index(sqlite_store) == recorded(sqlite_store)
     assert len(index(sqlite_store)["n2"]) == 16  # dual stack
-    one.release(attachment("a"))
+    one.free(attachment("a"))
     held = rec.decode(sqlite_store.get(keys.ip_key("p", "10.0.9.9")).value)
     revision = sqlite_store.get(keys.ip_key("p", "10.0.9.9")).mod_revision
-    one.release_address("p", "10.0.9.9", revision, "test")
+    one.free_address("p", "10.0.9.9", revision, "test")
     assert held["node"] == "n1"
     assert index(sqlite_store) == recorded(sqlite_store)
     assert "n1" not in index(sqlite_store) or all(
@@ -100,7 +100,7 @@ def test_a_sticky_address_taken_over_on_another_node_moves_its_entry(sqlite_stor
     first = Ledger(sqlite_store, "n1").allocate(
         [pool], attachment("s1"), rec.PodInfo("db", "db-0", "u1"), sticky=identity
     )
-    Ledger(sqlite_store, "n1").release(attachment("s1"))  # detached: still n1's
+    Ledger(sqlite_store, "n1").free(attachment("s1"))  # detached: still n1's
     assert sorted(index(sqlite_store)["n1"]) == sorted(f"p/{a.ip}" for a in first)
     Ledger(sqlite_store, "n2").allocate(
         [pool], attachment("s2"), rec.PodInfo("db", "db-0", "u2"), sticky=identity
@@ -108,7 +108,7 @@ def test_a_sticky_address_taken_over_on_another_node_moves_its_entry(sqlite_stor
     assert index(sqlite_store) == {"n2": sorted(f"p/{a.ip}" for a in first)}
     assert index(sqlite_store) == recorded(sqlite_store)
     assert kinds(sqlite_store) == []
-    gone = Ledger(sqlite_store, "n2").release(attachment("s2"))
+    gone = Ledger(sqlite_store, "n2").free(attachment("s2"))
     key = keys.sticky_key(NET, "db", "db-0")
     Ledger(sqlite_store, "n2").free_sticky(key, sqlite_store.get(key).mod_revision, "test")
     assert gone and index(sqlite_store) == {} and kinds(sqlite_store) == []

@@ -55,11 +55,9 @@ IN_PROCESS = {
     "ipward.ipam.allocating",
     "ipward.ipam.claims",
     "ipward.ipam.combining",
-    "ipward.ipam.freeing",
     "ipward.ipam.ledger",
     "ipward.ipam.picking",
     "ipward.ipam.reads",
-    "ipward.ipam.sticky",
     "ipward.store",
     "ipward.store.base",
     "ipward.store.schema",
@@ -74,18 +72,26 @@ IN_PROCESS = {
 }
 # Only the ADD that stores (or changes) an inline pool: its overlap guard.
 STORING_A_POOL = {"ipward.ipam.pools"}
+# Only DEL (and CNI GC): freeing is not ADD's. A sticky ADD adds its reservations (which
+# free through `freeing` when they retire).
+FREEING = {"ipward.ipam.freeing"}
+STICKY = {"ipward.ipam.sticky", *FREEING}
 # The thin path: the config is parsed for ipam.agentSocket and the call forwarded; the
 # standalone plugin is that path with an entry of its own.
 FORWARDING = STANDALONE_IMPORTS - {"ipward.cni.standalone"}
 
 
-def imported(launcher: Path, command: str, config: dict, container: str = "c1") -> set[str]:
+def imported(
+    launcher: Path, command: str, config: dict, container: str = "c1", args: str = ""
+) -> set[str]:
     """The modules one exec of an installed `launcher` imports beyond a bare interpreter's
     start: run as its shebang line says, with `-X importtime` added."""
     interpreter, *options = launcher.read_text().splitlines()[0].removeprefix("#!").split()
 
     def modules(argv: list[str], stdin: bytes) -> tuple[set[str], subprocess.CompletedProcess]:
         env = {"CNI_COMMAND": command, "CNI_CONTAINERID": container, "CNI_IFNAME": "eth0"}
+        if args:
+            env["CNI_ARGS"] = args
         env.update(CNI_NETNS="/var/run/netns/test", CNI_PATH="/opt/cni/bin")
         proc = subprocess.run(argv, input=stdin, env=env, capture_output=True, timeout=60)
         lines = proc.stderr.decode().splitlines()
@@ -117,8 +123,19 @@ def test_in_process_add_imports_only_the_allow_list(launcher: Path, sqlite_url: 
     assert first - IN_PROCESS - STORING_A_POOL == set()
     assert first >= STORING_A_POOL  # the pool was stored: the measurement saw the ADD
     assert imported(launcher, "ADD", config, container="c2") - IN_PROCESS == set()
-    assert imported(launcher, "DEL", config, container="c2") - IN_PROCESS == set()
+    deleting = imported(launcher, "DEL", config, container="c2")
+    assert deleting - IN_PROCESS - FREEING == set()
+    assert deleting >= FREEING  # the measurement saw the DEL free
     assert imported(launcher, "VERSION", config) - IN_PROCESS == set()
+
+
+def test_sticky_add_imports_only_the_allow_list(launcher: Path, sqlite_url: str) -> None:
+    config = in_process_config(sqlite_url)
+    config["ipam"]["sticky"] = True
+    identity = "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=web-0;K8S_POD_UID=u1"
+    first = imported(launcher, "ADD", config, container="c1", args=identity)
+    assert first - IN_PROCESS - STORING_A_POOL - STICKY == set()
+    assert "ipward.ipam.sticky" in first  # the measurement saw the sticky ADD
 
 
 def test_named_pool_add_imports_only_the_allow_list(launcher: Path, sqlite_url: str) -> None:
@@ -130,7 +147,7 @@ def test_named_pool_add_imports_only_the_allow_list(launcher: Path, sqlite_url: 
     ipam = {"type": "ipward", "store": sqlite_url, "pool": "named"}
     config = {"cniVersion": "1.0.0", "name": "net1", "ipam": ipam}
     assert imported(launcher, "ADD", config, container="c1") - IN_PROCESS == set()
-    assert imported(launcher, "DEL", config, container="c1") - IN_PROCESS == set()
+    assert imported(launcher, "DEL", config, container="c1") - IN_PROCESS - FREEING == set()
 
 
 def test_forwarding_path_imports_only_the_allow_list(launcher: Path) -> None:

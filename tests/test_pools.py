@@ -388,7 +388,7 @@ def churn(url: str, node: str, tag: str, stop: threading.Event, errors: list) ->
             except BaseException as e:
                 errors.append(e)
                 return
-            ledger.release(attachment)
+            ledger.free(attachment)
             i += 1
 
 
@@ -497,14 +497,14 @@ def test_prune_drops_a_layout_only_once_no_record_holds_it(sqlite_url: str, old_
         new = PoolSpec("net", [[{"subnet": "10.60.0.0/24"}]], cooldown=0, source="cni-config")
         ledger.allocate([old], Attachment("net", "a", "eth0"), PodInfo())
         ledger.allocate([old], Attachment("net", "b", "eth0"), PodInfo())
-        ledger.release(Attachment("net", "b", "eth0"))  # a free entry of the old range
+        ledger.free(Attachment("net", "b", "eth0"))  # a free entry of the old range
         ledger.allocate([new], Attachment("net", "c", "eth0"), PodInfo())
         keys, layouts = pools.prune(store, "net")
         assert layouts == 0  # "a" still holds an address of the old range
         assert keys >= 4  # its block, affinity, free and queue entries (its fill too)
         assert len(ledger.get_pool("net", fresh=True).retired) == 1
         assert_clean(sqlite_url)
-        ledger.release(Attachment("net", "a", "eth0"))
+        ledger.free(Attachment("net", "a", "eth0"))
         assert pools.prune(store, "net")[1] == 1
         assert ledger.get_pool("net", fresh=True).retired == []
         assert_clean(sqlite_url)
@@ -524,14 +524,14 @@ def test_prune_and_delete_of_a_large_pool_fit_etcd_transactions(tmp_path: Path) 
         for i in range(300):
             ledger.allocate([old], Attachment("net", f"o{i}", "eth0"), PodInfo())
         for i in range(300):
-            ledger.release(Attachment("net", f"o{i}", "eth0"))
+            ledger.free(Attachment("net", f"o{i}", "eth0"))
         for i in range(200):
             ledger.allocate([new], Attachment("net", f"n{i}", "eth0"), PodInfo())
         keys, layouts = pools.prune(store, "net")
         assert layouts == 1 and keys >= 600  # 300 free and 300 queue entries, 5 blocks...
         assert_clean(server.url)
         for i in range(200):
-            ledger.release(Attachment("net", f"n{i}", "eth0"))
+            ledger.free(Attachment("net", f"n{i}", "eth0"))
         assert pools.delete_pool(store, "net") >= 400
         assert pool_keys(server.url, "net") == []
         assert_clean(server.url)

@@ -75,7 +75,7 @@ def fill(url: str) -> None:
             ledger.allocate(
                 [spec], Attachment("net", f"c{i}", "eth0"), PodInfo("ns", f"p{i}", f"u{i}")
             )
-        ledger.release(Attachment("net", "c0", "eth0"))
+        ledger.free(Attachment("net", "c0", "eth0"))
 
 
 def make_unversioned(url: str) -> None:

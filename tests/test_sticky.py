@@ -59,7 +59,7 @@ def test_reserved_with_the_first_allocation_and_taken_over(sqlite_store, pool) -
     assert held["attachment"] == sandbox(1).key and len(held["ips"]) == 2  # dual stack
     assert_clean(sqlite_store)
     # DEL detaches: the reservation keeps both addresses, no index.
-    assert sorted(ledger.release(sandbox(1))) == sorted(held["ips"])
+    assert sorted(ledger.free(sandbox(1))) == sorted(held["ips"])
     assert sqlite_store.get(sandbox(1).key) is None
     assert all(
         AddressRecord.decode(sqlite_store.get(keys.ip_key(*rec.split_pool_ip(r))).value).is_detached
@@ -75,7 +75,7 @@ def test_reserved_with_the_first_allocation_and_taken_over(sqlite_store, pool) -
     assert_clean(sqlite_store)
     # The old sandbox's late DEL changes nothing.
     revision = sqlite_store.revision()
-    assert ledger.release(sandbox(1)) == []
+    assert ledger.free(sandbox(1)) == []
     assert sqlite_store.revision() == revision
 
 
@@ -92,7 +92,7 @@ def test_new_sandbox_before_the_old_ones_del(sqlite_store, pool) -> None:
     records = [rec.decode(kv.value) for kv in sqlite_store.range("ips/")[0]]
     assert {r["container"] for r in records} == {"sandbox2"} and len(records) == 2
     revision = sqlite_store.revision()
-    assert ledger.release(sandbox(1)) == []
+    assert ledger.free(sandbox(1)) == []
     assert sqlite_store.revision() == revision
     assert_clean(sqlite_store)
 
@@ -125,7 +125,7 @@ def test_free_sticky_only_when_detached_and_unchanged(sqlite_store, pool) -> Non
     key = keys.sticky_key(NET, "db", "db-0")
     with pytest.raises(OwnerChanged, match="bound"):
         ledger.free_sticky(key, sqlite_store.get(key).mod_revision, "test")
-    ledger.release(sandbox(1))
+    ledger.free(sandbox(1))
     kv = sqlite_store.get(key)
     with pytest.raises(OwnerChanged):
         ledger.free_sticky(key, kv.mod_revision - 1, "test")
@@ -214,7 +214,7 @@ def test_cli_lists_and_releases_a_sticky_reservation(sqlite_url, sqlite_store, p
     assert {r["sticky_state"]["state"] for r in rows} == {"bound"}
     refused = run_cli("release", "--sticky", "db/db-0", "--yes", store=sqlite_url)
     assert refused.returncode == 2 and "bound" in refused.stderr
-    ledger.release(sandbox(1))
+    ledger.free(sandbox(1))
     table = run_cli("alloc", "list", store=sqlite_url, check=True).stdout
     assert "detached" in table and "TTL" in table
     bad = run_cli("release", "--sticky", "db-0", store=sqlite_url)
@@ -233,6 +233,6 @@ def test_two_detached_reservations_check_clean(sqlite_store, pool) -> None:
         ledger.allocate(
             [pool], sandbox(n), rec.PodInfo("db", name, f"u{n}"), sticky=rec.Sticky(NET, "db", name)
         )
-        ledger.release(sandbox(n))
+        ledger.free(sandbox(n))
     assert len(sqlite_store.range("ips/")[0]) == 4
     assert_clean(sqlite_store)

@@ -144,7 +144,7 @@ def test_statefulset_pod_restarting_keeps_its_address(
     time.sleep(w.grace + 3 * INTERVAL)
     assert running_pods(w) == {"db-0": address}
     assert [e for e in w.freed_logs() if e["reason"] != "CNI DEL"] == []
-    assert not ctl.logged("released")
+    assert not ctl.logged("freed")
     watcher.stop()
     w.assert_invariants()
 

@@ -157,7 +157,7 @@ def release_command(
         )
         if not click.confirm("release it?", default=False):
             raise click.Abort
-    freed = c.ledger().release_address(pool_name, ip, shown, "ipward release by an operator")
+    freed = c.ledger().free_address(pool_name, ip, shown, "ipward release by an operator")
     c.emit(
         {"released": f"{pool_name}/{ip}", "record": freed.to_dict(), "revision": shown},
         f"released {pool_name}/{ip}",

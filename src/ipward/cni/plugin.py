@@ -119,7 +119,7 @@ def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exceptio
     elif isinstance(error, PermissionError):  # retrying cannot help
         answer = IoFailure(f"ipward agent at {path} not usable ({reason}); nothing was sent")
     else:
-        what = "nothing was released; retry the DEL" if command == b"DEL" else "try again later"
+        what = "nothing was freed; retry the DEL" if command == b"DEL" else "try again later"
         answer = TryAgainLater(f"ipward agent at {path} unreachable ({reason}); {what}")
     return error_output(answer, stdin).encode()
 

@@ -107,7 +107,7 @@ def run(
     if command == "ADD":
         return dump(_add(ledger, config, call, directory))
     if command == "DEL":
-        ledger.release(call.attachment)
+        ledger.free(call.attachment)
         return ""
     _check(ledger, call, raw)
     return ""

@@ -29,7 +29,7 @@ sandbox ID, ifname; created_at = when its ADD committed):
 6. The controller frees a candidate only when it was a candidate at the same record
    revision on the previous pass too (`Confirmations`); the agent, whose runtime is
    local and authoritative, frees on one pass. Every free is a compare-and-delete on
-   the record's revision (`Ledger.release_address`), logged and counted by reason.
+   the record's revision (`Ledger.free_address`), logged and counted by reason.
 7. Just before freeing on the cluster's word (`pod-gone`, `pod-terminal`, `node-gone`,
    a reservation's retirement), the source is asked once more, live
    (`confirmed_live`): a source answering from caches (`k8s://`) reads the pod, node or
@@ -351,7 +351,7 @@ def free(ledger: Ledger, verdict: Verdict, who: str, fence: Sequence[Compare] = 
     log.debug("freeing", address=held.ref, attachment=held.attachment, reason=verdict.reason)
     testpoints.pause("gc-free")
     try:
-        ledger.release_address(
+        ledger.free_address(
             held.pool,
             held.ip,
             held.mod_revision,

@@ -50,7 +50,7 @@ def free(reads: Reads, attachment: Attachment, reason: str) -> list[str]:
             log_free(attachment, freed, detached, reason)
             return freed + detached
         backoff(attempt)
-    raise TryAgainLater(f"{attachment}: too much contention, nothing released")
+    raise TryAgainLater(f"{attachment}: too much contention, nothing freed")
 
 
 def free_plan(
@@ -94,7 +94,7 @@ def log_free(
     attachment: Attachment, freed: list[str], detached: list[str], reason: str, **more: object
 ) -> None:
     if freed:
-        log.info("released", attachment=repr(attachment), ips=freed, reason=reason, **more)
+        log.info("freed", attachment=repr(attachment), ips=freed, reason=reason, **more)
     if detached:
         log.info("detached", attachment=repr(attachment), ips=detached, reason=reason, **more)
 
@@ -204,9 +204,9 @@ def free_address(
             log_free(attachment, freed, detached, reason, revision=expected_mod_revision)
             return record
         if not all(c.holds(reads.get(c.key, fresh=True)) for c in fence):
-            raise OwnerChanged(f"{pool}/{ip} not released: its fence no longer holds")
+            raise OwnerChanged(f"{pool}/{ip} not freed: its fence no longer holds")
         backoff(attempt)
-    raise TryAgainLater(f"{pool}/{ip}: too much contention, nothing released")
+    raise TryAgainLater(f"{pool}/{ip}: too much contention, nothing freed")
 
 
 def collect_network(

@@ -154,5 +154,5 @@ def free_sticky(
         ops += record_ops
     if not reads.txn(compares, ops):
         raise OwnerChanged(f"{key} changed while being freed; look again")
-    log.info("released", sticky=key, ips=held.ips, reason=reason)
+    log.info("freed", sticky=key, ips=held.ips, reason=reason)
     return list(held.ips)

@@ -83,7 +83,7 @@ def allocate_latency(
             for i in range(warmup):
                 attachment = Attachment("benchlat", f"warm-{i}", "eth0")
                 ledger.allocate([spec], attachment, pod)
-                ledger.release(attachment)
+                ledger.free(attachment)
         samples: list[list[float]] = [[] for _ in pools]
         released: list[list[float]] = [[] for _ in pools]
         clock = time.perf_counter
@@ -97,7 +97,7 @@ def allocate_latency(
             for attachment in attachments:
                 for ledger, out in zip(ledgers, released, strict=True):
                     start = clock()
-                    freed = ledger.release(attachment)
+                    freed = ledger.free(attachment)
                     out.append(clock() - start)
                     if not freed:
                         raise BenchError(f"release of {attachment} freed nothing")

@@ -227,7 +227,7 @@ class ScaleCluster:
             ledger = ledgers[node]
             old = Attachment(SCALE_NETWORK, self.sandboxes[i], "eth0")
             new = Attachment(SCALE_NETWORK, f"sandbox-{i}-{self.changed_rounds}", "eth0")
-            if not ledger.release(old, "bench: the pod's sandbox restarted"):
+            if not ledger.free(old, "bench: the pod's sandbox restarted"):
                 raise BenchError(f"record {i}: {old} was not allocated")
             ledger.allocate([ledger.get_pool(SCALE_POOL)], new, self._pod(i))
             self.sandboxes[i] = new.container

@@ -60,7 +60,7 @@ class _Pairs:
 
     def loop(self, n: int) -> tuple[float, float]:
         """Seconds for `n` pairs, and the part of it spent in allocate."""
-        allocate, release, pools = self.ledger.allocate, self.ledger.release, [self.spec]
+        allocate, free, pools = self.ledger.allocate, self.ledger.free, [self.spec]
         pod = PodInfo("bench", "pair", "uid-pair")
         clock = time.perf_counter
         allocating = 0.0
@@ -71,8 +71,8 @@ class _Pairs:
             before = clock()
             allocate(pools, attachment, pod)
             allocating += clock() - before
-            if not release(attachment):
-                raise BenchError(f"release of {attachment} freed nothing")
+            if not free(attachment):
+                raise BenchError(f"{attachment}: nothing freed")
         return clock() - start, allocating
 
 

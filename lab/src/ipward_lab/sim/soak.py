@@ -449,7 +449,7 @@ class Soak:
         tally: Counter[str] = Counter()
         for p in [*self.agents.values(), *self.controllers, *self.dead]:
             for entry in p.logs():
-                if entry.get("msg") not in ("released", "detached"):
+                if entry.get("msg") not in ("freed", "detached"):
                     continue
                 reason = str(entry.get("reason", ""))
                 m = GC_REASONS.search(reason)
