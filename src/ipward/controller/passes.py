@@ -19,7 +19,9 @@ Only a clean stop (SIGTERM, SIGINT) resigns: compare-and-delete of the key, then
 
 A pass (leader only, every --interval), per pool, from the store view
 (`ipward.controller.view`: read whole once, kept current from a watch, brought up to the
-store's revision at the start of the pass; a standby lets it go):
+store's revision at the start of the pass; a standby lets it go). Each pool's pass reads
+its state, plans (`ipward.controller.plan`: pure functions, state in, actions out) and
+applies (`ipward.controller.executor`: the one place it writes, fenced), in phases:
   * handshake steps on blocks of registered nodes: `refused` -> resume (an aborted
     handshake); `ready` answered at least --ready-delay ago -> release (completed);
     `marked` waits for the node's agent. A block seen in the handshake and later seen
