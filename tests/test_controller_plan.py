@@ -2,11 +2,18 @@
 typed actions out, no store. What the pass does with them on real stores and processes is
 `test_controller.py`'s; here each rule is pinned on its own, with the inputs around its
 edges (a delay just short and just past, a target just met, a node registered, gone or
-neither)."""
+neither). The last section is the pass around the plan, in process on a real store: what
+it remembers of the actions it applied."""
 
 from __future__ import annotations
 
+import time
+
+from conftest import run_cli
+from ipward.cluster.election import Election
 from ipward.controller import plan
+from ipward.controller.metrics import Metrics
+from ipward.controller.passes import Controller
 from ipward.controller.plan import (
     GONE,
     AnswerForGoneNode,
@@ -20,9 +27,13 @@ from ipward.controller.plan import (
     TakenBack,
 )
 from ipward.core import keys
+from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
-from ipward.core.records import ACTIVE, MARKED, READY, REFUSED, BlockRecord
-from ipward.store.base import KeyValue
+from ipward.core.records import ACTIVE, MARKED, READY, REFUSED, Attachment, BlockRecord, PodInfo
+from ipward.ipam import blocks
+from ipward.ipam.ledger import Ledger
+from ipward.store import Store, open_store
+from ipward.store.base import KeyValue, Put
 
 # /28 blocks of 10.0.0.0/24: 16 usable addresses each but the first and the last (they
 # lose the range's network address, gateway or broadcast); the tests use inner ones.
@@ -224,3 +235,47 @@ def test_blocks_in_the_handshake_are_remembered_whatever_their_node() -> None:
     )
     assert plan.remember(state, {}).in_handshake == {A, B}
     assert state.blocks[A].state == MARKED
+
+
+# -- the pass around the plan -------------------------------------------------------------
+
+
+def test_a_pool_pass_stopped_midway_remembers_the_block_it_resumed(
+    sqlite_url: str, sqlite_store: Store
+) -> None:
+    """Finding (the split's first cut): a pool's pass that failed after resuming a block
+    kept the memory of the pass before, in which the block was in the hand-back; the next
+    pass took the block, active again, for one its node took back: a second aborted
+    handshake counted and logged for one refusal."""
+    store = sqlite_store
+    options = "--range 10.0.0.0/24 --block-v4 28 --warm 0 --release-delay 1000"
+    run_cli(
+        "pool", "create", "p", "--cooldown", "0", *options.split(), store=sqlite_url, check=True
+    )
+    store.txn([], [Put("nodes/n1", rec.encode({"node": "n1"}))])
+    spec = PoolSpec.decode(store.get(keys.pool_key("p")).value)
+    cidr = blocks.assign(store, spec, 4, "n1")
+    assert cidr is not None
+    Ledger(store, "n1").allocate([spec], Attachment("net", "x", "eth0"), PodInfo())
+    key = keys.block_key("p", cidr)
+    assert blocks.mark(store, "p", store.get(key), time.time())
+    aborted = {"result": "aborted"}
+    with open_store(sqlite_url) as election_store:
+        election = Election(election_store, "c1", ttl=30)
+        election.campaign()
+        metrics = Metrics("c1", lambda: True)
+        ctl = Controller(store, election, metrics, interval=1, ready_delay=0)
+        ctl.run_pass()  # the block is marked: its agent's turn
+        # The agent refuses (an address is allocated); the pool then holds a block key
+        # the pass cannot read (one pool's bad data: its pass fails after the resume).
+        assert blocks.answer(store, spec, store.get(key), time.time()) == REFUSED
+        bad = BlockRecord("n9", ACTIVE, 0).encode()
+        store.txn([], [Put(keys.block_key("p", "not-a-cidr/28"), bad)])
+        ctl.run_pass_logged()
+        assert rec.decode(store.get(key).value)["state"] == ACTIVE  # resumed
+        assert metrics.registry.get_sample_value("ipward_controller_pass_errors_total") == 1
+        assert metrics.registry.get_sample_value("ipward_controller_handshakes_total", aborted) == 1
+        ctl.run_pass_logged()
+        assert metrics.registry.get_sample_value("ipward_controller_pass_errors_total") == 2
+        assert metrics.registry.get_sample_value("ipward_controller_handshakes_total", aborted) == 1
+        election.resign()

@@ -302,27 +302,30 @@ class Controller:
     def _pool_pass(self, spec: PoolSpec, registered: set[str]) -> PoolState:
         """One pool's pass: its state read from the view, then three phases, each
         planned (`ipward.controller.plan`) from the state the one before left and applied
-        by the executor. Keeps the pool's memory for the next pass."""
+        by the executor. Keeps the pool's memory for the next pass, from the state it
+        left even when it stops midway: what it applied is in the store (a block it
+        resumed, remembered as in the hand-back, would be counted taken back next pass)."""
         pool = spec.name
         state = PoolState.read(spec, self.view.pool(pool))
         memory = self.memory.get(pool) or PoolMemory()
         now, mono = self.clock(), self.monotonic()
         gone = self.gone_nodes - registered
         apply = self.executor.apply
-        apply(
-            state,
-            plan.handshake_steps(
+        since = memory.empty_since  # until this pass has counted its own
+        try:
+            steps = plan.handshake_steps(
                 state, memory.in_handshake, registered, gone, now, self.ready_delay
-            ),
-        )
-        apply(state, plan.ask_back_from_gone_nodes(state, gone, now))
-        since = plan.empty_since(state, registered, memory.empty_since, mono)
-        passed: set[tuple[str, int]] = set()
-        while assignments := plan.warm_round(state, registered, passed):
-            passed.update((a.node, a.family) for a in apply(state, assignments))
-        apply(state, plan.surplus(state, registered, since, now, mono))
-        apply(state, plan.prune(state))
-        self.memory[pool] = plan.remember(state, since)
+            )
+            apply(state, steps)
+            apply(state, plan.ask_back_from_gone_nodes(state, gone, now))
+            since = plan.empty_since(state, registered, memory.empty_since, mono)
+            passed: set[tuple[str, int]] = set()
+            while assignments := plan.warm_round(state, registered, passed):
+                passed.update((a.node, a.family) for a in apply(state, assignments))
+            apply(state, plan.surplus(state, registered, since, now, mono))
+            apply(state, plan.prune(state))
+        finally:
+            self.memory[pool] = plan.remember(state, since)
         return state
 
 
