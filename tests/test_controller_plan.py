@@ -167,6 +167,15 @@ def test_an_unregistered_nodes_blocks_count_for_nobody() -> None:
     assert plan.block_counts(state) == {("p", "n9", ACTIVE): 1}
 
 
+def test_an_unreadable_block_key_of_another_node_holds_up_no_warm_block() -> None:
+    """As before the split: a block key whose CIDR does not parse (bad data) fails the
+    pool's pass only where the pass reads its CIDR (prune, at its end), not before the
+    warm target is served; only a registered or gone node's blocks are read earlier."""
+    state = state_of({"not-a-cidr/28": active("n9"), A: active("n1")}, warm=17)
+    assert plan.ask_back_from_gone_nodes(state, {"n8"}, NOW) == []
+    assert [a.node for a in plan.warm_round(state, {"n1"}, set())] == ["n1"]
+
+
 # -- surplus ------------------------------------------------------------------------------
 
 

@@ -223,13 +223,12 @@ def ask_back_from_gone_nodes(state: PoolState, gone: Set[str], now: float) -> li
     actions: list[Action] = []
     for cidr, block in state.blocks.items():
         kv = state.kvs.get(cidr)
-        layout = state.layout(cidr)
         if (
             block.node in gone
             and block.active
             and not state.records.get(cidr)
             and kv is not None
-            and layout is not None
+            and (layout := state.layout(cidr)) is not None
             and releasable(layout)
         ):
             actions.append(MarkForHandBack(cidr, block.node, kv, now, GONE))
@@ -246,8 +245,9 @@ def own_blocks(state: PoolState, registered: Set[str]) -> dict[NodeFamily, list[
         (node, rs.family): [] for node in sorted(registered) for rs in state.spec.range_sets
     }
     for cidr, block in state.blocks.items():
-        layout = state.layout(cidr)
-        if block.active and layout is not None and block.node in registered:
+        if not block.active or block.node not in registered:
+            continue
+        if (layout := state.layout(cidr)) is not None:
             own[(block.node, layout.range_set.family)].append(cidr)
     return own
 
