@@ -8,6 +8,9 @@ it remembers of the actions it applied."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from conftest import run_cli
 from ipward.cluster.election import Election
@@ -249,42 +252,72 @@ def test_blocks_in_the_handshake_are_remembered_whatever_their_node() -> None:
 # -- the pass around the plan -------------------------------------------------------------
 
 
-def test_a_pool_pass_stopped_midway_remembers_the_block_it_resumed(
-    sqlite_url: str, sqlite_store: Store
-) -> None:
-    """Finding (the split's first cut): a pool's pass that failed after resuming a block
-    kept the memory of the pass before, in which the block was in the hand-back; the next
-    pass took the block, active again, for one its node took back: a second aborted
-    handshake counted and logged for one refusal."""
-    store = sqlite_store
+@pytest.fixture
+def leading(sqlite_url: str, sqlite_store: Store) -> Iterator[Controller]:
+    """A controller in process, leading, on a real SQLite store with pool p: /28 blocks,
+    warm 0 and release delay 1000 s, so the steps a test sets up are the only ones."""
     options = "--range 10.0.0.0/24 --block-v4 28 --warm 0 --release-delay 1000"
     run_cli(
         "pool", "create", "p", "--cooldown", "0", *options.split(), store=sqlite_url, check=True
     )
+    with open_store(sqlite_url) as election_store:
+        election = Election(election_store, "c1", ttl=30)
+        election.campaign()
+        metrics = Metrics("c1", lambda: True)
+        yield Controller(sqlite_store, election, metrics, interval=1, ready_delay=1000)
+        election.resign()
+
+
+def pool_p(store: Store) -> PoolSpec:
+    kv = store.get(keys.pool_key("p"))
+    assert kv is not None
+    return PoolSpec.decode(kv.value)
+
+
+def test_a_pool_pass_stopped_midway_remembers_the_block_it_resumed(leading: Controller) -> None:
+    """Finding (the split's first cut): a pool's pass that failed after resuming a block
+    kept the memory of the pass before, in which the block was in the hand-back; the next
+    pass took the block, active again, for one its node took back: a second aborted
+    handshake counted and logged for one refusal."""
+    store, registry = leading.store, leading.metrics.registry
     store.txn([], [Put("nodes/n1", rec.encode({"node": "n1"}))])
-    spec = PoolSpec.decode(store.get(keys.pool_key("p")).value)
+    spec = pool_p(store)
     cidr = blocks.assign(store, spec, 4, "n1")
     assert cidr is not None
     Ledger(store, "n1").allocate([spec], Attachment("net", "x", "eth0"), PodInfo())
     key = keys.block_key("p", cidr)
     assert blocks.mark(store, "p", store.get(key), time.time())
+    leading.run_pass()  # the block is marked: its agent's turn
+    # The agent refuses (an address is allocated); the pool then holds a block key the
+    # pass cannot read (one pool's bad data: its pass fails after the resume).
+    assert blocks.answer(store, spec, store.get(key), time.time()) == REFUSED
+    bad = BlockRecord("n9", ACTIVE, 0).encode()
+    store.txn([], [Put(keys.block_key("p", "not-a-cidr/28"), bad)])
     aborted = {"result": "aborted"}
-    with open_store(sqlite_url) as election_store:
-        election = Election(election_store, "c1", ttl=30)
-        election.campaign()
-        metrics = Metrics("c1", lambda: True)
-        ctl = Controller(store, election, metrics, interval=1, ready_delay=0)
-        ctl.run_pass()  # the block is marked: its agent's turn
-        # The agent refuses (an address is allocated); the pool then holds a block key
-        # the pass cannot read (one pool's bad data: its pass fails after the resume).
-        assert blocks.answer(store, spec, store.get(key), time.time()) == REFUSED
-        bad = BlockRecord("n9", ACTIVE, 0).encode()
-        store.txn([], [Put(keys.block_key("p", "not-a-cidr/28"), bad)])
-        ctl.run_pass_logged()
-        assert rec.decode(store.get(key).value)["state"] == ACTIVE  # resumed
-        assert metrics.registry.get_sample_value("ipward_controller_pass_errors_total") == 1
-        assert metrics.registry.get_sample_value("ipward_controller_handshakes_total", aborted) == 1
-        ctl.run_pass_logged()
-        assert metrics.registry.get_sample_value("ipward_controller_pass_errors_total") == 2
-        assert metrics.registry.get_sample_value("ipward_controller_handshakes_total", aborted) == 1
-        election.resign()
+    leading.run_pass_logged()
+    assert rec.decode(store.get(key).value)["state"] == ACTIVE  # resumed
+    assert registry.get_sample_value("ipward_controller_pass_errors_total") == 1
+    assert registry.get_sample_value("ipward_controller_handshakes_total", aborted) == 1
+    leading.run_pass_logged()
+    assert registry.get_sample_value("ipward_controller_pass_errors_total") == 2
+    assert registry.get_sample_value("ipward_controller_handshakes_total", aborted) == 1
+
+
+def test_a_gone_nodes_block_answered_for_it_is_counted_in_its_new_state(
+    leading: Controller,
+) -> None:
+    """Finding: the answer the controller wrote for a gone node was not folded into the
+    pass's state, so the pass's snapshot counted the block `marked` while the store held
+    it `ready`, until the next pass."""
+    store, snapshot = leading.store, leading.metrics.snapshot
+    cidr = blocks.assign(store, pool_p(store), 4, "gone")  # of a node never registered
+    assert cidr is not None
+    key = keys.block_key("p", cidr)
+    leading.run_pass()  # a new term: what it knew of gone nodes is forgotten
+    assert snapshot.blocks == {("p", "gone", ACTIVE): 1}
+    leading.gone_nodes = frozenset({"gone"})  # as a garbage-collection pass finds it
+    leading.run_pass()  # asked back
+    assert rec.decode(store.get(key).value)["state"] == MARKED
+    leading.run_pass()  # answered for it
+    assert rec.decode(store.get(key).value)["state"] == READY
+    assert snapshot.blocks == {("p", "gone", READY): 1}

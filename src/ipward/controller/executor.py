@@ -87,6 +87,7 @@ class Executor:
                 answer = blocks.answer(self.store, state.spec, kv, at, self.fence())
                 if answer is None:
                     return False
+                state.changed(cidr, state.blocks[cidr].answered(answer, at))
                 _log("answered for a gone node", state, cidr, node, why, answer=answer)
             case ResumeHandBack(cidr, _, kv):
                 if not blocks.resume(self.store, state.spec.name, kv, self.fence()):
