@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,6 +21,10 @@ from ipward.core import log
 from ipward.core.errors import InvalidConfig
 from ipward.core.policy import ADD_GRACE
 from ipward.store import open_backend
+
+if TYPE_CHECKING:
+    import threading
+    from collections.abc import Callable
 
 DEFAULT_METRICS = "127.0.0.1:9311"
 
@@ -71,51 +76,67 @@ def run_controller(
         controllers.append(controller)
         election.on_change = controller.on_leadership
         metrics.leader.set(0)
-
-        def health() -> tuple[bool, str]:
-            if not election.store_ok_at:
-                return False, "store not answered yet"
-            age = time.monotonic() - election.store_ok_at
-            if age > max(2 * lease_ttl, 3 * election.poll):
-                return False, f"store not answered for {age:.1f}s"
-            return True, "ok: leader" if election.leading else "ok: standby"
-
-        http = None
-        try:
-            if metrics_address is not None:
-                http = daemon.start_http(
-                    metrics_address, metrics.registry, health, "ipward-controller"
-                )
-            if signals.stop.is_set():
-                controller.stop()
-            election.start()
-            log.info(
-                "controller started",
-                id=ident,
-                store=redact(store_url),
-                interval=interval,
-                lease_ttl=lease_ttl,
-                ready_delay=ready_delay,
-                liveness=liveness,
-                add_grace=add_grace,
-                gc_interval=gc_interval,
-                view_reread=view_reread,
-                metrics=None if http is None else daemon.http_url(http),
-                pid=os.getpid(),
-            )
-            controller.run()
-        finally:
-            controller.stop()
-            controller.view.close()
-            election.stop()  # resigns when leading: the successor need not wait for the lease
-            metrics.leader.set(0)
-            daemon.stop_http(http)
-            pass_store.close()
-            election_store.close()
-            if controller.liveness is not None:
-                controller.liveness.close()
+        settings = {
+            "id": ident,
+            "store": redact(store_url),
+            "interval": interval,
+            "lease_ttl": lease_ttl,
+            "ready_delay": ready_delay,
+            "liveness": liveness,
+            "add_grace": add_grace,
+            "gc_interval": gc_interval,
+            "view_reread": view_reread,
+        }
+        _serve(controller, metrics_address, signals.stop, settings)
     log.info("controller stopped", id=ident)
     return 0
+
+
+def _serve(
+    controller: Controller,
+    metrics_address: tuple[str, int] | None,
+    stop: threading.Event,
+    settings: dict[str, object],
+) -> None:
+    """Serve metrics and health, campaign and run the passes until stopped; then let
+    go of everything (resigning when leading: the successor need not wait for the
+    lease)."""
+    election, metrics = controller.election, controller.metrics
+    http = None
+    try:
+        if metrics_address is not None:
+            health = _health(election)
+            http = daemon.start_http(metrics_address, metrics.registry, health, "ipward-controller")
+        if stop.is_set():
+            controller.stop()
+        election.start()
+        url = None if http is None else daemon.http_url(http)
+        log.info("controller started", **settings, metrics=url, pid=os.getpid())
+        controller.run()
+    finally:
+        controller.stop()
+        controller.view.close()
+        election.stop()
+        metrics.leader.set(0)
+        daemon.stop_http(http)
+        controller.store.close()
+        election.store.close()
+        if controller.liveness is not None:
+            controller.liveness.close()
+
+
+def _health(election: Election) -> Callable[[], tuple[bool, str]]:
+    """`/healthz`: the store answered the election within two leases (or three polls)."""
+
+    def health() -> tuple[bool, str]:
+        if not election.store_ok_at:
+            return False, "store not answered yet"
+        age = time.monotonic() - election.store_ok_at
+        if age > max(2 * election.ttl, 3 * election.poll):
+            return False, f"store not answered for {age:.1f}s"
+        return True, "ok: leader" if election.leading else "ok: standby"
+
+    return health
 
 
 @click.command("controller")

@@ -3,7 +3,7 @@ endpoint): leadership, handshakes, blocks by state, warm deficits, garbage colle
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,6 +21,8 @@ REREAD_REASONS = ("start", "compacted", "timer", "broken")  # `view`'s, named th
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 
 class _Snapshot(Collector):
@@ -54,99 +56,70 @@ class _Snapshot(Collector):
         yield deficit_family
 
 
+# The metrics: name -> help (the README lists them).
+HELP = {
+    "ipward_controller_leader": "1 while this instance is the active controller, else 0.",
+    "ipward_controller_handshakes": "Block release handshakes: started (marked), completed"
+    " (released), aborted (refused and resumed, or taken back by the node).",
+    "ipward_controller_blocks_assigned": "Blocks assigned to nodes to keep their warm target.",
+    "ipward_controller_pass_seconds": "Time of one pass over every pool.",
+    "ipward_controller_pass_errors": "Passes abandoned on an error (logged; the pass runs"
+    " again next interval).",
+    "ipward_gc_candidates": "Records found leaked by the last garbage-collection pass, by"
+    " reason (freed when found again on the next pass at the same revision).",
+    "ipward_gc_freed": "Records freed by garbage collection, by reason.",
+    "ipward_gc_skipped_passes": "Garbage-collection passes that judged nothing: no liveness"
+    " source answered.",
+    "ipward_gc_source_errors": "Liveness reads that failed (nothing reclaimed on their"
+    " account), by source.",
+    "ipward_gc_pass_seconds": "Time of one garbage-collection pass, liveness reads included.",
+    "ipward_controller_view_lag_revisions": "Revisions the controller's store view (kept from"
+    " a watch) was behind the store when the last pass began (it catches up before the pass"
+    " reads it).",
+    "ipward_controller_view_rereads": "Whole reads of the store by the controller's view, by"
+    " reason: start, compacted (the watch's history was gone), timer (the safety net),"
+    " broken (the watch stream broke or fell behind).",
+    "ipward_controller_info": "This instance's id.",
+}
+PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+GC_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+HANDSHAKE_RESULTS = ("started", "completed", "aborted")
+LIVENESS_SOURCES = ("runtime", "cluster")
+
+
 class Metrics:
-    """The controller's metrics, on a registry of its own."""
+    """The controller's metrics, on a registry of its own; every label value known in
+    advance is there from the start (at 0)."""
 
     def __init__(self, ident: str, leading: Callable[[], bool]) -> None:
         disable_created_metrics()
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.leader = Gauge(
-            "ipward_controller_leader",
-            "1 while this instance is the active controller, else 0.",
-            registry=self.registry,
-        )
-        self.handshakes = Counter(
-            "ipward_controller_handshakes",
-            "Block release handshakes: started (marked), completed (released), aborted"
-            " (refused and resumed, or taken back by the node).",
-            ["result"],
-            registry=self.registry,
-        )
-        for result in ("started", "completed", "aborted"):
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+
+        def made(kind: type[M], name: str, labels: tuple[str, ...] = (), **more: Any) -> M:
+            return kind(name, HELP[name], labels, registry=registry, **more)
+
+        self.leader = made(Gauge, "ipward_controller_leader")
+        self.handshakes = made(Counter, "ipward_controller_handshakes", ("result",))
+        self.assigned = made(Counter, "ipward_controller_blocks_assigned")
+        self.pass_seconds = made(Histogram, "ipward_controller_pass_seconds", buckets=PASS_BUCKETS)
+        self.pass_errors = made(Counter, "ipward_controller_pass_errors")
+        self.gc_candidates = made(Gauge, "ipward_gc_candidates", ("reason",))
+        self.gc_freed = made(Counter, "ipward_gc_freed", ("reason",))
+        self.gc_skipped = made(Counter, "ipward_gc_skipped_passes")
+        self.gc_source_errors = made(Counter, "ipward_gc_source_errors", ("source",))
+        self.gc_seconds = made(Histogram, "ipward_gc_pass_seconds", buckets=GC_BUCKETS)
+        self.view_lag = made(Gauge, "ipward_controller_view_lag_revisions")
+        self.view_rereads = made(Counter, "ipward_controller_view_rereads", ("reason",))
+        self.info = made(Gauge, "ipward_controller_info", ("id",))
+        for result in HANDSHAKE_RESULTS:
             self.handshakes.labels(result=result)
-        self.assigned = Counter(
-            "ipward_controller_blocks_assigned",
-            "Blocks assigned to nodes to keep their warm target.",
-            registry=self.registry,
-        )
-        self.pass_seconds = Histogram(
-            "ipward_controller_pass_seconds",
-            "Time of one pass over every pool.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
-        )
-        self.pass_errors = Counter(
-            "ipward_controller_pass_errors",
-            "Passes abandoned on an error (logged; the pass runs again next interval).",
-            registry=self.registry,
-        )
-        self.gc_candidates = Gauge(
-            "ipward_gc_candidates",
-            "Records found leaked by the last garbage-collection pass, by reason (freed"
-            " when found again on the next pass at the same revision).",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.gc_freed = Counter(
-            "ipward_gc_freed",
-            "Records freed by garbage collection, by reason.",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.gc_skipped = Counter(
-            "ipward_gc_skipped_passes",
-            "Garbage-collection passes that judged nothing: no liveness source answered.",
-            registry=self.registry,
-        )
-        self.gc_source_errors = Counter(
-            "ipward_gc_source_errors",
-            "Liveness reads that failed (nothing reclaimed on their account), by source.",
-            ["source"],
-            registry=self.registry,
-        )
-        self.gc_seconds = Histogram(
-            "ipward_gc_pass_seconds",
-            "Time of one garbage-collection pass, liveness reads included.",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=self.registry,
-        )
         for reason in (*gc.REASONS, *gc.RETIRE_REASONS):
             self.gc_candidates.labels(reason=reason).set(0)
             self.gc_freed.labels(reason=reason)
-        for source in ("runtime", "cluster"):
+        for source in LIVENESS_SOURCES:
             self.gc_source_errors.labels(source=source)
-        self.view_lag = Gauge(
-            "ipward_controller_view_lag_revisions",
-            "Revisions the controller's store view (kept from a watch) was behind the store"
-            " when the last pass began (it catches up before the pass reads it).",
-            registry=self.registry,
-        )
-        self.view_rereads = Counter(
-            "ipward_controller_view_rereads",
-            "Whole reads of the store by the controller's view, by reason: start, compacted"
-            " (the watch's history was gone), timer (the safety net), broken (the watch"
-            " stream broke or fell behind).",
-            ["reason"],
-            registry=self.registry,
-        )
         for reason in REREAD_REASONS:
             self.view_rereads.labels(reason=reason)
-        self.info = Gauge(
-            "ipward_controller_info", "This instance's id.", ["id"], registry=self.registry
-        )
         self.info.labels(id=ident).set(1)
         self.snapshot = _Snapshot(leading)
         self.registry.register(self.snapshot)
-
-
-# -- the passes --------------------------------------------------------------------------
