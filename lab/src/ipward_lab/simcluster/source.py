@@ -51,22 +51,27 @@ class SimFileSource(LivenessSource):
         self.path = path
         self.timeout = timeout
         # The file is replaced by rename, so (inode, mtime, size) names one version:
-        # a pass asking for N nodes and the cluster parses it once, not N + 1 times.
-        self._parsed: tuple[tuple[int, int, int], dict[str, Any]] | None = None
+        # a pass asking for N nodes and the cluster parses it once, not N + 1 times,
+        # and each view is built once per version (an unchanged pod stays the same
+        # object, which is what tells the controller's collection it did not change).
+        self._version: tuple[int, int, int] | None = None
+        self._state: dict[str, Any] = {}
+        self._views: dict[str, NodeView | ClusterView] = {}  # node name, or "" the cluster
 
     def _read(self) -> dict[str, Any]:
         try:
+            st = os.stat(self.path)
+            if (st.st_ino, st.st_mtime_ns, st.st_size) == self._version:
+                return self._state
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
                 version = (st.st_ino, st.st_mtime_ns, st.st_size)
-                if self._parsed is not None and self._parsed[0] == version:
-                    return self._parsed[1]
                 state = json.loads(f.read())
         except (OSError, ValueError) as e:
             raise LivenessUnavailable(f"simulated cluster state {self.path}: {e}") from e
         if not isinstance(state, dict) or "as_of" not in state:
             raise LivenessUnavailable(f"simulated cluster state {self.path}: no as_of")
-        self._parsed = (version, state)
+        self._version, self._state, self._views = version, state, {}
         return state
 
     def _answer(self, part: object, what: str) -> dict[str, Any]:
@@ -84,21 +89,31 @@ class SimFileSource(LivenessSource):
 
     def node_view(self, node: str) -> NodeView:
         state = self._read()
+        built = self._views.get(node)
+        if isinstance(built, NodeView):
+            return built
         part = self._answer(state.get("runtimes", {}).get(node), f"runtime of node {node}")
         sandboxes = [Sandbox.from_dict(d) for d in part.get("sandboxes", [])]
-        return NodeView(node, float(state["as_of"]), {s.id: s for s in sandboxes})
+        view = NodeView(node, float(state["as_of"]), {s.id: s for s in sandboxes})
+        self._views[node] = view
+        return view
 
     def cluster_view(self) -> ClusterView:
         state = self._read()
+        built = self._views.get("")
+        if isinstance(built, ClusterView):
+            return built
         part = self._answer(state.get("cluster"), "cluster")
         pods = [Pod.from_dict(d) for d in part.get("pods", [])]
-        return ClusterView(
+        view = ClusterView(
             as_of=float(state["as_of"]),
             pods={p.uid: p for p in pods},
             nodes=frozenset(str(n) for n in part.get("nodes", [])),
             statefulsets={str(k): int(v) for k, v in part.get("statefulsets", {}).items()},
             namespaces={str(k): string_dict(v) for k, v in part.get("namespaces", {}).items()},
         )
+        self._views[""] = view
+        return view
 
 
 def write_sim_state(
