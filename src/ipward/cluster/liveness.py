@@ -126,6 +126,13 @@ class NodeView:
                 by_uid.setdefault(sandbox.uid, []).append(sandbox.id)
         return {uid: sorted(ids) for uid, ids in by_uid.items() if len(ids) > 1}
 
+    def changed_since(self, earlier: NodeView) -> set[str]:
+        """Sandbox IDs listed in only one of the two views, or listed differently."""
+        if self.sandboxes is earlier.sandboxes:
+            return set()
+        now, then = self.sandboxes, earlier.sandboxes
+        return {i for i in now.keys() | then.keys() if now.get(i) != then.get(i)}
+
 
 @dataclass
 class ClusterView:
@@ -137,6 +144,19 @@ class ClusterView:
 
     def pods_named(self, namespace: str, name: str) -> list[Pod]:
         return [p for p in self.pods.values() if p.namespace == namespace and p.name == name]
+
+    def changed_since(self, earlier: ClusterView) -> tuple[set[str], set[str]]:
+        """(pod UIDs, node names) listed in only one of the two views, or listed
+        differently. Sources keep an unchanged pod as the same object (a reflector's
+        cache, a file's version read once), so this is a walk of identity checks."""
+        pods: set[str] = set()
+        if self.pods is not earlier.pods:
+            now, then = self.pods, earlier.pods
+            pods = {
+                uid for uid, pod in now.items() if (old := then.get(uid)) is not pod and old != pod
+            }
+            pods.update(uid for uid in then if uid not in now)
+        return pods, set(self.nodes.symmetric_difference(earlier.nodes))
 
 
 @dataclass(frozen=True)

@@ -60,19 +60,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
 from ipward.cluster.election import Election
-from ipward.cluster.liveness import ClusterView, LivenessSource, NodeView
+from ipward.cluster.liveness import LivenessSource
 from ipward.controller import plan
+from ipward.controller.collection import Collection
 from ipward.controller.executor import Executor, NotLeader
 from ipward.controller.metrics import Metrics
 from ipward.controller.plan import PoolMemory, PoolState
 from ipward.controller.view import DEFAULT_REREAD_EVERY, StoreView
 from ipward.core import log
 from ipward.core.errors import IpwardError
-from ipward.core.names import node_name_problem
 from ipward.core.policy import ADD_GRACE
 from ipward.core.pool import PoolSpec
 from ipward.gc import rules as gc
@@ -113,10 +112,10 @@ class Controller:
         self.add_grace = add_grace
         self.gc_interval = gc_interval
         self.gc_due = 0.0  # monotonic time of the next garbage-collection pass
-        self.confirmations = gc.Confirmations()
-        self.retirements = gc.Confirmations()  # of sticky reservations
         self.gone_nodes: frozenset[str] = frozenset()  # as of the last GC pass
         self.ledger = Ledger(store, election.ident)
+        who = f"controller {election.ident} gc"
+        self.collection = Collection(self.view, self.ledger, metrics, who, add_grace)
         self.election = election
         self.metrics = metrics
         self.interval = interval
@@ -176,8 +175,7 @@ class Controller:
             # A new term: what an earlier term saw is not evidence any more.
             self._term = self.election.term
             self.memory.clear()
-            self.confirmations = gc.Confirmations()
-            self.retirements = gc.Confirmations()
+            self.collection.forget()
             self.gone_nodes = frozenset()
             self.gc_due = 0.0
         self._fence()
@@ -226,77 +224,10 @@ class Controller:
         snapshot.blocks, snapshot.deficits = counts, deficits
 
     def gc_pass(self, source: LivenessSource) -> list[gc.Verdict]:
-        """One garbage-collection pass (the rules are `ipward.gc`'s): records, then
-        registrations, then liveness; frees what the previous pass found too, each by
-        compare-and-delete on the revision judged, fenced. Returns what it freed."""
-        started = time.monotonic()
-        view = self.view
-        view.sync()
-        seen = gc.look_at(
-            view.held(),
-            list(view.reservations.values()),
-            frozenset(view.registered),
-            source,
-            self.add_grace,
-        )
-        nodes, evidence = seen.nodes, seen.evidence
-        cluster_ok = isinstance(evidence.cluster, ClusterView)
-        runtime_ok = [n for n in nodes if isinstance(evidence.nodes.get(n), NodeView)]
-        if not cluster_ok:
-            self.metrics.gc_source_errors.labels(source="cluster").inc()
-        if len(runtime_ok) < len(nodes):
-            self.metrics.gc_source_errors.labels(source="runtime").inc()
-        if not cluster_ok and not runtime_ok:
-            self.metrics.gc_skipped.inc()
-            self.confirmations = gc.Confirmations()
-            self.retirements = gc.Confirmations()
-            log.warning(
-                "garbage collection: no liveness source answered; nothing judged",
-                cluster=evidence.cluster,
-                records=len(seen.held),
-            )
-            return []
-        if isinstance(evidence.cluster, ClusterView):
-            named = {*nodes, *self.view.block_nodes()}
-            unnamed = sorted(n for n in named if node_name_problem(n))
-            if unnamed:  # written before names were checked: never judged gone
-                log.error("records name invalid nodes; not judged gone", nodes=unnamed)
-            self.gone_nodes = frozenset(
-                n
-                for n in named.difference(unnamed)
-                if n not in evidence.registered and n not in evidence.cluster.nodes
-            )
-        verdicts, retirements = seen.verdicts, seen.retirements
-        candidates = Tally(
-            [v.reason for v in verdicts if v.reason] + [r.reason for r in retirements if r.reason]
-        )
-        for reason in (*gc.REASONS, *gc.RETIRE_REASONS):
-            self.metrics.gc_candidates.labels(reason=reason).set(candidates[reason])
-        who = f"controller {self.election.ident} gc"
-        freed = []
-        for verdict in self.confirmations.confirm(verdicts):
-            if not gc.confirmed_live(source, verdict):
-                continue
-            if gc.free(self.ledger, verdict, who, self._fence()):
-                self.metrics.gc_freed.labels(reason=str(verdict.reason)).inc()
-                freed.append(verdict)
-            else:
-                self._after_failed_write()
-        for retirement in self.retirements.confirm(retirements):
-            if not gc.confirmed_live(source, retirement):
-                continue
-            if gc.retire(self.ledger, retirement, who, self._fence()):
-                self.metrics.gc_freed.labels(reason=str(retirement.reason)).inc()
-            else:
-                self._after_failed_write()
-        self.metrics.gc_seconds.observe(time.monotonic() - started)
-        log.debug(
-            "garbage collection pass",
-            records=len(seen.held),
-            candidates=dict(candidates),
-            freed=len(freed),
-            gone_nodes=sorted(self.gone_nodes),
-        )
+        """One garbage-collection pass (`controller.collection`: the rules are
+        `ipward.gc`'s, judged again only where something changed). Returns what it freed."""
+        freed = self.collection.collect(source, self._fence, self._after_failed_write)
+        self.gone_nodes = self.collection.gone_nodes
         return freed
 
     def _pool_pass(self, spec: PoolSpec, registered: set[str]) -> PoolState:

@@ -20,6 +20,11 @@ A view that is behind is safe: every write a pass decides compares the revisions
 (a record's compare-and-delete, a block's compare-and-swap), so a stale view can only
 make a write fail, and the next pass sees why.
 
+Changes for garbage collection (`take_changes`): once asked for them, the view notes
+every allocation record and registration an applied event changed (a record's key with
+what it held before), until they are taken; a whole read, or more than `max_pending`
+noted, says "everything" instead.
+
 Memory: records are kept decoded (`gc.Held`, slotted), blocks as their KeyValue and
 decoded record (the compare needs the revision), the rest as names; no raw record bytes.
 """
@@ -74,6 +79,19 @@ class PoolKeys:
         self.blocks: dict[str, tuple[KeyValue, BlockRecord]] = {}
         self.records: Tally[str] = Tally()
         self.fills: dict[tuple[int, str], str] = {}
+
+
+class Changes:
+    """What the view's events changed since the last `take_changes`: `everything`, or
+    the allocation records (`ips/` key -> the record as held before, None: absent) and
+    the nodes whose registration came or went."""
+
+    __slots__ = ("everything", "nodes", "records")
+
+    def __init__(self, everything: bool, records: dict[str, Held | None], nodes: set[str]) -> None:
+        self.everything = everything
+        self.records = records
+        self.nodes = nodes
 
 
 class _Ended:
@@ -146,6 +164,10 @@ class StoreView:
         self._watch: Watch | None = None
         self._receiver: threading.Thread | None = None
         self._inbox = _Inbox(max_pending)
+        self._tracking = False  # noting changes (`take_changes` was called)
+        self._changed_records: dict[str, Held | None] = {}  # key -> held before (None: absent)
+        self._changed_nodes: set[str] = set()  # registrations made or gone
+        self._changed_all = True  # read whole (or too many changes) since the last take
 
     # -- what the passes call
 
@@ -167,6 +189,15 @@ class StoreView:
         """The allocation records garbage collection judges (a detached record has no
         sandbox to judge: its reservation is retired by identity)."""
         return [h for h in self.records.values() if not h.record.is_detached]
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call (the first: everything), and start over."""
+        taken = Changes(self._changed_all, self._changed_records, self._changed_nodes)
+        self._tracking = True
+        self._changed_all = False
+        self._changed_records = {}
+        self._changed_nodes = set()
+        return taken
 
     def pool(self, name: str) -> PoolKeys:
         return self.pool_keys.get(name) or PoolKeys()
@@ -236,6 +267,9 @@ class StoreView:
         self.reservations.clear()
         self.registered.clear()
         self.affinity.clear()
+        self._changed_all = True
+        self._changed_records = {}
+        self._changed_nodes = set()
 
     def _follow(self) -> None:
         """Watch every key from the view's revision on, in a thread of its own."""
@@ -289,7 +323,7 @@ class StoreView:
             return
         self._delete(key)  # what the key held before
         try:
-            if prefix == keys.ADDRESSES:
+            if prefix == keys.ADDRESSES:  # noted by `_delete` above
                 pool, ip = keys.ip_parts(key)
                 held = Held(pool, ip, kv.mod_revision, AddressRecord.decode(kv.value))
                 self.records[key] = held
@@ -311,12 +345,14 @@ class StoreView:
                 self.reservations[key] = Reservation(key, kv.mod_revision, record)
             elif (registered := keys.registered_node(key)) is not None:
                 self.registered.add(registered)
+                self._note_node(registered)
         except ValueError as e:
             log.error("record unreadable; left out of the controller's view", key=key, error=str(e))
 
     def _delete(self, key: str) -> None:
         prefix = keys.prefix_of(key)
         if prefix == keys.ADDRESSES:
+            self._note_record(key)
             held = self.records.pop(key, None)
             if held is not None:
                 records = self._pool_keys(held.pool).records
@@ -339,6 +375,27 @@ class StoreView:
             self.reservations.pop(key, None)
         elif prefix == keys.NODES and (registered := keys.registered_node(key)) is not None:
             self.registered.discard(registered)
+            self._note_node(registered)
+
+    def _noting(self) -> bool:
+        """Whether a change is to be noted: asked for, not within a whole read (the
+        revision is 0 until it ends), and not already "everything"."""
+        if not self._tracking or not self.revision or self._changed_all:
+            return False
+        if len(self._changed_records) + len(self._changed_nodes) < self.max_pending:
+            return True
+        self._changed_all = True  # bounded: past this many, judge everything again
+        self._changed_records = {}
+        self._changed_nodes = set()
+        return False
+
+    def _note_record(self, key: str) -> None:
+        if self._noting() and key not in self._changed_records:
+            self._changed_records[key] = self.records.get(key)
+
+    def _note_node(self, node: str) -> None:
+        if self._noting():
+            self._changed_nodes.add(node)
 
     def _pool_keys(self, pool: str) -> PoolKeys:
         found = self.pool_keys.get(pool)
@@ -347,4 +404,4 @@ class StoreView:
         return found
 
 
-__all__ = ["PREFIXES", "REREAD_REASONS", "PoolKeys", "StoreView"]
+__all__ = ["PREFIXES", "REREAD_REASONS", "Changes", "PoolKeys", "StoreView"]

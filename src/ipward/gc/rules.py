@@ -109,6 +109,11 @@ class Verdict:
     held: Held
     reason: str | None  # a candidate's reason, None when kept
     evidence: str  # why, in words (logged, and shown by `ipward gc --dry-run`)
+    # Kept, and stays kept however time passes while the record, its sandbox as its
+    # runtime lists it, its pod, its node's listing and registration, and which sources
+    # answer stay the same (the controller judges it again only when one of them
+    # changes). False for a candidate and for a verdict that waits on time: a grace.
+    settled: bool = False
 
     @property
     def key(self) -> str:
@@ -237,12 +242,12 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
                 f" {age:.0f}s after the ADD)",
             )
         if sandbox.ready:
-            return Verdict(held, None, f"sandbox {sandbox_id[:12]} ready on {held.node}")
+            return Verdict(held, None, f"sandbox {sandbox_id[:12]} ready on {held.node}", True)
         stopped = True
     cluster = evidence.cluster
     if not isinstance(cluster, ClusterView):
         why = runtime if isinstance(runtime, str) else "sandbox stopped"
-        return Verdict(held, None, f"no evidence: runtime: {why}; cluster: {cluster}")
+        return Verdict(held, None, f"no evidence: runtime: {why}; cluster: {cluster}", True)
     age = cluster.as_of - created
     if age < grace:
         return Verdict(held, None, f"cluster view only {age:.1f}s after the ADD (grace {grace:g}s)")
@@ -260,11 +265,11 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
     pod_info = held.pod
     uid = pod_info.uid
     if not uid:
-        return Verdict(held, None, "no pod UID on the record and no runtime answer")
+        return Verdict(held, None, "no pod UID on the record and no runtime answer", True)
     pod = cluster.pods.get(uid)
     if pod is None:
         if stopped:
-            return Verdict(held, None, "sandbox stopped, pod gone: the runtime will DEL it")
+            return Verdict(held, None, "sandbox stopped, pod gone: the runtime will DEL it", True)
         return Verdict(
             held,
             POD_GONE,
@@ -282,8 +287,10 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
             )
         return Verdict(held, None, f"pod {pod.phase} only {since:.1f}s ago (grace {pod.grace:g}s)")
     if stopped:
-        return Verdict(held, None, f"sandbox stopped, pod {pod.phase}: the runtime will DEL it")
-    return Verdict(held, None, f"pod {pod.namespace}/{pod.name} {pod.phase}")
+        return Verdict(
+            held, None, f"sandbox stopped, pod {pod.phase}: the runtime will DEL it", True
+        )
+    return Verdict(held, None, f"pod {pod.namespace}/{pod.name} {pod.phase}", True)
 
 
 class _Judged(Protocol):

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from ipward.cluster.liveness import (
     ClusterView,
@@ -33,6 +33,15 @@ def open_sim_source(url: str, node: str = "", timeout: float = 2.0) -> SimFileSo
     return SimFileSource(path, timeout)
 
 
+class _Parsed(NamedTuple):
+    """One version of the state file: (inode, mtime, size), its JSON, and the views
+    built from it (by node name; "" the cluster's)."""
+
+    version: tuple[int, int, int]
+    state: dict[str, Any]
+    views: dict[str, NodeView | ClusterView]
+
+
 class SimFileSource(LivenessSource):
     """Reads the state the simulated cluster publishes (atomically, by rename) as JSON:
 
@@ -51,23 +60,29 @@ class SimFileSource(LivenessSource):
         self.path = path
         self.timeout = timeout
         # The file is replaced by rename, so (inode, mtime, size) names one version:
-        # a pass asking for N nodes and the cluster parses it once, not N + 1 times.
-        self._parsed: tuple[tuple[int, int, int], dict[str, Any]] | None = None
+        # a pass asking for N nodes and the cluster parses it once, not N + 1 times,
+        # and each view is built once per version (an unchanged pod stays the same
+        # object, which is what tells the controller's collection it did not change).
+        # One attribute, replaced whole: a view built from a version's state goes into
+        # that version's own cache, whichever thread reads the next version meanwhile.
+        self._parsed: _Parsed | None = None
 
-    def _read(self) -> dict[str, Any]:
+    def _read(self) -> _Parsed:
         try:
+            st = os.stat(self.path)
+            parsed = self._parsed
+            if parsed is not None and (st.st_ino, st.st_mtime_ns, st.st_size) == parsed.version:
+                return parsed
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
                 version = (st.st_ino, st.st_mtime_ns, st.st_size)
-                if self._parsed is not None and self._parsed[0] == version:
-                    return self._parsed[1]
                 state = json.loads(f.read())
         except (OSError, ValueError) as e:
             raise LivenessUnavailable(f"simulated cluster state {self.path}: {e}") from e
         if not isinstance(state, dict) or "as_of" not in state:
             raise LivenessUnavailable(f"simulated cluster state {self.path}: no as_of")
-        self._parsed = (version, state)
-        return state
+        self._parsed = _Parsed(version, state, {})
+        return self._parsed
 
     def _answer(self, part: object, what: str) -> dict[str, Any]:
         if not isinstance(part, dict):
@@ -83,22 +98,34 @@ class SimFileSource(LivenessSource):
         return part
 
     def node_view(self, node: str) -> NodeView:
-        state = self._read()
+        parsed = self._read()
+        state = parsed.state
+        built = parsed.views.get(node)
+        if isinstance(built, NodeView):
+            return built
         part = self._answer(state.get("runtimes", {}).get(node), f"runtime of node {node}")
         sandboxes = [Sandbox.from_dict(d) for d in part.get("sandboxes", [])]
-        return NodeView(node, float(state["as_of"]), {s.id: s for s in sandboxes})
+        view = NodeView(node, float(state["as_of"]), {s.id: s for s in sandboxes})
+        parsed.views[node] = view
+        return view
 
     def cluster_view(self) -> ClusterView:
-        state = self._read()
+        parsed = self._read()
+        state = parsed.state
+        built = parsed.views.get("")
+        if isinstance(built, ClusterView):
+            return built
         part = self._answer(state.get("cluster"), "cluster")
         pods = [Pod.from_dict(d) for d in part.get("pods", [])]
-        return ClusterView(
+        view = ClusterView(
             as_of=float(state["as_of"]),
             pods={p.uid: p for p in pods},
             nodes=frozenset(str(n) for n in part.get("nodes", [])),
             statefulsets={str(k): int(v) for k, v in part.get("statefulsets", {}).items()},
             namespaces={str(k): string_dict(v) for k, v in part.get("namespaces", {}).items()},
         )
+        parsed.views[""] = view
+        return view
 
 
 def write_sim_state(
