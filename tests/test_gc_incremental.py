@@ -74,7 +74,7 @@ class World:
         self.allocated.add(i)
 
     def delete(self, i: int) -> None:
-        self.ledger(self.pods[i].node).release(Attachment("net", f"sb-{i}", "eth0"))
+        self.ledger(self.pods[i].node).free(Attachment("net", f"sb-{i}", "eth0"))
         self.allocated.discard(i)
 
     def register(self, node: str, registered: bool) -> None:
