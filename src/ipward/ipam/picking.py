@@ -61,6 +61,16 @@ class Cleanup:
         self.ops: list[Put | Delete] = [Delete(key) for key in deleted]
 
 
+class ClaimFirst(Exception):
+    """More never-claimed blocks than `claims.MAX_FULL_CLAIMS` are full (of requested
+    addresses): claim them on their own (the ADD then goes on from past them). Here, not
+    in `claims`, so that an allocation catches it without importing `claims`."""
+
+    def __init__(self, compares: list[Compare], ops: list[Put | Delete]) -> None:
+        self.compares = compares
+        self.ops = ops
+
+
 def with_cleanups(pick: Pick, stale: list[Cleanup]) -> Pick:
     for removal in stale:
         pick.compares += removal.compares
