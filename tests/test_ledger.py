@@ -463,6 +463,23 @@ def test_a_block_taken_by_requested_addresses_is_claimed_on_the_way(ledger, sqli
     assert check(sqlite_store)[0] == []
 
 
+def test_more_full_blocks_than_one_claim_takes_are_claimed_first(ledger, sqlite_store):
+    """Past MAX_FULL_CLAIMS never-claimed blocks whose every address was requested, the
+    walk claims those on their own (`ClaimFirst`) and the ADD goes on past them: it gets
+    the first address of the next block, and every block it passed is claimed."""
+    spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], block_prefix={4: 30}, cooldown=0)
+    rs = spec.range_sets[0]
+    full = [rs.block(i) for i in range(17)]  # one more than MAX_FULL_CLAIMS
+    for block in full:
+        for offset in range(block.size):
+            if rs.usable(block.base + offset):
+                add(ledger, spec, f"r{block.cidr}-{offset}", requested=[block.address(offset)])
+    assert add(ledger, spec, "fresh") == rs.block(17).address(0)
+    claimed = {layout.cidr_of(k) for k in keys(sqlite_store, "blocks/p/")}
+    assert claimed == {b.cidr for b in full} | {rs.block(17).cidr}
+    assert check(sqlite_store)[0] == []
+
+
 def test_cni_gc_frees_though_its_pool_was_rewritten_since_it_was_remembered(
     ledger, sqlite_store, clock
 ):
