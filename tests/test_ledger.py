@@ -1,5 +1,5 @@
 """The ledger on a real SQLite store: allocation order, cooldown, blocks, requested
-addresses, idempotency, precise release."""
+addresses, idempotency, precise free."""
 
 from __future__ import annotations
 

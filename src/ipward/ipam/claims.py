@@ -224,7 +224,7 @@ def take_back(
         # found again as fresh (those still recorded or queued are skipped).
         pick.compares.append(at_revision(kv.key, kv.mod_revision))
         pick.ops.append(Put(kv.key, state.taken_back(pool.version).encode()))
-        moved = "needs the space again: release handshake aborted"
+        moved = "needs the space again: hand-back handshake aborted"
         return fills(pick, fill_key, reads.get(fill_key), moved)
     return None
 
