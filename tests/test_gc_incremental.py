@@ -14,8 +14,10 @@ import pytest
 
 from ipward.cluster.election import Election
 from ipward.cluster.liveness import ClusterView, NodeView
+from ipward.controller.collection import Collection
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller
+from ipward.controller.view import StoreView
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
@@ -323,3 +325,30 @@ def test_a_record_inside_a_grace_is_judged_again_when_it_ends(
     )
     (freed,) = controller.gc_pass(source)
     assert freed.key == key
+
+
+def test_more_changes_than_the_view_notes_make_the_next_pass_judge_everything(
+    world: World, store: Store
+) -> None:
+    """The view notes changed records up to its bound (`max_pending`); past it, it says
+    "everything" and the next look judges every record, not the few it noted."""
+    view = StoreView(store, Metrics("bounded", lambda: True), max_pending=5)
+    ledger = Ledger(store, "bounded")
+    collection = Collection(view, ledger, Metrics("bounded-gc", lambda: True), "test", GRACE)
+    source = SimFileSource(str(world.state))
+    try:
+        for i in range(12):
+            world.add(i, NODES[i % len(NODES)])
+        world.publish()
+        assert collection.look(source).judged == 12
+        world.delete(0)
+        world.delete(1)
+        world.pods[2].sandbox = "gone"
+        world.publish()
+        assert collection.look(source).judged == 1  # 0 and 1 gone: only 2 left to judge
+        for i in range(3, 9):  # six records: more than the five the view notes
+            world.delete(i)
+        seen = collection.look(source)
+        assert seen.records == 4 and seen.judged == 4  # 2, 9, 10, 11: all of them
+    finally:
+        view.close()

@@ -1,5 +1,5 @@
 """The ledger on a real SQLite store: allocation order, cooldown, blocks, requested
-addresses, idempotency, precise release."""
+addresses, idempotency, precise free."""
 
 from __future__ import annotations
 
@@ -460,6 +460,23 @@ def test_a_block_taken_by_requested_addresses_is_claimed_on_the_way(ledger, sqli
     fresh = {add(ledger, spec, i) for i in range(4)}
     assert "10.0.0.6" in fresh and not fresh & {"10.0.0.1", "10.0.0.2", "10.0.0.3"}
     assert sqlite_store.get("blocks/p/10.0.0.0/29") is not None
+    assert check(sqlite_store)[0] == []
+
+
+def test_more_full_blocks_than_one_claim_takes_are_claimed_first(ledger, sqlite_store):
+    """Past MAX_FULL_CLAIMS never-claimed blocks whose every address was requested, the
+    walk claims those on their own (`ClaimFirst`) and the ADD goes on past them: it gets
+    the first address of the next block, and every block it passed is claimed."""
+    spec = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], block_prefix={4: 30}, cooldown=0)
+    rs = spec.range_sets[0]
+    full = [rs.block(i) for i in range(17)]  # one more than MAX_FULL_CLAIMS
+    for block in full:
+        for offset in range(block.size):
+            if rs.usable(block.base + offset):
+                add(ledger, spec, f"r{block.cidr}-{offset}", requested=[block.address(offset)])
+    assert add(ledger, spec, "fresh") == rs.block(17).address(0)
+    claimed = {layout.cidr_of(k) for k in keys(sqlite_store, "blocks/p/")}
+    assert claimed == {b.cidr for b in full} | {rs.block(17).cidr}
     assert check(sqlite_store)[0] == []
 
 

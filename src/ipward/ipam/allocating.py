@@ -25,7 +25,7 @@ from ipward.core.errors import (
     UnknownPool,
 )
 from ipward.core.records import AddressRecord, AttachmentIndex
-from ipward.ipam import claims, picking
+from ipward.ipam import picking
 from ipward.ipam.reads import MAX_ATTEMPTS, Allocation, Reads, backoff, record_writes
 from ipward.store.base import Put, StoreUnreachable, absent, at_revision
 
@@ -129,6 +129,9 @@ def _unrequested(
         return fresh
     if taken is not None:
         raise NeedsBlock  # a batch does not move blocks: each request does, alone
+    # Only once the fill block is used up: ~0.2 ms of the plugin's other ADDs otherwise.
+    from ipward.ipam import claims
+
     room = claims.new_room(reads, pool, index, rs, verify)
     if room is not None:
         return room
@@ -183,7 +186,7 @@ def allocate_one(
                 for pool in pools
                 for i, rs in enumerate(pool.range_sets)
             ]
-        except claims.ClaimFirst as full:
+        except picking.ClaimFirst as full:
             # Blocks entirely taken by requested addresses: claimed on their own, so
             # the walk goes on past them (pinned to the pool as the guard saw it).
             guard_compares = [c for compares, _ in guards for c in compares]

@@ -1,4 +1,4 @@
-"""Blocks leaving and joining nodes: the release handshake (DESIGN 5.3) and assignment.
+"""Blocks leaving and joining nodes: the hand-back handshake (DESIGN 5.3) and assignment.
 
 Every step is one compare-and-swap on the block record, so the controller and the agent
 can each stop at any point and the other, or a successor, resumes from the store:

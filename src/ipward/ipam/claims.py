@@ -16,7 +16,7 @@ from ipward.core import keys
 from ipward.core.addr import family_of
 from ipward.core.records import BlockRecord, CursorRecord, FillRecord, FreeRecord
 from ipward.ipam import picking
-from ipward.ipam.picking import Cleanup, Pick
+from ipward.ipam.picking import ClaimFirst, Cleanup, Pick
 from ipward.ipam.reads import QUEUE_WINDOW, Reads
 from ipward.store.base import Delete, KeyValue, Put, absent, at_revision
 
@@ -32,15 +32,6 @@ RELEASED_WINDOW = 16  # released-block entries looked at for one claim
 # Never-claimed blocks whose every usable address is already taken (by requested
 # addresses) that one allocation claims on its way to a block with room.
 MAX_FULL_CLAIMS = 16
-
-
-class ClaimFirst(Exception):
-    """More never-claimed blocks than MAX_FULL_CLAIMS are full (of requested addresses):
-    claim them on their own (the ADD then goes on from past them)."""
-
-    def __init__(self, compares: list[Compare], ops: list[Put | Delete]) -> None:
-        self.compares = compares
-        self.ops = ops
 
 
 # -- the claim walk and its writes --------------------------------------------------------
@@ -233,7 +224,7 @@ def take_back(
         # found again as fresh (those still recorded or queued are skipped).
         pick.compares.append(at_revision(kv.key, kv.mod_revision))
         pick.ops.append(Put(kv.key, state.taken_back(pool.version).encode()))
-        moved = "needs the space again: release handshake aborted"
+        moved = "needs the space again: hand-back handshake aborted"
         return fills(pick, fill_key, reads.get(fill_key), moved)
     return None
 

@@ -10,6 +10,8 @@ garbage collection, the CLI, the labs). Its parts, one concept each, share one `
   claims      room elsewhere: other blocks, take-back, the one claim walk, borrowing
   sticky      reservations: make, take over, retire
   freeing     free an attachment or one record; detach; the CNI GC verb's side
+`freeing` and `sticky` are imported where used, `claims` once the fill block is used up:
+the plugin's ADD imports no part it does not use (docs/architecture.md, Plugin start path).
 
 Every change is one store transaction whose compares pin what was read: the attachment
 index absent, the address record absent, the block still active at the revision read,

@@ -61,6 +61,16 @@ class Cleanup:
         self.ops: list[Put | Delete] = [Delete(key) for key in deleted]
 
 
+class ClaimFirst(Exception):
+    """More never-claimed blocks than `claims.MAX_FULL_CLAIMS` are full (of requested
+    addresses): claim them on their own (the ADD then goes on from past them). Here, not
+    in `claims`, so that an allocation catches it without importing `claims`."""
+
+    def __init__(self, compares: list[Compare], ops: list[Put | Delete]) -> None:
+        self.compares = compares
+        self.ops = ops
+
+
 def with_cleanups(pick: Pick, stale: list[Cleanup]) -> Pick:
     for removal in stale:
         pick.compares += removal.compares
@@ -146,7 +156,7 @@ def from_queue(
                 continue
             looked.add(kv.key)
             if cooled_only and not cooled(reads, pool, kv):
-                return None  # in release order: the rest are cooling too
+                return None  # oldest freed first: the rest are cooling too
             pick = queued(reads, pool, index, kv, stale, verify=verify)
             if pick is not None:
                 return with_cleanups(pick, stale)
@@ -270,7 +280,7 @@ def queued_in(reads: Reads, pool: PoolSpec, index: int, block: Block, verify: bo
     prefix = keys.queue_prefix(pool.name, rs.family, reads.node)
     for kv in reads.queue_read(prefix, QUEUE_WINDOW, verify)[0]:
         if not cooled(reads, pool, kv):
-            return None  # in release order: the rest are cooling too
+            return None  # oldest freed first: the rest are cooling too
         ip = keys.last(kv.key)
         inside = rs.block_of(parse_ip(ip)[1])
         if inside is None or inside.cidr != block.cidr:

@@ -170,7 +170,7 @@ class Reads:
     def queue_read(self, prefix: str, limit: int, verify: bool) -> tuple[list[KeyValue], bool]:
         """The oldest `limit` entries of one of this node's free queues, and whether that
         is all of it. A long-lived ledger remembers the queue for QUEUE_MEMORY seconds,
-        kept up to date with its own writes (its releases append, its allocations take);
+        kept up to date with its own writes (its frees append, its allocations take);
         entries freed by others show up at the next read. Safe: taking an entry compares
         it, and a failed compare forgets the queue."""
         view = self.queues.get(prefix)

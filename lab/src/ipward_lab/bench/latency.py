@@ -100,7 +100,7 @@ def allocate_latency(
                     freed = ledger.free(attachment)
                     out.append(clock() - start)
                     if not freed:
-                        raise BenchError(f"release of {attachment} freed nothing")
+                        raise BenchError(f"{attachment}: nothing freed")
         if releases is not None:
             releases.extend(released)
         return samples
@@ -129,7 +129,7 @@ def _latency_rows(
     per_round: int,
 ) -> list[dict[str, float]]:
     """Each (name, pool, addresses in use) in a SQLite file of its own, filled, then
-    timed allocate and release calls taking turns: {in_use, add/del median and p99 ms}
+    timed allocate and free calls taking turns: {in_use, add/del median and p99 ms}
     per pool."""
     paths = []
     for name, spec, in_use in pools:

@@ -103,7 +103,7 @@ def run(
 
 
 GROWTH_NOTES = [
-    "  4, 5: in-process Ledger.allocate and release on SQLite (fsync at commit), pools with",
+    "  4, 5: in-process Ledger.allocate and free on SQLite (fsync at commit), pools with",
     "     cooldown 0 filled as one ledger leaves them (blocks claimed in order); the pools",
     "     take turns call by call.",
     "  6: records of one node, all listed ready by the simulated runtime; gc.look = records",
