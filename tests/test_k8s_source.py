@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import KubeApi, run_cli, wait_for
+from ipward.cluster.k8s import reflector
 from ipward.cluster.k8s.reflector import BACKOFF_MAX, BACKOFF_MIN
 from ipward.cluster.liveness import ClusterView, LivenessUnavailable, NotCovered
 from ipward.core.errors import TryAgainLater
@@ -210,6 +211,45 @@ def test_expired_watch_relists_and_finds_a_deletion_made_while_away(
     view = wait_view(source, lambda v: source.pods.lists == 2, "the relist")
     assert gone not in view.pods and stays in view.pods
     assert source.pods.snapshot()[1] >= expired  # as of the relist, not of the old list
+
+
+def test_the_pods_cache_names_what_changed_since_a_view(
+    kube_server: KubeApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pods' cache logs its events: a later view names exactly the pods added,
+    changed and deleted since an earlier one, from that log; after a relist, or once
+    more keys changed than it keeps, the log does not know (None) and the views are
+    compared pod by pod, which still finds the change."""
+    api, server = kube_server.admin, kube_server.server
+    api.namespace("ns")
+    api.node("n1")
+    changed, deleted, kept = (api.pod("ns", name, "n1") for name in ("a", "b", "c"))
+    source = kube_server.source()
+    first = wait_view(source, lambda v: kept in v.pods, "the first list")
+    api.pod_phase("ns", "a", "Failed", "2026-11-24T05:21:30Z")
+    api.delete_pod("ns", "b", grace=0)
+    added = api.pod("ns", "d", "n1")
+    later = wait_view(
+        source,
+        lambda v: added in v.pods and deleted not in v.pods and v.pods[changed].terminal,
+        "the events",
+    )
+    assert source.pods.changed_since(first.pods_mark) == {changed, deleted, added}
+    assert later.changed_since(first) == ({changed, deleted, added}, set())
+    assert later.changed_since(later) == (set(), set())
+    server.stall()  # the watch hears nothing from here
+    api.delete_pod("ns", "d", grace=0)
+    server.expire_history()  # the deletion's event is out of the window
+    server.unstall()  # the open watch gets ERROR 410: a relist
+    relisted = wait_view(source, lambda v: source.pods.lists == 2, "the relist")
+    assert source.pods.changed_since(later.pods_mark) is None
+    assert relisted.changed_since(later) == ({added}, set())
+    monkeypatch.setattr(reflector, "CHANGES_KEPT", 1)
+    api.pod_phase("ns", "c", "Succeeded", "2026-11-24T05:21:30Z")
+    api.delete_pod("ns", "a", grace=0)  # two keys changed: the first is no longer kept
+    last = wait_view(source, lambda v: changed not in v.pods, "both events")
+    assert source.pods.changed_since(relisted.pods_mark) is None
+    assert last.changed_since(relisted) == ({kept, changed}, set())
 
 
 def test_expired_continue_token_starts_the_list_over(kube_server: KubeApi) -> None:

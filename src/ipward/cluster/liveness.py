@@ -25,6 +25,7 @@ Sources by URL (`open_source`):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,22 +142,34 @@ class ClusterView:
     nodes: frozenset[str] = frozenset()
     statefulsets: dict[str, int] = field(default_factory=dict)  # "ns/name" -> replicas
     namespaces: dict[str, dict[str, str]] = field(default_factory=dict)  # annotations
+    # A source whose pods' cache logs its changes (`Reflector.changed_since`) gives it
+    # with the cache's mark when `pods` was copied; `changed_since` then asks it instead
+    # of comparing every pod.
+    pod_changes: Callable[[int], set[str] | None] | None = field(
+        default=None, compare=False, repr=False
+    )
+    pods_mark: int = 0
 
     def pods_named(self, namespace: str, name: str) -> list[Pod]:
         return [p for p in self.pods.values() if p.namespace == namespace and p.name == name]
 
     def changed_since(self, earlier: ClusterView) -> tuple[set[str], set[str]]:
         """(pod UIDs, node names) listed in only one of the two views, or listed
-        differently. Sources keep an unchanged pod as the same object (a reflector's
-        cache, a file's version read once), so this is a walk of identity checks."""
-        pods: set[str] = set()
-        if self.pods is not earlier.pods:
-            now, then = self.pods, earlier.pods
-            pods = {
-                uid for uid, pod in now.items() if (old := then.get(uid)) is not pod and old != pod
-            }
-            pods.update(uid for uid in then if uid not in now)
-        return pods, set(self.nodes.symmetric_difference(earlier.nodes))
+        differently (pod UIDs: perhaps more, changed after this view was read). From the
+        pods' cache's log when both views come from it and it still knows; otherwise a
+        walk of identity checks (sources keep an unchanged pod as the same object: a
+        reflector's cache, a file's version read once)."""
+        nodes = set(self.nodes.symmetric_difference(earlier.nodes))
+        if self.pods is earlier.pods:
+            return set(), nodes
+        if self.pod_changes is not None and self.pod_changes == earlier.pod_changes:
+            logged = self.pod_changes(earlier.pods_mark)
+            if logged is not None:
+                return logged, nodes
+        now, then = self.pods, earlier.pods
+        pods = {uid for uid, pod in now.items() if (old := then.get(uid)) is not pod and old != pod}
+        pods.update(uid for uid in then if uid not in now)
+        return pods, nodes
 
 
 @dataclass(frozen=True)

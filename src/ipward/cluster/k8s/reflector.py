@@ -18,6 +18,13 @@ after the watch opened, so for a quiet resource the clean ends are what is heard
 heard: a stream cut (a dropped connection, a truncated chunk: an error) or ended cleanly
 before its time (a proxy, a server shutting down: events in flight may be lost).
 
+Changes: every applied event notes its key with a running count of events (`mark`),
+so `changed_since(mark)` names the keys changed since a snapshot taken after that mark
+without comparing every item (the controller's garbage collection judges again only
+their records). It answers None, "anything may have changed", for a mark from before
+the last list (a relist replaces the cache whole) or older than the last CHANGES_KEPT
+changed keys.
+
 The cache answers (`snapshot`, `get`) only while it is trusted: after a list completed,
 not during a relist, and while it was heard from less than `stale_after` seconds ago.
 Otherwise `LivenessUnavailable`: "could not list" is never "empty".
@@ -59,6 +66,7 @@ BACKOFF_MIN = 0.2
 BACKOFF_MAX = 5.0
 MIN_STALE_AFTER = 2.0  # twice the shortest watch (timeoutSeconds is in whole seconds)
 LIST_RESTARTS = 5  # list attempts ended by an expired continue token before backing off
+CHANGES_KEPT = 20_000  # changed keys noted for `changed_since` (older marks: None)
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,9 @@ class Reflector(Generic[V]):
         self._as_of = 0.0
         self._heard = 0.0  # time.monotonic() it was last heard (see the module's docstring)
         self._rv = ""
+        self._events = 0  # events applied, and lists completed: a snapshot's mark
+        self._changed: dict[str, int] = {}  # key -> `_events` at its last change, oldest first
+        self._known_from = 0  # `changed_since` answers for marks from this one on
         self.lists = 0  # lists completed (tests wait for a relist by this)
         self.retry_delay = BACKOFF_MIN  # the wait before the list after a failure
         self._started = False  # since the last failure, a list and the watch after it started
@@ -124,6 +135,25 @@ class Reflector(Generic[V]):
         with self._lock:
             self._check()
             return dict(self._items), self._as_of
+
+    def mark(self) -> int:
+        """Where the log of changes is now: taken just before a `snapshot`, it names
+        that snapshot for `changed_since` (a change in between is named twice: harmless)."""
+        with self._lock:
+            return self._events
+
+    def changed_since(self, mark: int) -> set[str] | None:
+        """The keys changed after `mark`, or None when that is no longer known (see the
+        module's docstring)."""
+        with self._lock:
+            if mark < self._known_from:
+                return None
+            changed = set()
+            for key in reversed(self._changed):
+                if self._changed[key] <= mark:
+                    break
+                changed.add(key)
+            return changed
 
     def get(self, key: str) -> V | None:
         """The cached value of `key` (None: not in the cache); raises LivenessUnavailable."""
@@ -217,6 +247,9 @@ class Reflector(Generic[V]):
                     with self._lock:
                         self._items = items
                         self._rv = rv
+                        self._events += 1
+                        self._changed.clear()
+                        self._known_from = self._events
                         self._as_of = sent
                         self._heard = time.monotonic()
                         self._synced = True
@@ -278,6 +311,15 @@ class Reflector(Generic[V]):
                     timeout=self.watch_timeout,
                 )
 
+    def _note(self, key: str) -> None:
+        """`key` changed (call with the lock held)."""
+        self._events += 1
+        self._changed.pop(key, None)  # re-inserted last: the dict stays oldest first
+        self._changed[key] = self._events
+        if len(self._changed) > CHANGES_KEPT:
+            oldest = next(iter(self._changed))
+            self._known_from = self._changed.pop(oldest)
+
     def _quiet(self) -> float:
         with self._lock:
             return time.monotonic() - self._heard
@@ -311,5 +353,7 @@ class Reflector(Generic[V]):
                 self._items.pop(parsed[0], None)
             elif kind != "BOOKMARK":
                 raise _Relist(f"unknown event type {kind!r}")
+            if parsed is not None:
+                self._note(parsed[0])
             self._rv = rv
         self._hear()

@@ -165,6 +165,7 @@ class K8sSource(LivenessSource, PodDirectory):
             raise NotCovered(
                 f"this Kubernetes source watches node {self.node}'s pods only: no cluster view"
             )
+        pods_mark = self.pods.mark()
         pods, pods_as_of = self.pods.snapshot()
         nodes, nodes_as_of = self.nodes.snapshot()
         sets, sets_as_of = self.statefulsets.snapshot()
@@ -175,6 +176,8 @@ class K8sSource(LivenessSource, PodDirectory):
             nodes=frozenset(nodes),
             statefulsets=sets,
             namespaces=namespaces,
+            pod_changes=self.pods.changed_since,
+            pods_mark=pods_mark,
         )
 
     # -- direct reads --------------------------------------------------------------------
