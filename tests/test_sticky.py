@@ -166,6 +166,22 @@ def view(*pods: Pod, sets: dict[str, int] | None = None, as_of: float = 1100.0) 
 STATEFUL = {"owner_kind": "StatefulSet", "owner_name": "db"}
 
 
+def test_pods_named_gives_every_pod_of_that_name_and_no_other() -> None:
+    """Retiring a reservation asks the view for the pods of its name (indexed once per
+    view, not a walk of every pod per reservation): two UIDs of one name both, a name in
+    another namespace not, and the same answer asked again."""
+    old, new = Pod("u1", "db", "db-0", "Failed"), Pod("u2", "db", "db-0", "Pending")
+    cluster = view(
+        old, new, Pod("u3", "db", "db-1", "Running"), Pod("u4", "web", "db-0", "Running")
+    )
+    for _ in range(2):
+        assert sorted(p.uid for p in cluster.pods_named("db", "db-0")) == ["u1", "u2"]
+        assert [p.uid for p in cluster.pods_named("web", "db-0")] == ["u4"]
+        assert cluster.pods_named("db", "db-9") == []
+    cluster.pods_named("db", "db-0").clear()  # an answer is the caller's own list
+    assert len(cluster.pods_named("db", "db-0")) == 2
+
+
 @pytest.mark.parametrize(
     ("r", "cluster", "reason"),
     [

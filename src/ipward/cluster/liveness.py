@@ -149,9 +149,19 @@ class ClusterView:
         default=None, compare=False, repr=False
     )
     pods_mark: int = 0
+    # Pods by (namespace, name), made on the first `pods_named`: GC asks it once per
+    # detached reservation, and a walk of every pod each time costs reservations x pods.
+    _by_name: dict[tuple[str, str], list[Pod]] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     def pods_named(self, namespace: str, name: str) -> list[Pod]:
-        return [p for p in self.pods.values() if p.namespace == namespace and p.name == name]
+        if self._by_name is None:
+            by_name: dict[tuple[str, str], list[Pod]] = {}
+            for pod in self.pods.values():
+                by_name.setdefault((pod.namespace, pod.name), []).append(pod)
+            self._by_name = by_name
+        return list(self._by_name.get((namespace, name), ()))
 
     def changed_since(self, earlier: ClusterView) -> tuple[set[str], set[str]]:
         """(pod UIDs, node names) listed in only one of the two views, or listed
