@@ -52,8 +52,10 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 class Ctl(fleet.Controller):
     """One `ipward controller` process (`ipward_lab.fleet`) with this file's timings."""
 
-    def __init__(self, url: str, ident: str, tmp: Path, ready_delay: float = 0.3) -> None:
-        timings = ("--interval", str(INTERVAL), "--lease-ttl", str(TTL))
+    def __init__(
+        self, url: str, ident: str, tmp: Path, ready_delay: float = 0.3, interval: float = INTERVAL
+    ) -> None:
+        timings = ("--interval", str(interval), "--lease-ttl", str(TTL))
         super().__init__(ident, url, tmp, (*timings, "--ready-delay", str(ready_delay)))
 
     def terminate(self) -> int:
@@ -647,6 +649,21 @@ def test_a_write_of_a_stale_leader_fails_its_fence(store_url, store):
 
 def passes(ctl: Ctl) -> float:
     return ctl.metric("ipward_controller_pass_seconds_count") or 0
+
+
+def test_sigusr1_runs_a_pass_now(store_url, store, spawn):
+    """`kill -USR1`: the next pass now, not an interval (an hour here) later."""
+    ctl = spawn(store_url, "c1", interval=3600)
+    wait_for(lambda: passes(ctl) >= 1, "the first pass, on taking the lead", TAKEOVER)
+
+    def signalled_pass() -> None:
+        wanted = passes(ctl) + 1
+        os.kill(ctl.pid, signal.SIGUSR1)
+        wait_for(lambda: passes(ctl) >= wanted, "a pass after SIGUSR1", TAKEOVER)
+
+    signalled_pass()
+    signalled_pass()  # and again: the handler stays
+    assert ctl.terminate() == 0
 
 
 def test_the_controller_prunes_an_earlier_layout_once_no_record_holds_it(store_url, store, spawn):

@@ -5,6 +5,7 @@ its passes; `ipward.cluster.election`: who leads) on the daemons' scaffold
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,9 @@ def _serve(
     lease)."""
     election, metrics = controller.election, controller.metrics
     http = None
+    # SIGUSR1: a pass now rather than an interval later (an operator after fixing a
+    # liveness source; the scale benchmark, to time one pass over a known change).
+    previous = signal.signal(signal.SIGUSR1, lambda _signum, _frame: controller.pass_now())
     try:
         if metrics_address is not None:
             health = _health(election)
@@ -114,6 +118,7 @@ def _serve(
         log.info("controller started", **settings, metrics=url, pid=os.getpid())
         controller.run()
     finally:
+        signal.signal(signal.SIGUSR1, previous)
         controller.stop()
         controller.view.close()
         election.stop()

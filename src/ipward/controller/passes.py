@@ -146,6 +146,10 @@ class Controller:
         self.stopping.set()
         self.wake.set()
 
+    def pass_now(self) -> None:
+        """Start the next pass now (after the one running, if any), not an interval on."""
+        self.wake.set()
+
     def run_pass_logged(self) -> None:
         """One pass; an error is logged and counted, never raised (the next interval
         tries again from the store)."""
