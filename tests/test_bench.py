@@ -616,6 +616,7 @@ SCALE_ROW = {
     "agent_hwm_mib",
     "reconcile_ms",
     "reconcile_max_ms",
+    "node_read_ms",
     "controller_first_pass_ms",
     "controller_steady_pass_ms",
     "controller_rss_mib",
