@@ -1,4 +1,4 @@
-"""Blocks with node affinity and the release handshake, step by step on a real store:
+"""Blocks with node affinity and the hand-back handshake, step by step on a real store:
 the ledger of two nodes, and the controller's and agent's steps from `ipward.ipam.blocks`."""
 
 from __future__ import annotations

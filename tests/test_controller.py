@@ -1,5 +1,5 @@
 """The controller as real `ipward controller` processes: one leader and a successor after
-SIGKILL, the warm target, surplus reclaim through the release handshake (the test plays
+SIGKILL, the warm target, surplus reclaim through the hand-back handshake (the test plays
 the node's agent with `blocks.answer`), refusal, abort by take-back, SIGKILL in every
 handshake state, and a paused leader fenced out. SQLite throughout; the election and one
 handshake also on a real etcd. Every wait polls the store, the metrics or the logs with

@@ -19,7 +19,7 @@ from ipward.store.base import Put
 class NodeDuties:
     """What the agent owes the cluster besides answering plugins, every `interval`:
     keep `nodes/<node>` alive under a lease (the controller serves registered nodes),
-    and answer the release handshake for this node's marked blocks (DESIGN 5.3)."""
+    and answer the hand-back handshake for this node's marked blocks (DESIGN 5.3)."""
 
     def __init__(self, store: Store, node: str, interval: float, ttl: int) -> None:
         self.store = store

@@ -221,7 +221,7 @@ def controller_command(
     view_reread: float,
 ) -> None:
     """Run the cluster's controller: assign blocks to keep nodes warm, reclaim surplus
-    blocks through the release handshake. One instance leads; others wait to take over."""
+    blocks through the hand-back handshake. One instance leads; others wait to take over."""
     url = daemon.start(ctx, store_url, log_file, log_level, "ipward-controller")
     if not ident:
         raise InvalidConfig("--id must not be empty")

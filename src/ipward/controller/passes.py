@@ -1,6 +1,6 @@
 """`ipward controller`: one active per cluster. Keeps every registered node's free
 addresses at or above its pool's warm target by assigning blocks, and asks surplus blocks
-back through the release handshake (DESIGN.md 5.3, the steps in `ipward.ipam.blocks`).
+back through the hand-back handshake (DESIGN.md 5.3, the steps in `ipward.ipam.blocks`).
 
 Leadership: the key `controller/leader` = {id, since}, put with a lease and only when
 absent (version 0). The leader keeps the lease alive every ttl/3 and checks the key is

@@ -140,7 +140,7 @@ def _unrequested(
         return queued  # still cooling, but the only address left
     taken_back = claims.take_back(reads, pool, index, rs, verify, cooled_only=False)
     if taken_back is not None:
-        return taken_back  # the same, in a block being released
+        return taken_back  # the same, in a block being handed back
     if pool.borrow:
         borrowed = claims.borrow(reads, pool, index, rs, verify)
         if borrowed is not None:

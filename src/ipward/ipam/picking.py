@@ -84,7 +84,7 @@ def cooled(reads: Reads, pool: PoolSpec, head: KeyValue) -> bool:
 
 def require_active(block_kv: KeyValue, pool: str) -> None:
     if not BlockRecord.decode(block_kv.value).active:
-        raise TryAgainLater(f"block {block_kv.key} of pool {pool} is being released")
+        raise TryAgainLater(f"block {block_kv.key} of pool {pool} is being handed back")
 
 
 def requested_by_pool(
@@ -140,7 +140,7 @@ def from_queue(
     cooled_only: bool,
 ) -> Pick | None:
     """The oldest queued address of this node that is free to take: not taken by the
-    batch already, in one of its active blocks (entries of a block being released are
+    batch already, in one of its active blocks (entries of a block being handed back are
     passed over, so a surplus block is not taken back while others have room), and,
     if `cooled_only`, past its cooldown. Reads the head first (the common case), and
     the oldest QUEUE_WINDOW entries only when the head cannot be used."""
@@ -175,7 +175,7 @@ def queued(
     verify: bool = True,
 ) -> Pick | None:
     """The queue entry's address, or None when its block is not `owner`'s (this
-    node's, unless borrowing) active block (being released: the ledger looks
+    node's, unless borrowing) active block (being handed back: the ledger looks
     elsewhere, and takes the block back only if it must). A first attempt leaves the
     address's absence to the transaction's compare; a verifying one reads it. A stale
     entry (its address allocated by request meanwhile, outside the pool since its

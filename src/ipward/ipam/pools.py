@@ -14,7 +14,7 @@ Delete (`delete_pool`), safe against ADDs in flight and resumable:
      resurrects or overwrites a pool being deleted);
   2. records are read at a revision after the mark: any found puts the spec back to
      active (CAS on the mark) and the delete is refused, naming how many;
-  3. the pool's keys go, prefix by prefix (blocks and affinity first, so no release
+  3. the pool's keys go, prefix by prefix (blocks and affinity first, so no hand-back
      handshake step can write again), in bounded transactions each pinned to the mark;
   4. the spec last, by CAS on the mark.
 A crash anywhere leaves the spec `deleting` (`ipward check` says so); `pool delete`

@@ -7,7 +7,7 @@ fill records, its own allocations), so a long-lived ledger (agent, benchmark) mo
 reads nothing but the free-queue head before it writes. That is safe because every
 decision made on a remembered key is pinned by a compare in the same transaction: a
 stale key fails the transaction, which forgets the compared keys and reads again.
-Absence is never remembered, and a refusal (exhausted, taken, block being released)
+Absence is never remembered, and a refusal (exhausted, taken, block being handed back)
 is only given after reading everything again.
 
 Standard library only: this runs inside the CNI plugin in single-node mode.
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ipward.store.base import Compare, Store
 
 MAX_ATTEMPTS = 100
-QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being released
+QUEUE_WINDOW = 64  # free-queue entries looked at past those of blocks being handed back
 QUEUE_MEMORY = 1.0  # seconds a long-lived ledger trusts its view of its free queues
 KNOWN_LIMIT = 100_000  # remembered keys; past it the memory starts over
 
