@@ -321,3 +321,36 @@ def test_a_gone_nodes_block_answered_for_it_is_counted_in_its_new_state(
     leading.run_pass()  # answered for it
     assert rec.decode(store.get(key).value)["state"] == READY
     assert snapshot.blocks == {("p", "gone", READY): 1}
+
+
+def test_a_running_controller_judges_blocks_by_the_layout_of_the_spec_now(
+    sqlite_url: str, sqlite_store: Store
+) -> None:
+    """The pass keeps each pool's blocks as its layout has them from pass to pass
+    (`plan.Layouts`), for one revision of the spec: when an inline pool's ranges change
+    under a running controller, its next pass judges the old block by the new layout
+    (not one of its blocks: it counts for no node's free addresses), and prunes it."""
+    store = sqlite_store
+
+    def declared(subnet: str) -> PoolSpec:
+        ranges = [[{"subnet": subnet}]]
+        return PoolSpec("q", ranges, block_prefix={4: 28}, cooldown=0, warm=0, source="cni-config")
+
+    store.txn([], [Put("nodes/n1", rec.encode({"node": "n1"}))])
+    ledger = Ledger(store, "n1")
+    ledger.allocate([declared("10.20.0.0/24")], Attachment("net", "a", "eth0"), PodInfo())
+    ledger.free(Attachment("net", "a", "eth0"))
+    with open_store(sqlite_url) as election_store:
+        election = Election(election_store, "c1", ttl=30)
+        election.campaign()
+        controller = Controller(
+            store, election, Metrics("c1", lambda: True), interval=1, ready_delay=1000
+        )
+        controller.run_pass()  # the old layout's block, kept as a block of it
+        assert [kv.key for kv in store.range("blocks/q/")[0]] == ["blocks/q/10.20.0.0/28"]
+        assert controller.layouts["q"].blocks["10.20.0.0/28"][0] is not None
+        ledger.allocate([declared("10.30.0.0/24")], Attachment("net", "c", "eth0"), PodInfo())
+        controller.run_pass()
+        assert controller.layouts["q"].blocks["10.20.0.0/28"] == (None, 0)
+        election.resign()
+    assert [kv.key for kv in store.range("blocks/q/")[0]] == ["blocks/q/10.30.0.0/28"]

@@ -127,9 +127,8 @@ class Executor:
             )
             return False
         state.changed(given, BlockRecord.claimed(node, 0, spec.version))
-        layout = state.layout(given)
         self.metrics.assigned.inc()
-        free = action.free + (layout.usable_count() if layout is not None else 0)
+        free = action.free + state.usable(given)
         _log("warm block assigned", state, given, node, action.why, free=free)
         return True
 

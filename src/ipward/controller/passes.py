@@ -68,7 +68,7 @@ from ipward.controller import plan
 from ipward.controller.collection import Collection
 from ipward.controller.executor import Executor, NotLeader
 from ipward.controller.metrics import Metrics
-from ipward.controller.plan import PoolMemory, PoolState
+from ipward.controller.plan import Layouts, PoolMemory, PoolState
 from ipward.controller.view import DEFAULT_REREAD_EVERY, StoreView
 from ipward.core import log
 from ipward.core.errors import IpwardError
@@ -127,6 +127,7 @@ class Controller:
         self._term = -1
         self.executor = Executor(store, election, metrics, self.stopping)
         self.memory: dict[str, PoolMemory] = {}  # per pool, from one pass to the next
+        self.layouts: dict[str, Layouts] = {}  # per pool, while its spec is unchanged
 
     def on_leadership(self, leading: bool) -> None:
         self.metrics.leader.set(1 if leading else 0)
@@ -222,6 +223,7 @@ class Controller:
             deficits.update(plan.deficits(state, registered))
         # Forget pools gone or being deleted; keep what a failed pool knew.
         self.memory = {p: m for p, m in self.memory.items() if p in passed or p in failed}
+        self.layouts = {p: x for p, x in self.layouts.items() if p in passed}
         snapshot = self.metrics.snapshot
         for old_values, new_values in ((snapshot.blocks, counts), (snapshot.deficits, deficits)):
             new_values.update((k, v) for k, v in old_values.items() if k[0] in failed)
@@ -241,7 +243,10 @@ class Controller:
         left even when it stops midway: what it applied is in the store (a block it
         resumed, remembered as in the hand-back, would be counted taken back next pass)."""
         pool = spec.name
-        state = PoolState.read(spec, self.view.pool(pool))
+        layouts = self.layouts.get(pool)
+        if layouts is None or layouts.revision != spec.revision:
+            layouts = self.layouts[pool] = Layouts(spec.revision)
+        state = PoolState.read(spec, self.view.pool(pool), layouts)
         memory = self.memory.get(pool) or PoolMemory()
         now, mono = self.clock(), self.monotonic()
         gone = self.gone_nodes - registered
