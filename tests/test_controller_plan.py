@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,7 @@ from ipward.ipam import blocks
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, open_store
 from ipward.store.base import KeyValue, Put
+from ipward_lab.simcluster import SimFileSource, write_sim_state
 
 # /28 blocks of 10.0.0.0/24: 16 usable addresses each but the first and the last (they
 # lose the range's network address, gateway or broadcast); the tests use inner ones.
@@ -315,7 +317,7 @@ def test_a_gone_nodes_block_answered_for_it_is_counted_in_its_new_state(
     key = keys.block_key("p", cidr)
     leading.run_pass()  # a new term: what it knew of gone nodes is forgotten
     assert snapshot.blocks == {("p", "gone", ACTIVE): 1}
-    leading.gone_nodes = frozenset({"gone"})  # as a garbage-collection pass finds it
+    leading.collection.gone_nodes = frozenset({"gone"})  # as a garbage-collection pass finds it
     leading.run_pass()  # asked back
     assert rec.decode(store.get(key).value)["state"] == MARKED
     leading.run_pass()  # answered for it
@@ -354,3 +356,41 @@ def test_a_running_controller_judges_blocks_by_the_layout_of_the_spec_now(
         assert controller.layouts["q"].blocks["10.20.0.0/28"] == (None, 0)
         election.resign()
     assert [kv.key for kv in store.range("blocks/q/")[0]] == ["blocks/q/10.30.0.0/28"]
+
+
+def test_a_new_term_does_not_act_on_the_gone_nodes_an_earlier_term_found(
+    sqlite_url: str, sqlite_store: Store, tmp_path: Path
+) -> None:
+    """Finding (review): gone nodes are evidence of the term whose garbage collection
+    found them. After a new term whose sources do not answer, the pass kept the earlier
+    term's gone nodes (garbage collection kept them, the pass copied them) and asked
+    back an emptied block of a node it had no evidence of."""
+    store = sqlite_store
+    options = "--range 10.0.0.0/24 --block-v4 28 --warm 0 --release-delay 1000"
+    run_cli(
+        "pool", "create", "p", "--cooldown", "0", *options.split(), store=sqlite_url, check=True
+    )
+    on_gone = Attachment("net", "x", "eth0")
+    Ledger(store, "gone").allocate([pool_p(store)], on_gone, PodInfo())  # never registered
+    state = tmp_path / "cluster.json"
+    write_sim_state(str(state), time.time(), {"pods": [], "nodes": []}, {})
+    with open_store(sqlite_url) as election_store:
+        election = Election(election_store, "c1", ttl=30)
+        election.campaign()
+        controller = Controller(
+            store,
+            election,
+            Metrics("c1", lambda: True),
+            interval=1,
+            ready_delay=1000,
+            liveness=SimFileSource(str(state)),
+            gc_interval=0,
+        )
+        controller.run_pass()  # "gone" found gone; its block holds a record: kept
+        election.resign()
+        election.campaign()  # a new term
+        state.unlink()  # whose sources do not answer
+        Ledger(store, "gone").free(on_gone)  # the block is empty now
+        controller.run_pass()
+        election.resign()
+    assert [rec.decode(kv.value)["state"] for kv in store.range("blocks/p/")[0]] == [ACTIVE]

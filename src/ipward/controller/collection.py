@@ -74,7 +74,11 @@ class Collection:
         self.metrics = metrics
         self.who = who
         self.grace = grace
-        self.gone_nodes: frozenset[str] = frozenset()  # as of the last pass
+        self.new_term()
+
+    def new_term(self) -> None:
+        """What an earlier term saw is no evidence: forget it, gone nodes too."""
+        self.gone_nodes: frozenset[str] = frozenset()  # as of the last pass with a cluster view
         self.forget()
 
     def forget(self) -> None:
@@ -86,7 +90,6 @@ class Collection:
         self._by_node: dict[str, set[str]] = {}  # node -> `ips/` keys of its records
         self._by_uid: dict[str, tuple[str, ...]] = {}  # pod UID -> its records' keys
         self._unsettled: dict[str, gc.Verdict] = {}  # judged again every pass
-        self._count = 0
         self._runtimes: dict[str, NodeView | str] = {}  # the last look's answers
         self._cluster: ClusterView | str = "not asked"
 
@@ -197,7 +200,7 @@ class Collection:
         self._cluster = evidence.cluster
         self._known = True
         return Seen(
-            self._count,
+            sum(map(len, self._by_node.values())),
             judged,
             nodes,
             evidence,
@@ -219,7 +222,6 @@ class Collection:
         self._by_node = {}
         self._by_uid = {}
         self._unsettled = {}
-        self._count = 0
         for key, held in self.view.records.items():
             self._index(key, held)
 
@@ -229,7 +231,6 @@ class Collection:
         self._by_node.setdefault(held.node, set()).add(key)
         if uid := held.pod.uid:
             self._by_uid[uid] = (*self._by_uid.get(uid, ()), key)
-        self._count += 1
 
     def _unindex(self, key: str, held: Held) -> None:
         if held.record.is_detached:
@@ -244,7 +245,6 @@ class Collection:
                 self._by_uid[uid] = left
             else:
                 self._by_uid.pop(uid, None)
-        self._count -= 1
 
     def _records_changed(self, changes: Changes) -> set[str]:
         """Index what the view's events changed; the records to judge again for them

@@ -60,7 +60,7 @@ class _Snapshot(Collector):
 HELP = {
     "ipward_controller_leader": "1 while this instance is the active controller, else 0.",
     "ipward_controller_handshakes": "Block hand-back handshakes: started (marked), completed"
-    " (released), aborted (refused and resumed, or taken back by the node).",
+    " (handed back), aborted (refused and resumed, or taken back by the node).",
     "ipward_controller_blocks_assigned": "Blocks assigned to nodes to keep their warm target.",
     "ipward_controller_pass_seconds": "Time of one pass over every pool.",
     "ipward_controller_pass_errors": "Passes abandoned on an error (logged; the pass runs"

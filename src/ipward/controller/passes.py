@@ -77,7 +77,6 @@ from ipward.core.pool import PoolSpec
 from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError
-from ipward.store.base import Compare
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -112,7 +111,6 @@ class Controller:
         self.add_grace = add_grace
         self.gc_interval = gc_interval
         self.gc_due = 0.0  # monotonic time of the next garbage-collection pass
-        self.gone_nodes: frozenset[str] = frozenset()  # as of the last GC pass
         self.ledger = Ledger(store, election.ident)
         who = f"controller {election.ident} gc"
         self.collection = Collection(self.view, self.ledger, metrics, who, add_grace)
@@ -165,14 +163,6 @@ class Controller:
         finally:
             self.metrics.pass_seconds.observe(time.monotonic() - started)
 
-    # -- leadership checks around every write (the executor's; garbage collection's too)
-
-    def _fence(self) -> list[Compare]:
-        return self.executor.fence()
-
-    def _after_failed_write(self) -> None:
-        self.executor.after_failed_write()
-
     # -- one pass
 
     def run_pass(self) -> None:
@@ -180,10 +170,9 @@ class Controller:
             # A new term: what an earlier term saw is not evidence any more.
             self._term = self.election.term
             self.memory.clear()
-            self.collection.forget()
-            self.gone_nodes = frozenset()
+            self.collection.new_term()
             self.gc_due = 0.0
-        self._fence()
+        self.executor.fence()
         if self.liveness is not None and self.monotonic() >= self.gc_due:
             self.gc_due = self.monotonic() + self.gc_interval
             self.gc_pass(self.liveness)
@@ -232,9 +221,8 @@ class Controller:
     def gc_pass(self, source: LivenessSource) -> list[gc.Verdict]:
         """One garbage-collection pass (`controller.collection`: the rules are
         `ipward.gc`'s, judged again only where something changed). Returns what it freed."""
-        freed = self.collection.collect(source, self._fence, self._after_failed_write)
-        self.gone_nodes = self.collection.gone_nodes
-        return freed
+        executor = self.executor
+        return self.collection.collect(source, executor.fence, executor.after_failed_write)
 
     def _pool_pass(self, spec: PoolSpec, registered: set[str]) -> PoolState:
         """One pool's pass: its state read from the view, then three phases, each
@@ -249,7 +237,7 @@ class Controller:
         state = PoolState.read(spec, self.view.pool(pool), layouts)
         memory = self.memory.get(pool) or PoolMemory()
         now, mono = self.clock(), self.monotonic()
-        gone = self.gone_nodes - registered
+        gone = self.collection.gone_nodes - registered
         apply = self.executor.apply
         since = memory.empty_since  # until this pass has counted its own
         try:
