@@ -74,7 +74,7 @@ class PoolState:
         self.kvs = kvs
         self.records = records  # address records per block (read only)
         self.fills = fills  # (family, node) -> the block it fills fresh addresses from
-        self._layout = (layouts or Layouts(spec.revision)).blocks
+        self._layout = layouts.blocks if layouts is not None else {}
         # own_blocks' last answer, for which nodes (an applied action forgets it)
         self._own: tuple[Set[str], dict[NodeFamily, list[str]]] | None = None
 
