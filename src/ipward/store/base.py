@@ -28,10 +28,7 @@ class StoreError(Exception):
 class StoreUnreachable(StoreError, TryAgainLater):
     """The store cannot be reached or is too busy, or a write's outcome is unknown: the
     caller may try again later. One class for the store layer and the CNI answer (code
-    11), so nothing between them translates it."""
-
-    def __init__(self, msg: str) -> None:
-        super().__init__(f"store unreachable: {msg}")
+    11), so nothing between them translates it. Each raise says which store and why."""
 
 
 class StoreMissing(StoreError):
