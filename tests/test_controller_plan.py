@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -254,20 +255,37 @@ def test_blocks_in_the_handshake_are_remembered_whatever_their_node() -> None:
 # -- the pass around the plan -------------------------------------------------------------
 
 
-@pytest.fixture
-def leading(sqlite_url: str, sqlite_store: Store) -> Iterator[Controller]:
-    """A controller in process, leading, on a real SQLite store with pool p: /28 blocks,
-    warm 0 and release delay 1000 s, so the steps a test sets up are the only ones."""
+def create_pool_p(sqlite_url: str) -> None:
+    """Pool p: /28 blocks, warm 0 and release delay 1000 s, so the steps a test sets up
+    are the only ones."""
     options = "--range 10.0.0.0/24 --block-v4 28 --warm 0 --release-delay 1000"
     run_cli(
         "pool", "create", "p", "--cooldown", "0", *options.split(), store=sqlite_url, check=True
     )
+
+
+@contextmanager
+def leading_controller(
+    sqlite_url: str, store: Store, liveness: SimFileSource | None = None
+) -> Iterator[Controller]:
+    """A controller in process, leading, on a real SQLite store (garbage collection
+    every pass when it has a liveness source); resigned after."""
     with open_store(sqlite_url) as election_store:
         election = Election(election_store, "c1", ttl=30)
         election.campaign()
         metrics = Metrics("c1", lambda: True)
-        yield Controller(sqlite_store, election, metrics, interval=1, ready_delay=1000)
+        yield Controller(
+            store, election, metrics, interval=1, ready_delay=1000, liveness=liveness, gc_interval=0
+        )
         election.resign()
+
+
+@pytest.fixture
+def leading(sqlite_url: str, sqlite_store: Store) -> Iterator[Controller]:
+    """A leading controller in process with pool p (`create_pool_p`)."""
+    create_pool_p(sqlite_url)
+    with leading_controller(sqlite_url, sqlite_store) as controller:
+        yield controller
 
 
 def pool_p(store: Store) -> PoolSpec:
@@ -342,19 +360,13 @@ def test_a_running_controller_judges_blocks_by_the_layout_of_the_spec_now(
     ledger = Ledger(store, "n1")
     ledger.allocate([declared("10.20.0.0/24")], Attachment("net", "a", "eth0"), PodInfo())
     ledger.free(Attachment("net", "a", "eth0"))
-    with open_store(sqlite_url) as election_store:
-        election = Election(election_store, "c1", ttl=30)
-        election.campaign()
-        controller = Controller(
-            store, election, Metrics("c1", lambda: True), interval=1, ready_delay=1000
-        )
+    with leading_controller(sqlite_url, store) as controller:
         controller.run_pass()  # the old layout's block, kept as a block of it
         assert [kv.key for kv in store.range("blocks/q/")[0]] == ["blocks/q/10.20.0.0/28"]
         assert controller.layouts["q"].blocks["10.20.0.0/28"][0] is not None
         ledger.allocate([declared("10.30.0.0/24")], Attachment("net", "c", "eth0"), PodInfo())
         controller.run_pass()
         assert controller.layouts["q"].blocks["10.20.0.0/28"] == (None, 0)
-        election.resign()
     assert [kv.key for kv in store.range("blocks/q/")[0]] == ["blocks/q/10.30.0.0/28"]
 
 
@@ -366,31 +378,16 @@ def test_a_new_term_does_not_act_on_the_gone_nodes_an_earlier_term_found(
     term's gone nodes (garbage collection kept them, the pass copied them) and asked
     back an emptied block of a node it had no evidence of."""
     store = sqlite_store
-    options = "--range 10.0.0.0/24 --block-v4 28 --warm 0 --release-delay 1000"
-    run_cli(
-        "pool", "create", "p", "--cooldown", "0", *options.split(), store=sqlite_url, check=True
-    )
+    create_pool_p(sqlite_url)
     on_gone = Attachment("net", "x", "eth0")
     Ledger(store, "gone").allocate([pool_p(store)], on_gone, PodInfo())  # never registered
     state = tmp_path / "cluster.json"
     write_sim_state(str(state), time.time(), {"pods": [], "nodes": []}, {})
-    with open_store(sqlite_url) as election_store:
-        election = Election(election_store, "c1", ttl=30)
-        election.campaign()
-        controller = Controller(
-            store,
-            election,
-            Metrics("c1", lambda: True),
-            interval=1,
-            ready_delay=1000,
-            liveness=SimFileSource(str(state)),
-            gc_interval=0,
-        )
+    with leading_controller(sqlite_url, store, SimFileSource(str(state))) as controller:
         controller.run_pass()  # "gone" found gone; its block holds a record: kept
-        election.resign()
-        election.campaign()  # a new term
+        controller.election.resign()
+        controller.election.campaign()  # a new term
         state.unlink()  # whose sources do not answer
         Ledger(store, "gone").free(on_gone)  # the block is empty now
         controller.run_pass()
-        election.resign()
     assert [rec.decode(kv.value)["state"] for kv in store.range("blocks/p/")[0]] == [ACTIVE]
