@@ -168,7 +168,7 @@ def test_warm_rounds_end_once_the_assigned_blocks_meet_the_target() -> None:
 
 def test_an_unregistered_nodes_blocks_count_for_nobody() -> None:
     state = state_of({A: active("n9")}, warm=10)
-    assert plan.free_per_node(state, {"n1"}) == {("n1", 4): 0}
+    assert state.free_per_node({"n1"}) == {("n1", 4): 0}
     assert plan.deficits(state, {"n1"}) == {("p", "n1", "4"): 10}
     assert plan.block_counts(state) == {("p", "n9", ACTIVE): 1}
 

@@ -38,6 +38,7 @@ IN_HANDSHAKE = (MARKED, READY, REFUSED)
 GONE = "its node is gone (lease expired, not listed by the cluster)"
 
 NodeFamily = tuple[str, int]
+OwnBlocks = dict[NodeFamily, list[str]]  # active blocks of the layout per node and family
 
 
 class Layouts:
@@ -75,8 +76,9 @@ class PoolState:
         self.records = records  # address records per block (read only)
         self.fills = fills  # (family, node) -> the block it fills fresh addresses from
         self._layout = layouts.blocks if layouts is not None else {}
-        # own_blocks' last answer, for which nodes (an applied action forgets it)
-        self._own: tuple[Set[str], dict[NodeFamily, list[str]]] | None = None
+        # own_blocks' and free_per_node's last answers, for which nodes (an applied
+        # action forgets them)
+        self._own: tuple[Set[str], OwnBlocks, dict[NodeFamily, int]] | None = None
 
     @classmethod
     def read(cls, spec: PoolSpec, keys: PoolKeys, layouts: Layouts | None = None) -> PoolState:
@@ -102,22 +104,36 @@ class PoolState:
             known = self._layout[cidr] = (block, 0 if block is None else block.usable_count())
         return known
 
-    def own_blocks(self, registered: Set[str]) -> dict[NodeFamily, list[str]]:
+    def own_blocks(self, registered: Set[str]) -> OwnBlocks:
         """Per registered node and family (in name order, then the pool's range sets):
         its active blocks of the current layout. Kept for the next ask (several steps
         ask it) until an action changes the state: not to be changed by the caller."""
+        return self._kept(registered)[0]
+
+    def free_per_node(self, registered: Set[str]) -> dict[NodeFamily, int]:
+        """Per registered node and family: usable addresses of its active blocks that
+        no record holds. Kept like `own_blocks`."""
+        return self._kept(registered)[1]
+
+    def _kept(self, registered: Set[str]) -> tuple[OwnBlocks, dict[NodeFamily, int]]:
         if self._own is not None and self._own[0] == registered:
-            return self._own[1]
-        own: dict[NodeFamily, list[str]] = {
+            return self._own[1], self._own[2]
+        own: OwnBlocks = {
             (node, rs.family): [] for node in sorted(registered) for rs in self.spec.range_sets
         }
+        free = dict.fromkeys(own, 0)
+        held = self.records.get
         for cidr, block in self.blocks.items():
-            if not block.active or block.node not in registered:
+            node = block.node
+            if node not in registered or not block.active:
                 continue
-            if (layout := self.layout(cidr)) is not None:
-                own[(block.node, layout.range_set.family)].append(cidr)
-        self._own = (frozenset(registered), own)
-        return own
+            layout, usable = self._of_layout(cidr)
+            if layout is not None:
+                nf = (node, layout.range_set.family)
+                own[nf].append(cidr)
+                free[nf] += max(0, usable - held(cidr, 0))
+        self._own = (frozenset(registered), own, free)
+        return own, free
 
     def changed(self, cidr: str, block: BlockRecord) -> None:
         self.blocks[cidr] = block
@@ -280,21 +296,7 @@ def ask_back_from_gone_nodes(state: PoolState, gone: Set[str], now: float) -> li
     return actions
 
 
-# -- free addresses, and since when a block is empty -------------------------------------
-
-
-def free_per_node(state: PoolState, registered: Set[str]) -> dict[NodeFamily, int]:
-    """Per registered node and family: usable addresses of its active blocks that no
-    record holds."""
-    return {
-        nf: sum(_free_in(state, cidr) for cidr in cidrs)
-        for nf, cidrs in state.own_blocks(registered).items()
-    }
-
-
-def _free_in(state: PoolState, cidr: str) -> int:
-    # own_blocks lists blocks of the layout only
-    return max(0, state.usable(cidr) - state.records.get(cidr, 0))
+# -- since when a block is empty ---------------------------------------------------------
 
 
 def empty_since(
@@ -305,13 +307,17 @@ def empty_since(
     this pass or left the layout starts again; an unregistered node's block keeps what
     was remembered, without counting on."""
     since: dict[str, float] = {}
-    for cidr, block in state.blocks.items():
-        if not block.active:
+    held = state.records.get
+    blocks = state.blocks
+    # Only an empty block or a remembered one can be in the answer.
+    for cidr in [*(c for c in blocks if not held(c)), *(c for c in before if held(c))]:
+        block = blocks.get(cidr)
+        if block is None or not block.active:
             continue
         if block.node not in registered or state.layout(cidr) is None:
             if cidr in before:
                 since[cidr] = before[cidr]
-        elif not state.records.get(cidr) and cidr in state.kvs:
+        elif not held(cidr) and cidr in state.kvs:
             since[cidr] = before.get(cidr, mono)
     return since
 
@@ -329,7 +335,7 @@ def warm_round(
     warm = state.spec.warm
     return [
         AssignBlock(node, family, free, f"{free} free < warm target {warm}")
-        for (node, family), free in free_per_node(state, registered).items()
+        for (node, family), free in state.free_per_node(registered).items()
         if free < warm and (node, family) not in passed
     ]
 
@@ -343,26 +349,41 @@ def surplus(
     """Per registered node and family: each active block empty for at least the pool's
     `release_delay`, small enough for the agent's one-transaction answer, whose
     addresses the node can do without (free less its size stays at or above warm), is
-    asked back. The block the node fills goes last: its agent is likely about to use it."""
+    asked back. The block the node fills goes last: its agent is likely about to use it.
+    Only nodes with an empty block are looked at: a pass costs the empty blocks, not
+    the nodes."""
     spec = state.spec
+    empty: dict[NodeFamily, list[str]] = {}  # blocks of the layout, by node and family
+    for cidr in since:
+        block = state.blocks.get(cidr)
+        if (
+            block is None
+            or not block.active
+            or block.node not in registered
+            or cidr not in state.kvs
+            or state.records.get(cidr)
+            or (layout := state.layout(cidr)) is None
+        ):
+            continue
+        empty.setdefault((block.node, layout.range_set.family), []).append(cidr)
+    free_per_node = state.free_per_node(registered)
+    order = {rs.family: i for i, rs in enumerate(spec.range_sets)}
     actions: list[Action] = []
-    for (node, family), cidrs in state.own_blocks(registered).items():
-        free = sum(_free_in(state, cidr) for cidr in cidrs)
+    for node, family in sorted(empty, key=lambda nf: (nf[0], order[nf[1]])):
+        free = free_per_node[(node, family)]
         filling = state.fills.get((family, node))
-        for cidr in sorted(cidrs, key=lambda c: (c == filling, c)):
-            kv, started, layout = state.kvs.get(cidr), since.get(cidr), state.layout(cidr)
-            if kv is None or started is None or layout is None or state.records.get(cidr):
-                continue
-            size = state.usable(cidr)
-            empty_for = mono - started
-            if not releasable(layout) or empty_for < spec.release_delay or free - size < spec.warm:
+        for cidr in sorted(empty[(node, family)], key=lambda c: (c == filling, c)):
+            layout, size = state.layout(cidr), state.usable(cidr)
+            empty_for = mono - since[cidr]
+            too_soon = empty_for < spec.release_delay
+            if layout is None or not releasable(layout) or too_soon or free - size < spec.warm:
                 continue
             free -= size
             why = (
                 f"surplus: empty for {empty_for:.1f}s (release delay {spec.release_delay:g}s);"
                 f" {free} free without it, warm {spec.warm}"
             )
-            actions.append(MarkForHandBack(cidr, node, kv, now, why))
+            actions.append(MarkForHandBack(cidr, node, state.kvs[cidr], now, why))
     return actions
 
 
@@ -402,7 +423,7 @@ def deficits(state: PoolState, registered: Set[str]) -> dict[tuple[str, str, str
     warm = state.spec.warm
     return {
         (state.spec.name, node, str(family)): max(0, warm - free)
-        for (node, family), free in free_per_node(state, registered).items()
+        for (node, family), free in state.free_per_node(registered).items()
     }
 
 
@@ -422,7 +443,6 @@ __all__ = [
     "block_counts",
     "deficits",
     "empty_since",
-    "free_per_node",
     "handshake_steps",
     "prune",
     "remember",
