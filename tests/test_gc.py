@@ -13,6 +13,7 @@ import pytest
 from conftest import run_cli
 from ipward.cluster.liveness import (
     ClusterView,
+    LivenessSource,
     LivenessUnavailable,
     NodeView,
     Pod,
@@ -136,7 +137,7 @@ def test_record_without_pod_uid_needs_the_runtime() -> None:
     assert gc.judge(anonymous, evidence(runtime())).reason == gc.SANDBOX_GONE
 
 
-class FixedSource:
+class FixedSource(LivenessSource):
     def __init__(self, view: NodeView) -> None:
         self.view = view
 
@@ -146,14 +147,11 @@ class FixedSource:
     def cluster_view(self) -> ClusterView:
         raise LivenessUnavailable("no cluster here")
 
-    def close(self) -> None:
-        pass
-
 
 def test_runtime_with_two_ready_sandboxes_for_one_pod_is_not_evidence() -> None:
     twin = Sandbox("sb3", ready=True, namespace="ns", name="web-1", uid="u7")
     twin2 = Sandbox("sb4", ready=True, namespace="ns", name="web-1", uid="u7")
-    ev = gc.gather(FixedSource(runtime(twin, twin2)), ["n1"], grace=GRACE)  # type: ignore[arg-type]
+    ev = gc.gather(FixedSource(runtime(twin, twin2)), ["n1"], grace=GRACE)
     assert isinstance(ev.nodes["n1"], str) and "untrusted" in ev.nodes["n1"]
     assert gc.judge(held(), ev).reason is None  # sb1 absent, yet nothing is judged gone
 

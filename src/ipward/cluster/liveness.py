@@ -25,7 +25,7 @@ Sources by URL (`open_source`):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +206,17 @@ class LivenessSource(ABC):
     @abstractmethod
     def cluster_view(self) -> ClusterView:
         """The orchestrator's pods and nodes; raises LivenessUnavailable."""
+
+    def node_views(self, nodes: Iterable[str]) -> dict[str, NodeView | str]:
+        """Each node's view, or why there is none: what a pass asks of many nodes at
+        once (a source that reads them together answers all from one read)."""
+        views: dict[str, NodeView | str] = {}
+        for node in nodes:
+            try:
+                views[node] = self.node_view(node)
+            except LivenessUnavailable as e:
+                views[node] = str(e)
+        return views
 
     def confirm_pod_gone(self, namespace: str, name: str, uid: str) -> Confirmation:
         return READ_LIVE

@@ -123,15 +123,13 @@ class Collection:
             )
             return []
         if isinstance(evidence.cluster, ClusterView):
-            named = {*nodes, *self.view.block_nodes()}
-            unnamed = sorted(n for n in named if node_name_problem(n))
+            unlisted = {*nodes, *self.view.block_nodes()}
+            unlisted -= evidence.registered
+            unlisted -= evidence.cluster.nodes
+            unnamed = sorted(n for n in unlisted if node_name_problem(n))
             if unnamed:  # written before names were checked: never judged gone
                 log.error("records name invalid nodes; not judged gone", nodes=unnamed)
-            self.gone_nodes = frozenset(
-                n
-                for n in named.difference(unnamed)
-                if n not in evidence.registered and n not in evidence.cluster.nodes
-            )
+            self.gone_nodes = frozenset(unlisted.difference(unnamed))
         candidates = Tally(
             [v.reason for v in seen.candidates] + [r.reason for r in seen.retirements if r.reason]
         )

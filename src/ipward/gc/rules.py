@@ -194,13 +194,8 @@ def gather(
         for node in nodes:
             evidence.nodes[node] = "no liveness source configured"
         return evidence
-    for node in nodes:
-        try:
-            view = source.node_view(node)
-        except LivenessUnavailable as e:
-            evidence.nodes[node] = str(e)
-            continue
-        duplicates = view.duplicate_pods()
+    for node, view in source.node_views(nodes).items():
+        duplicates = view.duplicate_pods() if isinstance(view, NodeView) else None
         if duplicates:
             log.error(
                 "runtime lists two ready sandboxes for one pod: nothing on this node is"
@@ -208,8 +203,7 @@ def gather(
                 node=node,
                 duplicates=duplicates,
             )
-            evidence.nodes[node] = f"runtime untrusted: one pod, two ready sandboxes {duplicates}"
-            continue
+            view = f"runtime untrusted: one pod, two ready sandboxes {duplicates}"
         evidence.nodes[node] = view
     if ask_cluster:
         try:

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
@@ -98,7 +99,23 @@ class SimFileSource(LivenessSource):
         return part
 
     def node_view(self, node: str) -> NodeView:
-        parsed = self._read()
+        return self._node_view(self._read(), node)
+
+    def node_views(self, nodes: Iterable[str]) -> dict[str, NodeView | str]:
+        """All from one version of the file (one stat, not one a node)."""
+        try:
+            parsed = self._read()
+        except LivenessUnavailable as e:
+            return dict.fromkeys(nodes, str(e))
+        views: dict[str, NodeView | str] = {}
+        for node in nodes:
+            try:
+                views[node] = self._node_view(parsed, node)
+            except LivenessUnavailable as e:
+                views[node] = str(e)
+        return views
+
+    def _node_view(self, parsed: _Parsed, node: str) -> NodeView:
         state = parsed.state
         built = parsed.views.get(node)
         if isinstance(built, NodeView):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, quote
 
@@ -47,6 +47,7 @@ from ipward.core.errors import InvalidConfig, TryAgainLater
 NAMESPACES = Resource("namespaces", "/api/v1/namespaces", parse_namespace, metadata_only=True)
 NODES = Resource("nodes", "/api/v1/nodes", parse_node, metadata_only=True)
 STATEFULSETS = Resource("statefulsets", "/apis/apps/v1/statefulsets", parse_statefulset)
+NO_SANDBOXES = "the Kubernetes API lists no sandboxes (the runtime does, over CRI)"
 
 
 def pods_resource(node: str = "") -> Resource[Pod]:
@@ -158,7 +159,10 @@ class K8sSource(LivenessSource, PodDirectory):
     # -- LivenessSource ------------------------------------------------------------------
 
     def node_view(self, node: str) -> NodeView:
-        raise NotCovered("the Kubernetes API lists no sandboxes (the runtime does, over CRI)")
+        raise NotCovered(NO_SANDBOXES)
+
+    def node_views(self, nodes: Iterable[str]) -> dict[str, NodeView | str]:
+        return dict.fromkeys(nodes, NO_SANDBOXES)  # one answer for all, not one raise each
 
     def cluster_view(self) -> ClusterView:
         if self.nodes is None or self.statefulsets is None:
