@@ -213,12 +213,15 @@ def test_sim_file_source_round_trip_and_faults(tmp_path: Path) -> None:
     source = SimFileSource(str(path), timeout=0.2)
     with pytest.raises(LivenessUnavailable):
         source.node_view("n1")  # nothing published yet: unavailable, not empty
+    assert all(isinstance(v, str) for v in source.node_views(["n1", "n2"]).values())
     publish(path, [pod()], [READY], 123.0)
     view = source.node_view("n1")
     assert view.as_of == 123.0 and view.sandboxes == {"sb1": READY}
     assert source.cluster_view().pods == {"u1": pod()}
-    with pytest.raises(LivenessUnavailable):
+    with pytest.raises(LivenessUnavailable) as unreachable:
         source.node_view("n2")  # not published: its runtime cannot be reached
+    # Many nodes at once answer as each alone does, from one read of the file.
+    assert source.node_views(["n1", "n2"]) == {"n1": view, "n2": str(unreachable.value)}
     state = json.loads(path.read_text())
     state["runtimes"]["n1"] = {"fail": "connection refused"}
     state["cluster"] = {"stall_until": time.time() + 60}

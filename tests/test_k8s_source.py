@@ -129,6 +129,10 @@ def test_view_contents(kube: KubeApi) -> None:
     assert view.statefulsets[f"{ns}/db"] == 2
     assert view.namespaces[ns] == {"ipward.io/pool": "shop-pool"}
     assert view.namespaces[other] == {}
+    # No sandboxes from the API: each node's answer says why, many at once as one alone.
+    with pytest.raises(LivenessUnavailable) as one:
+        source.node_view(n1)
+    assert source.node_views([n1, n2]) == {n1: str(one.value), n2: str(one.value)}
 
 
 def test_could_not_list_is_unavailable_never_empty(kube: KubeApi, tmp_path: Any) -> None:
