@@ -18,6 +18,7 @@ import pytest
 
 from conftest import REPO
 from ipward.cmd.install import LAUNCHER, write_executable, write_launcher
+from ipward.cni.codepack import pack_path
 from ipward.core.pool import PoolSpec
 from ipward.ipam.pools import create_pool
 from ipward.store import open_store
@@ -35,6 +36,7 @@ IN_PROCESS = {
     "ipward",
     "ipward.cni",
     "ipward.cni.cniio",
+    "ipward.cni.codepack",
     "ipward.cni.config",
     "ipward.cni.plugin",
     "ipward.cni.selection",
@@ -79,8 +81,8 @@ CLAIMING = {"ipward.ipam.claims"}
 FREEING = {"ipward.ipam.freeing"}
 STICKY = {"ipward.ipam.sticky", *FREEING}
 # The thin path: the config is parsed for ipam.agentSocket and the call forwarded; the
-# standalone plugin is that path with an entry of its own.
-FORWARDING = STANDALONE_IMPORTS - {"ipward.cni.standalone"}
+# standalone plugin is that path with an entry of its own, the launcher with its code pack.
+FORWARDING = (STANDALONE_IMPORTS - {"ipward.cni.standalone"}) | {"ipward.cni.codepack"}
 
 
 def imported(
@@ -183,7 +185,8 @@ def test_a_costly_import_on_the_start_path_is_found(
     head, marker, rest = source.partition("from __future__ import annotations\n")
     path.write_text(f"{head}{marker}import {added}\n{rest}")
     copy_launcher = tmp_path / "bin" / "ipward"
-    write_executable(copy_launcher, LAUNCHER.format(path=str(tmp_path)).encode())
+    text = LAUNCHER.format(path=str(tmp_path), pack=pack_path(str(tmp_path / "ipward")))
+    write_executable(copy_launcher, text.encode())  # no pack there: imported module by module
     found = imported(copy_launcher, "ADD", in_process_config(sqlite_url))
     assert added in found - IN_PROCESS - STORING_A_POOL - CLAIMING
 
@@ -192,7 +195,8 @@ def test_a_launcher_without_isolation_flags_is_found(tmp_path: Path, sqlite_url:
     """Its shebang is what the measurement runs: without -S, `site` (and with it `os`)
     is imported on every exec."""
     slow = tmp_path / "bin" / "ipward"
-    text = LAUNCHER.format(path=str(SRC)).replace("#!/usr/bin/python3 -IS", "#!/usr/bin/python3 -I")
+    text = LAUNCHER.format(path=str(SRC), pack=pack_path(str(SRC / "ipward")))
+    text = text.replace("#!/usr/bin/python3 -IS", "#!/usr/bin/python3 -I")
     write_executable(slow, text.encode())
     found = imported(slow, "ADD", in_process_config(sqlite_url))
     assert {"site", "os"} <= found - IN_PROCESS

@@ -2,8 +2,9 @@
 
 The launcher (the default; the benchmark installs it the same way) runs the system
 interpreter with -I -S (isolated, no site: a fast start; one shebang word, as Linux
-passes everything after the interpreter as one argument) and finds the package at the
-path it was installed from. The standalone plugin (`--standalone`) is built by
+passes everything after the interpreter as one argument), finds the package at the
+path it was installed from and loads its modules from the code pack written with its
+bytecode (`ipward.cni.codepack`). The standalone plugin (`--standalone`) is built by
 `ipward.cmd.standalone_build`.
 
 Both are written atomically (a file beside the target, then a rename), so a runtime
@@ -18,25 +19,36 @@ import tempfile
 from pathlib import Path
 
 import ipward
+from ipward.cni import codepack
 
 PLUGIN_PYTHON = "/usr/bin/python3"  # the launcher's interpreter
 LAUNCHER = f"""#!{PLUGIN_PYTHON} -IS
 # ipward CNI IPAM plugin, installed by 'ipward install-cni'. -I -S (one shebang word):
-# isolated, no site: fast start; the package is found at the path below.
+# isolated, no site: fast start; the package is found at the path below, its modules
+# in the code pack beside its bytecode (ipward.cni.codepack).
 import sys
 sys.path.insert(0, {{path!r}})
+from ipward.cni.codepack import install
+install({{pack!r}})
 from ipward.cni.plugin import main
 main()
 """
+# Run by the launcher's interpreter: the package's bytecode, then its code pack.
+_COMPILE = (
+    "import compileall, sys; sys.path.insert(0, sys.argv[1]);"
+    " from ipward.cni.codepack import write;"
+    " ok = compileall.compile_dir(sys.argv[2], quiet=1); write(sys.argv[2]);"
+    " sys.exit(0 if ok else 1)"
+)
 
 
 def write_launcher(target: Path) -> str | None:
     """Write the launcher at `target` (its directory made if missing), atomically, and
-    the package's bytecode for the launcher's interpreter. Returns why that bytecode
-    could not be written (then every exec compiles the modules it imports, ~10 ms),
-    else None."""
+    the package's bytecode and code pack for the launcher's interpreter. Returns why
+    they could not be written (then every exec compiles the modules it imports, ~10
+    ms), else None."""
     package = Path(ipward.__file__).resolve().parent
-    text = LAUNCHER.format(path=str(package.parent))
+    text = LAUNCHER.format(path=str(package.parent), pack=codepack.pack_path(str(package)))
     write_executable(target, text.encode())
     return write_bytecode(package)
 
@@ -44,8 +56,9 @@ def write_launcher(target: Path) -> str | None:
 def write_bytecode(package: Path) -> str | None:
     """Compile `package` with the launcher's interpreter (its own magic number and cache
     tag: the interpreter running this command may be another Python), so no plugin exec
-    compiles; files already fresh are left as they are. Why it failed, else None."""
-    argv = [PLUGIN_PYTHON, "-I", "-S", "-m", "compileall", "-q", str(package)]
+    compiles: its `.pyc` files (those already fresh are left as they are) and its code
+    pack. Why it failed, else None."""
+    argv = [PLUGIN_PYTHON, "-I", "-S", "-c", _COMPILE, str(package.parent), str(package)]
     try:
         done = subprocess.run(argv, capture_output=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:

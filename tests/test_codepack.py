@@ -1,0 +1,132 @@
+"""The launcher's code pack (`ipward.cni.codepack`): an installed plugin imports its
+modules from the pack; a module changed since the install is imported from its source;
+a pack that cannot be used (missing, damaged, of another interpreter) changes nothing
+but the speed. Each case on a copy of the package installed as `ipward install-cni`
+installs it, run by the launcher's own interpreter."""
+
+from __future__ import annotations
+
+import json
+import marshal
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from ipward.cni.codepack import pack_path
+
+HOST_PYTHON = "/usr/bin/python3"
+# The launcher's lines, then which loader each module on the ADD path came from, and
+# the ADD itself (its answer on stdout after the report).
+REPORT = """
+import sys
+sys.path.insert(0, {path!r})
+from ipward.cni.codepack import install
+install({pack!r})
+import ipward.cni.verbs, ipward.store.sqlite
+loaders = {{
+    n: type(m.__spec__.loader).__name__
+    for n, m in sys.modules.items() if n.startswith("ipward.") and m.__spec__
+}}
+marks = {{n: getattr(m, "MARK", None) for n, m in sys.modules.items() if n.startswith("ipward")}}
+print(repr((loaders, {{n: v for n, v in marks.items() if v is not None}})))
+sys.stdout.flush()
+from ipward.cni.plugin import main
+main()
+"""
+
+
+@pytest.fixture
+def installed(tmp_path: Path) -> Path:
+    """A copy of the package, installed (its bytecode and pack written) by the host's
+    interpreter; returns the directory holding `ipward`."""
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "src" / "ipward", tmp_path / "pkg" / "ipward", ignore=skip)
+    program = (
+        "import sys;from pathlib import Path;sys.path.insert(0,sys.argv[1]);"
+        "from ipward.cmd.install import write_launcher;print(write_launcher(Path(sys.argv[2])))"
+    )
+    target = tmp_path / "bin" / "ipward"
+    argv = [HOST_PYTHON, "-I", "-S", "-B", "-c", program, str(tmp_path / "pkg"), str(target)]
+    done = subprocess.run(argv, capture_output=True, timeout=300)
+    assert done.stdout == b"None\n", done.stderr.decode()
+    assert Path(pack_path(str(tmp_path / "pkg" / "ipward"))).is_file()
+    return tmp_path / "pkg"
+
+
+def add(package: Path, store: Path) -> tuple[dict[str, str], dict[str, int], dict]:
+    """One in-process ADD through the launcher's lines: (loader per ipward module,
+    MARK per module that has one, the CNI answer)."""
+    program = REPORT.format(path=str(package), pack=pack_path(str(package / "ipward")))
+    config = {
+        "cniVersion": "1.0.0",
+        "name": "net1",
+        "ipam": {
+            "type": "ipward",
+            "store": f"sqlite://{store}",
+            "ranges": [[{"subnet": "10.0.0.0/24"}]],
+        },
+    }
+    env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_IFNAME": "eth0"}
+    env.update(CNI_NETNS="/var/run/netns/test", CNI_PATH="/opt/cni/bin")
+    done = subprocess.run(
+        [HOST_PYTHON, "-I", "-S", "-c", program],
+        input=json.dumps(config).encode(),
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    report, _, answer = done.stdout.decode().partition("\n")
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr.decode()
+    loaders, marks = eval(report)
+    return loaders, marks, json.loads(answer)
+
+
+def test_the_installed_plugin_imports_its_modules_from_the_pack(
+    installed: Path, tmp_path: Path
+) -> None:
+    loaders, _, answer = add(installed, tmp_path / "s.db")
+    assert answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway
+    assert loaders["ipward.cni.verbs"] == "CodePack"
+    assert loaders["ipward.store.sqlite"] == "CodePack"
+    # the three imported before the pack is installed, the usual way
+    assert {n for n, kind in loaders.items() if kind != "CodePack"} == {
+        "ipward.cni",
+        "ipward.cni.codepack",
+    }
+
+
+def test_a_module_changed_since_the_install_is_imported_from_its_source(
+    installed: Path, tmp_path: Path
+) -> None:
+    verbs = installed / "ipward" / "cni" / "verbs.py"
+    verbs.write_text(verbs.read_text() + "\nMARK = 1\n")  # as an upgrade without install-cni
+    loaders, marks, answer = add(installed, tmp_path / "s.db")
+    assert marks == {"ipward.cni.verbs": 1}  # the new source runs
+    assert loaders["ipward.cni.verbs"] == "SourceFileLoader"
+    assert loaders["ipward.store.sqlite"] == "CodePack"  # the others still from the pack
+    assert answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "another interpreter", "garbage"])
+def test_a_pack_that_cannot_be_used_changes_nothing_but_the_speed(
+    installed: Path, tmp_path: Path, damage: str
+) -> None:
+    pack = Path(pack_path(str(installed / "ipward")))
+    data = pack.read_bytes()
+    if damage == "missing":
+        pack.unlink()
+    elif damage == "truncated":
+        pack.write_bytes(data[: len(data) // 3])
+    elif damage == "another interpreter":
+        length = int.from_bytes(data[:4], "big")
+        _, entries = marshal.loads(data[4 : 4 + length])
+        index = marshal.dumps((b"\x00\x00\r\n", entries))
+        pack.write_bytes(len(index).to_bytes(4, "big") + index + data[4 + length :])
+    else:
+        pack.write_bytes(b"\xff" * 4096)
+    loaders, _, answer = add(installed, tmp_path / "s.db")
+    assert "CodePack" not in loaders.values()
+    assert answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway
