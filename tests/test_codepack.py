@@ -11,6 +11,8 @@ import marshal
 import shutil
 import subprocess
 from pathlib import Path
+from types import CodeType
+from typing import NamedTuple
 
 import pytest
 
@@ -31,7 +33,13 @@ loaders = {{
     for n, m in sys.modules.items() if n.startswith("ipward.") and m.__spec__
 }}
 marks = {{n: getattr(m, "MARK", None) for n, m in sys.modules.items() if n.startswith("ipward")}}
-print(repr((loaders, {{n: v for n, v in marks.items() if v is not None}})))
+verbs = sys.modules["ipward.cni.verbs"]
+lines = {{  # where each function of verbs starts, for tracebacks
+    n: f.__code__.co_firstlineno
+    for n, f in vars(verbs).items() if getattr(f, "__module__", "") == verbs.__name__
+    and hasattr(f, "__code__")
+}}
+print(repr((loaders, {{n: v for n, v in marks.items() if v is not None}}, verbs.__doc__, lines)))
 sys.stdout.flush()
 from ipward.cni.plugin import main
 main()
@@ -56,9 +64,16 @@ def installed(tmp_path: Path) -> Path:
     return tmp_path / "pkg"
 
 
-def add(package: Path, store: Path) -> tuple[dict[str, str], dict[str, int], dict]:
-    """One in-process ADD through the launcher's lines: (loader per ipward module,
-    MARK per module that has one, the CNI answer)."""
+class Added(NamedTuple):
+    loaders: dict[str, str]  # loader per ipward module
+    marks: dict[str, int]  # MARK per module that has one
+    verbs_doc: str | None  # `ipward.cni.verbs`' docstring
+    verbs_lines: dict[str, int]  # first line of each function of `ipward.cni.verbs`
+    answer: dict  # the CNI answer
+
+
+def add(package: Path, store: Path) -> Added:
+    """One in-process ADD through the launcher's lines."""
     program = REPORT.format(path=str(package), pack=pack_path(str(package / "ipward")))
     config = {
         "cniVersion": "1.0.0",
@@ -80,22 +95,31 @@ def add(package: Path, store: Path) -> tuple[dict[str, str], dict[str, int], dic
     )
     report, _, answer = done.stdout.decode().partition("\n")
     assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr.decode()
-    loaders, marks = eval(report)
-    return loaders, marks, json.loads(answer)
+    return Added(*eval(report), json.loads(answer))
+
+
+def function_lines(source: Path) -> dict[str, int]:
+    """First line of each top-level function's code, as Python compiles the source."""
+    module = compile(source.read_text(), str(source), "exec")
+    return {c.co_name: c.co_firstlineno for c in module.co_consts if isinstance(c, CodeType)}
 
 
 def test_the_installed_plugin_imports_its_modules_from_the_pack(
     installed: Path, tmp_path: Path
 ) -> None:
-    loaders, _, answer = add(installed, tmp_path / "s.db")
-    assert answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway
-    assert loaders["ipward.cni.verbs"] == "CodePack"
-    assert loaders["ipward.store.sqlite"] == "CodePack"
+    added = add(installed, tmp_path / "s.db")
+    assert added.answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway
+    assert added.loaders["ipward.cni.verbs"] == "CodePack"
+    assert added.loaders["ipward.store.sqlite"] == "CodePack"
     # the three imported before the pack is installed, the usual way
-    assert {n for n, kind in loaders.items() if kind != "CodePack"} == {
+    assert {n for n, kind in added.loaders.items() if kind != "CodePack"} == {
         "ipward.cni",
         "ipward.cni.codepack",
     }
+    # docstrings left out, line numbers the source's
+    assert added.verbs_doc is None
+    verbs = installed / "ipward" / "cni" / "verbs.py"
+    assert added.verbs_lines and added.verbs_lines.items() <= function_lines(verbs).items()
 
 
 def test_a_module_changed_since_the_install_is_imported_from_its_source(
@@ -103,11 +127,12 @@ def test_a_module_changed_since_the_install_is_imported_from_its_source(
 ) -> None:
     verbs = installed / "ipward" / "cni" / "verbs.py"
     verbs.write_text(verbs.read_text() + "\nMARK = 1\n")  # as an upgrade without install-cni
-    loaders, marks, answer = add(installed, tmp_path / "s.db")
-    assert marks == {"ipward.cni.verbs": 1}  # the new source runs
-    assert loaders["ipward.cni.verbs"] == "SourceFileLoader"
-    assert loaders["ipward.store.sqlite"] == "CodePack"  # the others still from the pack
-    assert answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway
+    added = add(installed, tmp_path / "s.db")
+    assert added.marks == {"ipward.cni.verbs": 1}  # the new source runs
+    assert added.loaders["ipward.cni.verbs"] == "SourceFileLoader"
+    assert added.verbs_doc  # from the source, as it is
+    assert added.loaders["ipward.store.sqlite"] == "CodePack"  # the others: from the pack
+    assert added.answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "another interpreter", "garbage"])
@@ -127,6 +152,6 @@ def test_a_pack_that_cannot_be_used_changes_nothing_but_the_speed(
         pack.write_bytes(len(index).to_bytes(4, "big") + index + data[4 + length :])
     else:
         pack.write_bytes(b"\xff" * 4096)
-    loaders, _, answer = add(installed, tmp_path / "s.db")
-    assert "CodePack" not in loaders.values()
-    assert answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway
+    added = add(installed, tmp_path / "s.db")
+    assert "CodePack" not in added.loaders.values()
+    assert added.answer["ips"][0]["address"] == "10.0.0.2/24"  # .1 is the gateway

@@ -23,7 +23,7 @@ import sys
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from importlib.machinery import ModuleSpec
-    from types import ModuleType
+    from types import CodeType, ModuleType
 
 PACK_NAME = "plugin-modules.pack"  # in the package's __pycache__
 PACKED = ("", "cni", "core", "ipam", "store")  # the package and the subpackages packed
@@ -97,6 +97,20 @@ def pack_path(package: str) -> str:
     return f"{package}/__pycache__/{PACK_NAME}"
 
 
+def _compiled(source: bytes, origin: str) -> CodeType:
+    """The module's code without its docstrings: they are for readers of the source,
+    the plugin reads none, and they are a sixth of its bytecode (~0.4 ms an exec to
+    unmarshal here). Line numbers stay the source's, for tracebacks."""
+    import ast
+
+    tree = ast.parse(source, origin)
+    documented = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+    for node in ast.walk(tree):
+        if isinstance(node, documented) and ast.get_docstring(node, clean=False) is not None:
+            node.body = node.body[1:] or [ast.copy_location(ast.Pass(), node.body[0])]
+    return compile(tree, origin, "exec", dont_inherit=True)
+
+
 def write(package: str) -> str:
     """Compile the modules of PACKED under `package` (the `ipward` directory) with this
     interpreter into its pack, atomically (a file beside it, then a rename); returns the
@@ -117,7 +131,7 @@ def write(package: str) -> str:
             name = prefix if is_package else f"{prefix}.{file[:-3]}"
             st = os.stat(origin)  # before the read: a change after it fails the check
             with open(origin, "rb") as f:
-                code = marshal.dumps(compile(f.read(), origin, "exec", dont_inherit=True))
+                code = marshal.dumps(_compiled(f.read(), origin))
             entries[name] = (origin, is_package, st.st_mtime_ns, st.st_size, offset, len(code))
             codes.append(code)
             offset += len(code)
