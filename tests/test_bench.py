@@ -221,6 +221,10 @@ def test_quick_run_reports_every_figure() -> None:
         "exec.ipward.p99_ms",
         "exec.ipward_pool.median_ms",
         "exec.ipward_pool_minus_python_ms",
+        "exec.sqlite_floor.median_ms",
+        "exec.sqlite_floor_minus_python_ms",
+        "exec.ipward_minus_floor_ms",
+        "exec.ipward_pool_minus_floor_ms",
         "latency.empty_24.median_ms",
         "latency.empty_24.p99_ms",
         "latency.full90_20.median_ms",
@@ -237,11 +241,12 @@ def test_quick_run_reports_every_figure() -> None:
         assert "etcd" in result["skipped"]
     missing = [name for name in expected if name not in figures]
     assert not missing, missing
-    # The difference of two medians is the one figure that is not a measurement itself.
+    # The differences of two medians are the figures that are not measurements themselves.
+    differences = ("_minus_python_ms", "_minus_floor_ms")
     not_positive = {
         name: value
         for name, value in figures.items()
-        if not name.endswith("_minus_python_ms") and not (value > 0 and math.isfinite(value))
+        if not name.endswith(differences) and not (value > 0 and math.isfinite(value))
     }
     assert not not_positive, not_positive
     assert math.isfinite(figures["exec.ipward_minus_python_ms"])

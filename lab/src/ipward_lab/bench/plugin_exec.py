@@ -29,6 +29,30 @@ from ipward_lab.bench.common import (
 
 TARGET_EXEC_OVER_PYTHON_MS = 5.0  # plugin ADD median - bare interpreter median
 EXEC_POOL = "benchexec"
+# The floor of any Python plugin on SQLite, the reference next to the plugin's own
+# share: the bare interpreter importing `_sqlite3` (with the plugin's stand-in for
+# `functools`, `store/sqlite.py`), one fsynced WAL transaction of one read and one
+# write, an answer on stdout. Nothing of ipward.
+SQLITE_FLOOR = """\
+import sys, _functools, posix
+def lru_cache(maxsize):
+    return lambda f: _functools._lru_cache_wrapper(f, maxsize, False, tuple)
+stand_in = type(sys)("functools")
+stand_in.lru_cache = lru_cache
+sys.modules["functools"] = stand_in
+import _sqlite3
+del sys.modules["functools"]
+db = _sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("PRAGMA journal_mode=WAL")
+db.execute("PRAGMA synchronous=FULL")
+db.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value BLOB) WITHOUT ROWID")
+db.execute("BEGIN IMMEDIATE")
+n = db.execute("SELECT count(*) FROM kv").fetchone()[0]
+db.execute("INSERT INTO kv VALUES (?, ?)", (f"ips/{n}", b'{"container": "x"}'))
+db.execute("COMMIT")
+posix.write(1, b'{"cniVersion":"1.0.0","ips":[{"address":"10.30.0.2/16"}]}')
+"""
+REFERENCES = ("python", "sqlite_floor")  # exec'd for their time only: no DEL
 
 
 class ExecError(BenchError):
@@ -119,7 +143,10 @@ def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float]:
             }
         ),
     }
-    return interleaved_adds(exec_kinds(tmp, configs), runs, warmup)
+    kinds = exec_kinds(tmp, configs)
+    floor = [PLUGIN_PYTHON, "-I", "-S", "-c", SQLITE_FLOOR, str(tmp / "floor.db")]
+    kinds = {"python": kinds.pop("python"), "sqlite_floor": _Exec(floor, b"", ""), **kinds}
+    return interleaved_adds(kinds, runs, warmup)
 
 
 def interleaved_adds(kinds: dict[str, _Exec], runs: int, warmup: int) -> dict[str, float]:
@@ -136,7 +163,7 @@ def interleaved_adds(kinds: dict[str, _Exec], runs: int, warmup: int) -> dict[st
         added.append(container)
     for container in added:
         for kind, ex in kinds.items():
-            if kind != "python":
+            if kind not in REFERENCES:
                 ex.run("DEL", container)
     out: dict[str, float] = {}
     for kind, values in samples.items():
@@ -194,9 +221,12 @@ def exec_section(tmp: Path, quick: bool, out: Callable[[str], object], r: Result
     ex = exec_latency(exec_dir, runs)
     for key, value in ex.items():
         r.figures[f"exec.{key}"] = float(value)
-    exec_rows = [[f"2. exec latency ({runs} runs)", "median ms", "p99 ms", "- python", "target"]]
+    exec_rows = [
+        [f"2. exec latency ({runs} runs)", "median ms", "p99 ms", "- python", "- floor", "target"]
+    ]
     labels = {
         "python": f"{PLUGIN_PYTHON} -I -S -c pass",
+        "sqlite_floor": "  floor: + _sqlite3, one fsynced transaction",
         "host_local": "host-local ADD",
         "ipward_pool": "ipward ADD, named pool (single-node, SQLite)",
         "ipward": "ipward ADD, inline ranges (single-node, SQLite)",
@@ -204,21 +234,29 @@ def exec_section(tmp: Path, quick: bool, out: Callable[[str], object], r: Result
     for kind, label in labels.items():
         if f"exec.{kind}.median_ms" not in r.figures:
             r.skipped[f"exec.{kind}"] = f"{HOST_LOCAL} is missing"
-            exec_rows.append([label, "skipped", "", "", ""])
+            exec_rows.append([label, "skipped", "", "", "", ""])
             continue
         row = [label, f"{r.figures[f'exec.{kind}.median_ms']:.2f}"]
         row.append(f"{r.figures[f'exec.{kind}.p99_ms']:.2f}")
-        if kind.startswith("ipward"):
-            diff = r.figures[f"exec.{kind}.median_ms"] - r.figures["exec.python.median_ms"]
+        median = r.figures[f"exec.{kind}.median_ms"]
+        if kind == "sqlite_floor":
+            diff = median - r.figures["exec.python.median_ms"]
+            r.figures["exec.sqlite_floor_minus_python_ms"] = diff
+            row += [f"{diff:+.2f}", "", ""]
+        elif kind.startswith("ipward"):
+            diff = median - r.figures["exec.python.median_ms"]
             ok = diff <= TARGET_EXEC_OVER_PYTHON_MS
             r.figures[f"exec.{kind}_minus_python_ms"] = diff
+            own = median - r.figures["exec.sqlite_floor.median_ms"]
+            r.figures[f"exec.{kind}_minus_floor_ms"] = own
             r.targets[f"exec.{kind}_minus_python_ms"] = {
                 "value": diff,
                 "target": f"<= {TARGET_EXEC_OVER_PYTHON_MS} ms",
                 "met": ok,
             }
-            row += [f"{diff:+.2f}", f"<= {TARGET_EXEC_OVER_PYTHON_MS:.0f} ms {verdict(ok)}"]
+            target = f"<= {TARGET_EXEC_OVER_PYTHON_MS:.0f} ms {verdict(ok)}"
+            row += [f"{diff:+.2f}", f"{own:+.2f}", target]
         else:
-            row += ["", ""]
+            row += ["", "", ""]
         exec_rows.append(row)
     r.tables["exec"] = exec_rows
