@@ -215,6 +215,19 @@ def test_surplus_never_takes_a_node_below_its_warm_target() -> None:
     assert plan.surplus(state, {"n1"}, dict.fromkeys((A, B), 0.0), NOW, 0.0) == []
 
 
+def test_surplus_asks_only_nodes_with_an_empty_block_in_name_order() -> None:
+    """Each node's free count is over all its blocks, held or not; a block that holds
+    a record, or an unregistered node's, is never asked back, whatever `since` says."""
+    blocks = {A: active("n2"), B: active("n2"), C: active("n1"), D: active("n1")}
+    state = state_of(blocks, records={B: 1, C: 2}, warm=10, release_delay=0)
+    since = dict.fromkeys((A, B, C, D), 0.0)  # B and C hold records: they do not count
+    marks = plan.surplus(state, {"n1", "n2"}, since, NOW, mono=1.0)
+    # n1: 14 + 16 free, D asked back (14 left >= 10); n2: 16 + 15, A asked back (15 left)
+    assert [(a.cidr, a.node) for a in marks] == [(D, "n1"), (A, "n2")]
+    assert "14 free without it" in marks[0].why and "15 free without it" in marks[1].why
+    assert plan.surplus(state, {"n1"}, since, NOW, mono=1.0) == marks[:1]  # n2 not registered
+
+
 def test_empty_since_restarts_on_a_record_or_a_change_and_holds_for_an_unregistered_node() -> None:
     state = state_of({A: active("n1"), B: active("n1"), C: active("n9")}, records={A: 1})
     before = {A: 5.0, B: 7.0, C: 3.0}
