@@ -807,6 +807,7 @@ def scale_plot(rows: list[dict[str, float]]) -> bytes:
         Panel(
             {
                 "agent reconcile pass": series("reconcile_ms"),
+                "its node index read alone (reference)": series("node_read_ms"),
                 "controller pass, 1% changed": series("controller_steady_pass_ms"),
                 "controller first pass": series("controller_first_pass_ms"),
             },
@@ -817,7 +818,7 @@ def scale_plot(rows: list[dict[str, float]]) -> bytes:
             logy=True,
             ymin=None,
             xticks=ticks,
-            styles={"controller first pass": ":"},
+            styles={"controller first pass": ":", "its node index read alone (reference)": ":"},
         ),
         Panel(
             {
