@@ -236,13 +236,16 @@ def public_plugin(directory: Path) -> Path:
     this checkout lives (a clone in a 0700 directory would make the import fail)."""
     import ipward
     from ipward.cmd.install import LAUNCHER
+    from ipward.cni.codepack import PACK_NAME, pack_path
 
     lib = directory / "lib"
-    shutil.copytree(Path(ipward.__file__).parent, lib / "ipward")
+    # Not the code pack: its entries name this checkout's files (the copy imports its own).
+    skip = shutil.ignore_patterns(PACK_NAME)
+    shutil.copytree(Path(ipward.__file__).parent, lib / "ipward", ignore=skip)
     for path in [lib, *lib.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     launcher = directory / "ipward"
-    launcher.write_text(LAUNCHER.format(path=str(lib)))
+    launcher.write_text(LAUNCHER.format(path=str(lib), pack=pack_path(str(lib / "ipward"))))
     launcher.chmod(0o755)
     return launcher
 
