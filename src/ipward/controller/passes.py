@@ -78,6 +78,8 @@ from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError
 
+WAKE_SLICE = 0.5  # seconds: the longest a pass asked for by a signal can wait
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -138,8 +140,17 @@ class Controller:
                 self.run_pass_logged()
             else:
                 self.view.forget()  # a standby holds no view; a new term reads whole
-            self.wake.wait(self.interval)
-            self.wake.clear()
+            self._until_next_pass()
+
+    def _until_next_pass(self) -> None:
+        """Wait the interval, or until a pass is asked for (`pass_now`, leadership, stop).
+        In slices: `run` is the main thread's, where Python runs signal handlers, and a
+        signal the kernel hands to another thread (SIGUSR1, `pass_now`) does not wake a
+        main thread blocked in a wait; its handler runs once the slice ends."""
+        deadline = time.monotonic() + self.interval
+        while not self.wake.is_set() and (left := deadline - time.monotonic()) > 0:
+            self.wake.wait(min(left, WAKE_SLICE))
+        self.wake.clear()
 
     def stop(self) -> None:
         self.stopping.set()
