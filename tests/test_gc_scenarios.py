@@ -283,6 +283,22 @@ def test_node_down_freed_only_after_lease_expired_and_node_gone(world: World) ->
     w.assert_invariants()
 
 
+def rolling_restart(w: World, replicas: int) -> None:
+    """Restart Deployment web and wait until its `replicas` pods are all new and ready.
+    Found flaky: the simulated cluster restarts in the background, so waiting for
+    `replicas` ready pods alone could end at once, on the old ones, on a loaded machine."""
+    old = {p.uid for p in w.sim.pods(NS)}
+    w.sim.rolling_restart(NS, "web")
+    wait_for(
+        lambda: (
+            {p.uid for p in w.sim.pods(NS)}.isdisjoint(old)
+            and len(w.sim.pods(NS)) == replicas
+            and len(w.sim.ready_addresses()) == replicas
+        ),
+        "the rolling restart",
+    )
+
+
 @pytest.mark.parametrize("fault", ["lag", "error", "stall"])
 def test_liveness_source_lagging_or_failing_frees_nothing(world: World, fault: str) -> None:
     w = world
@@ -304,11 +320,7 @@ def test_liveness_source_lagging_or_failing_frees_nothing(world: World, fault: s
         w.fail_cluster("apiserver: 500")
         w.sim.stall_runtime("n1", 600)
     w.sim.drop_del_rate = 1.0
-    w.sim.rolling_restart(NS, "web")
-    wait_for(
-        lambda: len(w.sim.pods(NS)) == 3 and len(w.sim.ready_addresses()) == 3,
-        "the rolling restart",
-    )
+    rolling_restart(w, 3)
     leaked = set(w.records()) - set(w.sim.ready_addresses())
     assert len(leaked) == 3
     time.sleep(GRACE + 4 * INTERVAL)
@@ -384,11 +396,7 @@ def test_missed_dels_on_etcd_with_two_controllers(etcd_world: World) -> None:
     w.sim.create_deployment(NS, "web", 6)
     wait_for(lambda: len(w.sim.ready_addresses()) == 6, "6 pods running")
     w.sim.drop_del_rate = 1.0
-    w.sim.rolling_restart(NS, "web")
-    wait_for(
-        lambda: len(w.sim.pods(NS)) == 6 and len(w.sim.ready_addresses()) == 6,
-        "the rolling restart",
-    )
+    rolling_restart(w, 6)
     wait_for(
         lambda: set(w.records()) == set(w.sim.ready_addresses()),
         "the leaked addresses back",
