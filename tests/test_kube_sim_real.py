@@ -1,14 +1,16 @@
 """`ipward sim --api real`: the soak on the real kube-apiserver (when KUBE_APISERVER names
-it). Apart from tests/test_kube_sim.py so the two long soaks through `k8s://` can run on
-two test workers at once."""
+it), and the lab that starts it. Apart from tests/test_kube_sim.py so the two long soaks
+through `k8s://` can run on two test workers at once."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from ipward_lab import kubelab
+from ipward_lab.etcdlab import free_port
 from ipward_lab.sim import Options, Soak
 
 
@@ -25,3 +27,22 @@ def test_soak_through_the_real_kube_apiserver(tmp_path: Path) -> None:
     result = s.run(live=False)
     assert not result.violations, result.violations
     assert {kind for _, kind, _ in result.faults} == set(faults)
+
+
+@pytest.mark.skipif(kubelab.binary() is None, reason="KUBE_APISERVER names no kube-apiserver")
+def test_the_kube_apiserver_lab_takes_another_port_when_its_first_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found flaky in CI: a port free when chosen was taken (by a test's etcd, also
+    choosing at random) before the server bound it, and the fixture failed."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        first = taken.getsockname()[1]
+        ports = iter([first])
+        monkeypatch.setattr(kubelab, "free_port", lambda: next(ports, None) or free_port())
+        executable = kubelab.binary()
+        assert executable is not None
+        with kubelab.kube_apiserver(executable, tmp_path) as lab:
+            assert lab.port != first and lab.ready()
+            assert "address already in use" in lab.log_path.read_text()

@@ -47,10 +47,10 @@ def binary() -> str | None:
 class KubeLab:
     """A running kube-apiserver: its URL, CA, tokens and a kubeconfig (admin token)."""
 
-    def __init__(self, root: Path, port: int) -> None:
+    def __init__(self, root: Path) -> None:
         self.root = root
-        self.port = port
-        self.url = f"https://127.0.0.1:{port}"
+        self.port = 0  # chosen at the first start (`listen_on`)
+        self.url = ""
         self.ca_file = root / "certs" / "apiserver.crt"
         self.kubeconfig = root / "kubeconfig"
         self.log_path = root / "kube-apiserver.log"
@@ -59,11 +59,16 @@ class KubeLab:
         self.proc: subprocess.Popen[bytes] | None = None
         self.client_pki: ClientPki | None = None  # client certificates it accepts
 
+    def listen_on(self, port: int) -> None:
+        self.port = port
+        self.url = f"https://127.0.0.1:{port}"
+
     def start(self) -> None:
         """Start the server (again: same port, certificates and etcd); not waiting."""
+        argv = [*self.args, f"--secure-port={self.port}"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
 
     def stop(self) -> None:
@@ -114,11 +119,30 @@ class KubeLab:
         self.kubeconfig.write_text(json.dumps(config))  # JSON is YAML
 
 
+PORT_TRIES = 3
+
+
+def _first_start(lab: KubeLab) -> None:
+    """Start on a free port, ready. A port free when chosen can be taken before the
+    server binds it (by another test's etcd or server choosing at random too): then
+    another port, up to PORT_TRIES."""
+    for attempt in range(1, PORT_TRIES + 1):
+        lab.listen_on(free_port())
+        lab.start()
+        try:
+            lab.wait_ready()
+            return
+        except RuntimeError:
+            if attempt == PORT_TRIES or "address already in use" not in lab.log_tail(5):
+                raise
+            lab.stop()
+
+
 @contextlib.contextmanager
 def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[KubeLab]:
     """Start etcd and the kube-apiserver `executable`; yield when it is ready."""
     root = Path(tempfile.mkdtemp(prefix="kubelab-", dir=tmp_dir))
-    lab = KubeLab(root, free_port())
+    lab = KubeLab(root)
     try:
         with etcd_server(root / "etcd") as etcd:
             (root / "certs").mkdir()
@@ -131,7 +155,6 @@ def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[Kub
             lab.args = [
                 executable,
                 f"--etcd-servers=http://{etcd.endpoint}",
-                f"--secure-port={lab.port}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
                 f"--cert-dir={root / 'certs'}",
@@ -144,9 +167,8 @@ def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[Kub
                 "--service-cluster-ip-range=10.96.0.0/16",
                 "--disable-admission-plugins=ServiceAccount",
             ]
-            lab.start()
             try:
-                lab.wait_ready()
+                _first_start(lab)
                 lab.write_kubeconfig()
                 yield lab
             finally:
