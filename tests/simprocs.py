@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -239,6 +239,20 @@ class World:
             for entry in p.logged("freed"):
                 out.append({**entry, "by": p.name})
         return out
+
+    def frees_logged(self, ips: Iterable[str]) -> list[dict]:
+        """The `freed` log lines naming any of `ips`, once each of them is named: a free
+        is logged just after its commit, so a line can follow the store's state."""
+        wanted = set(ips)
+
+        def named(entry: dict) -> set[str]:
+            return {ip.rsplit("/", 1)[1] for ip in entry.get("ips", [])}
+
+        def found() -> list[dict] | None:
+            entries = [e for e in self.freed_logs() if named(e) & wanted]
+            return entries if wanted <= set().union(*map(named, entries)) else None
+
+        return list(wait_for(found, f"the frees of {sorted(wanted)} logged"))
 
     def assert_invariants(self) -> None:
         res = run_cli("check", store=self.url)

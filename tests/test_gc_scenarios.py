@@ -116,7 +116,7 @@ def test_retried_add_after_failed_interface_setup(world: World) -> None:
     created = records[ip][0]["created_at"]
     assert [kv.key for kv in w.store.range("attach/")[0]] == ["attach/simnet/retried-sandbox/eth0"]
     wait_for(lambda: ip not in w.records(), "the never-started sandbox's record to be freed")
-    frees = [e for e in w.freed_logs() if f"p/{ip}" in e.get("ips", [])]
+    frees = w.frees_logged({ip})
     assert len(frees) == 1 and "sandbox-gone" in frees[0]["reason"], frees
     assert frees[0]["ts"] >= created + GRACE
     w.assert_invariants()
@@ -137,7 +137,7 @@ def test_missed_del_comes_back_within_interval_plus_grace(world: World) -> None:
     vanished = time.time()
     wait_for(lambda: lost not in w.records(), "the missed DEL's address to come back")
     back = time.time()
-    frees = [e for e in w.freed_logs() if f"p/{lost}" in e.get("ips", [])]
+    frees = w.frees_logged({lost})
     assert len(frees) == 1 and "sandbox-gone" in frees[0]["reason"], frees
     assert frees[0]["ts"] >= created + GRACE  # never before the grace
     print(f"missed DEL: address back {back - vanished:.2f}s after the sandbox vanished")
@@ -246,7 +246,7 @@ def test_completed_job_freed_after_grace_never_before(world: World) -> None:
     assert None not in held and set(held) <= set(w.records())
     wait_for(lambda: not set(held) & set(w.records()), "the completed pods' addresses freed")
     for ip, pod in held.items():
-        frees = [e for e in w.freed_logs() if f"p/{ip}" in e.get("ips", [])]
+        frees = w.frees_logged({ip})
         assert len(frees) == 1 and "pod-terminal" in frees[0]["reason"], frees
         assert pod.finished_at is not None
         assert frees[0]["ts"] >= pod.finished_at + job_grace  # never before
@@ -270,7 +270,7 @@ def test_node_down_freed_only_after_lease_expired_and_node_gone(world: World) ->
     assert held <= set(w.records())
     w.sim.delete_node("n2")
     wait_for(lambda: not held & set(w.records()), "n2's records freed")
-    frees = [e for e in w.freed_logs() if set(e.get("ips", [])) & {f"p/{ip}" for ip in held}]
+    frees = w.frees_logged(held)
     assert frees and all("node-gone" in e["reason"] for e in frees), frees
 
     def n2_blocks() -> list[str]:

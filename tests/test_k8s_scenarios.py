@@ -84,8 +84,7 @@ class Scene:
         """Exactly the gone pods' addresses freed, by the controller, the live kept."""
         w = self.w
         wait_for(lambda: not self.leaked & set(w.records()), "the gone pods' addresses freed")
-        # A free is logged just after its commit: the last line may follow the store's state.
-        wait_for(lambda: freed(w) >= self.leaked, "the frees logged")
+        w.frees_logged(self.leaked)
         assert self.live <= set(w.records())
         assert freed(w) == self.leaked, w.freed_logs()
         assert {e["by"] for e in w.freed_logs()} == {self.ctl.name}
