@@ -38,7 +38,6 @@ IN_HANDSHAKE = (MARKED, READY, REFUSED)
 GONE = "its node is gone (lease expired, not listed by the cluster)"
 
 NodeFamily = tuple[str, int]
-OwnBlocks = dict[NodeFamily, list[str]]  # active blocks of the layout per node and family
 
 
 class Layouts:
@@ -59,7 +58,7 @@ class PoolState:
     and what the pass's applied actions changed since: a block changed this pass has no
     KeyValue (no step compares on it again this pass)."""
 
-    __slots__ = ("_layout", "_own", "blocks", "fills", "kvs", "records", "spec")
+    __slots__ = ("_free", "_layout", "blocks", "fills", "kvs", "records", "spec")
 
     def __init__(
         self,
@@ -76,9 +75,8 @@ class PoolState:
         self.records = records  # address records per block (read only)
         self.fills = fills  # (family, node) -> the block it fills fresh addresses from
         self._layout = layouts.blocks if layouts is not None else {}
-        # own_blocks' and free_per_node's last answers, for which nodes (an applied
-        # action forgets them)
-        self._own: tuple[Set[str], OwnBlocks, dict[NodeFamily, int]] | None = None
+        # free_per_node's last answer, for which nodes (an applied action forgets it)
+        self._free: tuple[Set[str], dict[NodeFamily, int]] | None = None
 
     @classmethod
     def read(cls, spec: PoolSpec, keys: PoolKeys, layouts: Layouts | None = None) -> PoolState:
@@ -104,24 +102,14 @@ class PoolState:
             known = self._layout[cidr] = (block, 0 if block is None else block.usable_count())
         return known
 
-    def own_blocks(self, registered: Set[str]) -> OwnBlocks:
-        """Per registered node and family (in name order, then the pool's range sets):
-        its active blocks of the current layout. Kept for the next ask (several steps
-        ask it) until an action changes the state: not to be changed by the caller."""
-        return self._kept(registered)[0]
-
     def free_per_node(self, registered: Set[str]) -> dict[NodeFamily, int]:
-        """Per registered node and family: usable addresses of its active blocks that
-        no record holds. Kept like `own_blocks`."""
-        return self._kept(registered)[1]
-
-    def _kept(self, registered: Set[str]) -> tuple[OwnBlocks, dict[NodeFamily, int]]:
-        if self._own is not None and self._own[0] == registered:
-            return self._own[1], self._own[2]
-        own: OwnBlocks = {
-            (node, rs.family): [] for node in sorted(registered) for rs in self.spec.range_sets
-        }
-        free = dict.fromkeys(own, 0)
+        """Per registered node and family (in name order, then the pool's range sets):
+        usable addresses of its active blocks of the current layout that no record
+        holds. Kept for the next ask (several steps ask it) until an action changes the
+        state: not to be changed by the caller."""
+        if self._free is not None and self._free[0] == registered:
+            return self._free[1]
+        free = {(node, rs.family): 0 for node in sorted(registered) for rs in self.spec.range_sets}
         held = self.records.get
         for cidr, block in self.blocks.items():
             node = block.node
@@ -129,21 +117,19 @@ class PoolState:
                 continue
             layout, usable = self._of_layout(cidr)
             if layout is not None:
-                nf = (node, layout.range_set.family)
-                own[nf].append(cidr)
-                free[nf] += max(0, usable - held(cidr, 0))
-        self._own = (frozenset(registered), own, free)
-        return own, free
+                free[(node, layout.range_set.family)] += max(0, usable - held(cidr, 0))
+        self._free = (frozenset(registered), free)
+        return free
 
     def changed(self, cidr: str, block: BlockRecord) -> None:
         self.blocks[cidr] = block
         self.kvs.pop(cidr, None)
-        self._own = None
+        self._free = None
 
     def removed(self, cidr: str) -> None:
         del self.blocks[cidr]
         self.kvs.pop(cidr, None)
-        self._own = None
+        self._free = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +339,7 @@ def surplus(
     Only nodes with an empty block are looked at: a pass costs the empty blocks, not
     the nodes."""
     spec = state.spec
-    empty: dict[NodeFamily, list[str]] = {}  # blocks of the layout, by node and family
+    empty: dict[NodeFamily, list[tuple[str, Block]]] = {}  # (cidr, its layout's block)
     for cidr in since:
         block = state.blocks.get(cidr)
         if (
@@ -365,18 +351,18 @@ def surplus(
             or (layout := state.layout(cidr)) is None
         ):
             continue
-        empty.setdefault((block.node, layout.range_set.family), []).append(cidr)
+        empty.setdefault((block.node, layout.range_set.family), []).append((cidr, layout))
     free_per_node = state.free_per_node(registered)
     order = {rs.family: i for i, rs in enumerate(spec.range_sets)}
     actions: list[Action] = []
     for node, family in sorted(empty, key=lambda nf: (nf[0], order[nf[1]])):
         free = free_per_node[(node, family)]
         filling = state.fills.get((family, node))
-        for cidr in sorted(empty[(node, family)], key=lambda c: (c == filling, c)):
-            layout, size = state.layout(cidr), state.usable(cidr)
+        for cidr, layout in sorted(empty[(node, family)], key=lambda e: (e[0] == filling, e[0])):
+            size = state.usable(cidr)
             empty_for = mono - since[cidr]
             too_soon = empty_for < spec.release_delay
-            if layout is None or not releasable(layout) or too_soon or free - size < spec.warm:
+            if not releasable(layout) or too_soon or free - size < spec.warm:
                 continue
             free -= size
             why = (
