@@ -165,9 +165,7 @@ class StoreView:
         self._receiver: threading.Thread | None = None
         self._inbox = _Inbox(max_pending)
         self._tracking = False  # noting changes (`take_changes` was called)
-        self._changed_records: dict[str, Held | None] = {}  # key -> held before (None: absent)
-        self._changed_nodes: set[str] = set()  # registrations made or gone
-        self._changed_all = True  # read whole (or too many changes) since the last take
+        self._changes_start_over(everything=True)
 
     # -- what the passes call
 
@@ -194,9 +192,7 @@ class StoreView:
         """What changed since the last call (the first: everything), and start over."""
         taken = Changes(self._changed_all, self._changed_records, self._changed_nodes)
         self._tracking = True
-        self._changed_all = False
-        self._changed_records = {}
-        self._changed_nodes = set()
+        self._changes_start_over(everything=False)
         return taken
 
     def pool(self, name: str) -> PoolKeys:
@@ -267,9 +263,7 @@ class StoreView:
         self.reservations.clear()
         self.registered.clear()
         self.affinity.clear()
-        self._changed_all = True
-        self._changed_records = {}
-        self._changed_nodes = set()
+        self._changes_start_over(everything=True)
 
     def _follow(self) -> None:
         """Watch every key from the view's revision on, in a thread of its own."""
@@ -384,10 +378,13 @@ class StoreView:
             return False
         if len(self._changed_records) + len(self._changed_nodes) < self.max_pending:
             return True
-        self._changed_all = True  # bounded: past this many, judge everything again
-        self._changed_records = {}
-        self._changed_nodes = set()
+        self._changes_start_over(everything=True)  # bounded: past this many, all again
         return False
+
+    def _changes_start_over(self, everything: bool) -> None:
+        self._changed_all = everything  # read whole (or too many changes) since the last take
+        self._changed_records: dict[str, Held | None] = {}  # key -> held before (None: absent)
+        self._changed_nodes: set[str] = set()  # registrations made or gone
 
     def _note_record(self, key: str) -> None:
         if self._noting() and key not in self._changed_records:
