@@ -210,13 +210,7 @@ class LivenessSource(ABC):
     def node_views(self, nodes: Iterable[str]) -> dict[str, NodeView | str]:
         """Each node's view, or why there is none: what a pass asks of many nodes at
         once (a source that reads them together answers all from one read)."""
-        views: dict[str, NodeView | str] = {}
-        for node in nodes:
-            try:
-                views[node] = self.node_view(node)
-            except LivenessUnavailable as e:
-                views[node] = str(e)
-        return views
+        return views_or_why(nodes, self.node_view)
 
     def confirm_pod_gone(self, namespace: str, name: str, uid: str) -> Confirmation:
         return READ_LIVE
@@ -234,6 +228,19 @@ class LivenessSource(ABC):
 
     def close(self) -> None:  # noqa: B027 (most sources hold nothing)
         pass
+
+
+def views_or_why(
+    nodes: Iterable[str], view_of: Callable[[str], NodeView]
+) -> dict[str, NodeView | str]:
+    """`view_of` each node, or the LivenessUnavailable's words when it raises one."""
+    views: dict[str, NodeView | str] = {}
+    for node in nodes:
+        try:
+            views[node] = view_of(node)
+        except LivenessUnavailable as e:
+            views[node] = str(e)
+    return views
 
 
 def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSource:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict
+from functools import partial
 from typing import Any, NamedTuple
 
 from ipward.cluster.liveness import (
@@ -21,6 +22,7 @@ from ipward.cluster.liveness import (
     Pod,
     Sandbox,
     string_dict,
+    views_or_why,
 )
 from ipward.core.errors import InvalidConfig
 
@@ -107,13 +109,7 @@ class SimFileSource(LivenessSource):
             parsed = self._read()
         except LivenessUnavailable as e:
             return dict.fromkeys(nodes, str(e))
-        views: dict[str, NodeView | str] = {}
-        for node in nodes:
-            try:
-                views[node] = self._node_view(parsed, node)
-            except LivenessUnavailable as e:
-                views[node] = str(e)
-        return views
+        return views_or_why(nodes, partial(self._node_view, parsed))
 
     def _node_view(self, parsed: _Parsed, node: str) -> NodeView:
         state = parsed.state
