@@ -222,7 +222,9 @@ def test_the_incremental_pass_finds_and_frees_what_a_full_look_does(
             world.publish()
         view = controller.view
         view.sync()
-        full = gc.look_at(view.held(), [], frozenset(view.registered), source, controller.add_grace)
+        full = gc.look_at(
+            view.held(), [], frozenset(view.registered), source, controller.collection.grace
+        )
         answered = isinstance(full.evidence.cluster, ClusterView) or any(
             isinstance(a, NodeView) for a in full.evidence.nodes.values()
         )

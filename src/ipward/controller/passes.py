@@ -110,12 +110,11 @@ class Controller:
         self.store = store
         self.view = StoreView(store, metrics, reread_every=view_reread, monotonic=monotonic)
         self.liveness = liveness
-        self.add_grace = add_grace
         self.gc_interval = gc_interval
         self.gc_due = 0.0  # monotonic time of the next garbage-collection pass
-        self.ledger = Ledger(store, election.ident)
+        ledger = Ledger(store, election.ident)
         who = f"controller {election.ident} gc"
-        self.collection = Collection(self.view, self.ledger, metrics, who, add_grace)
+        self.collection = Collection(self.view, ledger, metrics, who, add_grace)
         self.election = election
         self.metrics = metrics
         self.interval = interval
