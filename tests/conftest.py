@@ -17,6 +17,7 @@ import pytest
 from hypothesis import settings
 
 from ipward.store import open_store
+from ipward_lab.etcdlab import EtcdServer, etcd_server
 
 # CI is a gate: the same examples every run. Local runs explore new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -25,6 +26,14 @@ if os.environ.get("CI"):
 
 REPO = Path(__file__).resolve().parent.parent
 IPWARD = [sys.executable, "-m", "ipward"]
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for a test module; its tests empty the keyspace they use. A module
+    needing one per test defines its own `etcd`."""
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -24,15 +24,9 @@ from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, open_backend
 from ipward.store.base import Delete, Put
-from ipward_lab.etcdlab import EtcdServer, etcd_server
+from ipward_lab.etcdlab import EtcdServer
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    with etcd_server(tmp_path_factory.mktemp("etcd")) as server:
-        yield server
 
 
 @pytest.fixture(params=["sqlite", "etcd"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import exec_plugin, run_cli
+from conftest import exec_plugin, run_cli, wait_for
 from ipward.agent.reconcile import Reconciler
 from ipward.agent.server import Agent
 from ipward.cluster.liveness import Sandbox
@@ -23,7 +23,7 @@ from ipward.core.pool import PoolSpec
 from ipward.ipam.check import check
 from ipward.ipam.ledger import Ledger
 from ipward.store import schema
-from ipward.store.base import Delete, KeyValue, Put
+from ipward.store.base import Delete, KeyValue, Put, Watch
 from ipward.store.sqlite import SqliteStore
 from ipward_lab.simcluster import SimFileSource, write_sim_state
 
@@ -184,6 +184,7 @@ class ReadCounting(SqliteStore):
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.read: list[str] = []
+        self.watched: list[str] = []  # the prefixes watched
 
     def get(self, key: str) -> KeyValue | None:
         kv = super().get(key)
@@ -195,6 +196,16 @@ class ReadCounting(SqliteStore):
         kvs, revision = super().range(prefix, limit)
         self.read += [kv.key for kv in kvs]
         return kvs, revision
+
+    def watch(self, prefix: str, start_revision: int) -> Watch:
+        self.watched.append(prefix)
+        return super().watch(prefix, start_revision)
+
+
+def copied(reconciler: Reconciler, store: SqliteStore) -> None:
+    """Wait until the reconciler's copy of the node's index has every write so far (the
+    last write is always to its node's entries here)."""
+    wait_for(lambda: reconciler.index.revision >= store.revision(), "the node index's copy")
 
 
 def test_reconciliation_reads_none_of_other_nodes_records(tmp_path: Path, pool, sqlite_url) -> None:
@@ -215,8 +226,11 @@ def test_reconciliation_reads_none_of_other_nodes_records(tmp_path: Path, pool, 
     try:
         reconciler = Reconciler(agent, SimFileSource(str(state)), grace=0.0, interval=60)
         store.read.clear()
+        reconciler.index.start()
+        copied(reconciler, store)
         freed = reconciler.run_once()
         read = set(store.read)
+        assert store.watched == [keys.node_ips_prefix("n1")]
         assert freed is not None
         assert sorted(v.held.container for v in freed) == ["gone", "gone"]  # dual stack
         their_records = {
@@ -239,10 +253,12 @@ def test_reconciliation_reads_none_of_other_nodes_records(tmp_path: Path, pool, 
         late = mine.allocate([pool], attachment("late"), pod("late"))[0].ip
         record_kv = store.get(keys.ip_key("p", late))
         store.txn([], [Put(keys.node_ip_key("n1", "p", late), record_kv.value)])
+        copied(reconciler, store)
         freed = reconciler.run_once()
         assert freed is not None
         assert sorted(v.held.container for v in freed) == ["late", "late"]  # dual stack
         assert store.get(keys.ip_key("p", ip)) is not None
         assert store.get(keys.ip_key("p", late)) is None
     finally:
+        reconciler.index.stop()
         agent.close(wait=True)

@@ -46,12 +46,6 @@ pytestmark = pytest.mark.timeout(60)
 T = TypeVar("T")
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    with etcd_server(tmp_path_factory.mktemp("etcd")) as server:
-        yield server
-
-
 @pytest.fixture(params=["sqlite", "etcd"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":

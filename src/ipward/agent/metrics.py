@@ -72,6 +72,14 @@ class Metrics:
             "Reconciliation passes completed with a runtime view.",
             registry=self.registry,
         )
+        self.node_index_reads = Counter(
+            "ipward_agent_node_index_reads",
+            "Reads of the node's whole index for reconciliation, which a watch then keeps"
+            " current, by reason: start, compacted (the watch's history was gone), broken"
+            " (the stream ended or the store was unreachable).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.info = Gauge(
             "ipward_agent_info", "The node this agent serves.", ["node"], registry=self.registry
         )

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import replace
 
+from ipward.agent.node_index import NodeIndex
 from ipward.cluster.liveness import (
     LivenessSource,
     NodeView,
@@ -15,25 +16,11 @@ from ipward.core import keys, log
 from ipward.core.records import AddressRecord
 from ipward.gc import rules as gc
 from ipward.store import StoreError
-from ipward.store.base import KeyValue
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.agent.server import Agent
     from ipward.store import Store
-
-
-def node_records(store: Store, node: str) -> list[gc.Held]:
-    """The node's allocation records that hold a sandbox, as its index (`nodeips/<node>/`)
-    has copies of them, read with one range: what a pass reads grows with the node's
-    records, never with the cluster's. Each carries its entry's revision; a free is
-    confirmed against the record itself first (`confirmed`)."""
-    copies = [
-        KeyValue(keys.ip_key(pool, ip), kv.value, kv.create_revision, kv.mod_revision, 0)
-        for kv in store.range(keys.node_ips_prefix(node))[0]
-        for _, pool, ip in [keys.node_ip_parts(kv.key)]
-    ]
-    return gc.held_records(copies, node)
 
 
 def confirmed(store: Store, verdict: gc.Verdict) -> gc.Verdict | None:
@@ -48,12 +35,16 @@ def confirmed(store: Store, verdict: gc.Verdict) -> gc.Verdict | None:
     return gc.Verdict(replace(held, mod_revision=kv.mod_revision), verdict.reason, verdict.evidence)
 
 
+FIRST_READ_WAITS = 40  # quarter seconds the first pass waits for the node index's copy
+
+
 class Reconciler:
     """DESIGN 5.5: on start and every `interval`, free this node's records whose sandbox
     the runtime positively reports gone, older than the ADD grace (the rules are
     `ipward.gc`'s; only `sandbox-gone` applies here, the runtime being the one source
     asked). A runtime that cannot be read, or that lists two ready sandboxes for one pod,
-    frees nothing; the next try comes sooner (1 s, doubling up to `interval`)."""
+    frees nothing; the next try comes sooner (1 s, doubling up to `interval`). The node's
+    records come from its index's copy (`index`), which the reconciler starts and stops."""
 
     def __init__(
         self,
@@ -67,18 +58,25 @@ class Reconciler:
         self.source = source
         self.grace = grace
         self.interval = interval
+        self.index = NodeIndex(agent.store, agent.node, agent.metrics)
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
 
     def start(self) -> None:
+        self.index.start()
         self._thread.start()
 
     def stop(self) -> None:
         self.stopping.set()
         self._thread.join(timeout=10)  # a source call ends within its own timeout
+        self.index.stop()
         self.source.close()
 
     def _loop(self) -> None:
+        # The first pass waits for the node index's copy rather than be refused at start.
+        for _ in range(FIRST_READ_WAITS):
+            if self.index.wait_read(0.25) or self.stopping.is_set():
+                break
         backoff = 1.0
         while not self.stopping.is_set():
             try:
@@ -102,7 +100,7 @@ class Reconciler:
         """One pass; the records freed, or None when the runtime gave no usable view."""
         node = self.agent.node
         started = time.perf_counter()
-        held = node_records(self.agent.store, node)  # records first, then the runtime
+        held = self.index.held()  # records first, then the runtime
         evidence = gc.gather(self.source, [node], grace=self.grace, ask_cluster=False)
         view = evidence.nodes[node]
         if not isinstance(view, NodeView):

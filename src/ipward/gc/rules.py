@@ -143,8 +143,8 @@ def snapshot(store: Store) -> list[Held]:
     return held_records(store.range(keys.ADDRESSES)[0])
 
 
-def held_records(kvs: Iterable[KeyValue], node: str | None = None) -> list[Held]:
-    """The allocation records `kvs` that hold a sandbox (of `node` only, when given)."""
+def held_records(kvs: Iterable[KeyValue]) -> list[Held]:
+    """The allocation records `kvs` that hold a sandbox."""
     held = []
     for kv in kvs:
         pool, ip = keys.ip_parts(kv.key)
@@ -155,8 +155,7 @@ def held_records(kvs: Iterable[KeyValue], node: str | None = None) -> list[Held]
             continue
         if record.is_detached:
             continue  # no sandbox to judge: its reservation is retired by identity
-        if node is None or record.node == node:
-            held.append(Held(pool, ip, kv.mod_revision, record))
+        held.append(Held(pool, ip, kv.mod_revision, record))
     return held
 
 

@@ -182,10 +182,10 @@ def probe_agent(cluster: ScaleCluster, tmp: Path, passes: int) -> dict[str, floa
 
 
 def _node_read_ms(cluster: ScaleCluster, node: str, times: int) -> float:
-    """The reference for the pass: the store's own time for the read a pass starts with
-    (the node index's range, through the same client), median of `times` at the passes'
-    cadence (a read right after another one is served from warmer caches, up to 2x
-    faster here)."""
+    """The reference for the pass: the store's own time for the read its copy of the node
+    index spares it (the node index's range, through the same client), median of `times`
+    at the passes' cadence (a read right after another one is served from warmer caches,
+    up to 2x faster here)."""
     prefix = keys.node_ips_prefix(node)
     seconds = []
     for _ in range(times):
