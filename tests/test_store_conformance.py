@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import re
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from ipward.store.base import (
     absent,
     at_revision,
 )
+from ipward_lab import etcdlab
 from ipward_lab.etcdlab import EtcdServer, etcd_cluster, etcd_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -845,3 +847,20 @@ def test_sqlite_commits_of_the_process_that_made_the_file_stay_visible(tmp_path:
     finally:
         writer.stdin.close()
         writer.wait(30)
+
+
+def test_the_etcd_lab_takes_other_ports_when_its_first_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port free when chosen can be taken (by another test's server, choosing at random
+    too) before etcd binds it: the fixture then starts on other ports, not fails."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        first = taken.getsockname()[1]
+        chosen = iter([first])
+        really_free = etcdlab.free_port
+        monkeypatch.setattr(etcdlab, "free_port", lambda: next(chosen, None) or really_free())
+        with etcd_server(tmp_path) as server:
+            assert server.client_port != first and server.healthy()
+            assert "address already in use" in server.log_path.read_text()

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -77,13 +79,19 @@ class EtcdServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = self.dir / "data"
         self.log_path = self.dir / "etcd.log"
+        self.extra_args = list(extra_args)
+        self.cluster_token = uuid.uuid4().hex
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client_port = self.peer_port = self.metrics_port = 0  # see choose_ports
+
+    def choose_ports(self) -> None:
+        """Ports free now, for a member never started (its data would name the old):
+        chosen just before the first start (`first_start`), or by its cluster."""
+        shutil.rmtree(self.data_dir, ignore_errors=True)
         self.client_port = free_port()
         self.peer_port = free_port()
         self.metrics_port = free_port()
-        self.extra_args = list(extra_args)
-        self.initial_cluster = f"{name}={self.peer_url}"
-        self.cluster_token = uuid.uuid4().hex
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.initial_cluster = f"{self.name}={self.peer_url}"
 
     @property
     def endpoint(self) -> str:
@@ -101,6 +109,7 @@ class EtcdServer:
     def start(self) -> None:
         """Start the process without waiting; see wait_ready."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
+        assert self.client_port, "no ports chosen"
         client = f"{self.client_scheme}://{self.endpoint}"
         args = [
             ETCD,
@@ -181,6 +190,32 @@ class EtcdServer:
         return run_etcdctl([self.endpoint], *args, stdin=stdin)
 
 
+PORT_TRIES = 3
+
+
+class _Server(Protocol):
+    def start(self) -> None: ...
+    def wait_ready(self) -> None: ...
+    def stop(self) -> None: ...
+    def log_tail(self) -> str: ...
+
+
+def first_start(server: _Server, choose_ports: Callable[[], None]) -> None:
+    """Start `server` on ports just chosen (`choose_ports`), and wait until it is ready.
+    A port free when chosen can be taken before the server binds it (by another test's
+    server, choosing at random too): then other ports, up to PORT_TRIES times."""
+    for attempt in range(1, PORT_TRIES + 1):
+        choose_ports()
+        server.start()
+        try:
+            server.wait_ready()
+            return
+        except RuntimeError:
+            if attempt == PORT_TRIES or "address already in use" not in server.log_tail():
+                raise
+            server.stop()
+
+
 def wait_serving(
     what: str,
     ready: Callable[[], bool],
@@ -222,8 +257,7 @@ def etcd_server(
 ) -> Iterator[EtcdServer]:
     server = EtcdServer(tmp_dir, extra_args=extra_args, client_scheme=client_scheme)
     try:
-        server.start()
-        server.wait_ready()
+        first_start(server, server.choose_ports)
         yield server
     finally:
         server.resume()  # a paused process does not act on SIGTERM until continued
@@ -247,6 +281,8 @@ def etcd_store(tmp_dir: Path) -> Iterator[EtcdStore]:
 class EtcdCluster:
     def __init__(self, tmp_dir: Path, members: int = 3) -> None:
         self.members = [EtcdServer(tmp_dir, f"m{i}") for i in range(members)]
+        for m in self.members:
+            m.choose_ports()
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         token = uuid.uuid4().hex
         for m in self.members:

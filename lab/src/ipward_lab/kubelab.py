@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from ipward_lab.etcdlab import etcd_server, free_port, wait_serving
+from ipward_lab.etcdlab import etcd_server, first_start, free_port, wait_serving
 from ipward_lab.pki import ClientPki, client_pki, openssl
 
 READY_TIMEOUT = 90.0
@@ -119,25 +119,6 @@ class KubeLab:
         self.kubeconfig.write_text(json.dumps(config))  # JSON is YAML
 
 
-PORT_TRIES = 3
-
-
-def _first_start(lab: KubeLab) -> None:
-    """Start on a free port, ready. A port free when chosen can be taken before the
-    server binds it (by another test's etcd or server choosing at random too): then
-    another port, up to PORT_TRIES."""
-    for attempt in range(1, PORT_TRIES + 1):
-        lab.listen_on(free_port())
-        lab.start()
-        try:
-            lab.wait_ready()
-            return
-        except RuntimeError:
-            if attempt == PORT_TRIES or "address already in use" not in lab.log_tail(5):
-                raise
-            lab.stop()
-
-
 @contextlib.contextmanager
 def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[KubeLab]:
     """Start etcd and the kube-apiserver `executable`; yield when it is ready."""
@@ -168,7 +149,7 @@ def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[Kub
                 "--disable-admission-plugins=ServiceAccount",
             ]
             try:
-                _first_start(lab)
+                first_start(lab, lambda: lab.listen_on(free_port()))
                 lab.write_kubeconfig()
                 yield lab
             finally:

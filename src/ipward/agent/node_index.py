@@ -99,8 +99,8 @@ class NodeIndex:
 
     def _read_whole(self, reason: str) -> Watch | None:
         """Read the copy whole and start following it; None when stopped meanwhile."""
-        self.metrics.node_index_reads.labels(reason=reason).inc()
         kvs, revision = self.store.range(self.prefix)
+        self.metrics.node_index_reads.labels(reason=reason).inc()
         watch = self.store.watch(self.prefix, revision + 1)  # no event between the two lost
         with self._lock:
             if self._stopping.is_set():

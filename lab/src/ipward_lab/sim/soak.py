@@ -28,7 +28,7 @@ from ipward.core.pool import PoolSpec
 from ipward.ipam.pools import create_pool
 from ipward.store import Store, StoreError, open_store
 from ipward_lab import fleet, kubelab
-from ipward_lab.etcdlab import EtcdCluster, EtcdServer
+from ipward_lab.etcdlab import EtcdCluster, EtcdServer, first_start
 from ipward_lab.kubeadmin import KubeAdmin
 from ipward_lab.kubeapi import KubeApiServer, kube_api_server
 from ipward_lab.sim.checker import Checker
@@ -142,8 +142,7 @@ class Soak:
             return f"sqlite://{self.workdir}/ipward.db"
         if self.o.backend == "etcd":
             server = EtcdServer(self.workdir / "etcd")
-            server.start()
-            server.wait_ready()
+            first_start(server, server.choose_ports)
             self.etcd = server
             return server.url
         cluster = EtcdCluster(self.workdir / "etcd", members=3)
