@@ -253,7 +253,8 @@ def _parse_gid(text: str | None) -> int | None:
     type=click.FloatRange(0.05),
     default=1.0,
     show_default=True,
-    help="Seconds between keeping the node registered and answering block handshakes.",
+    help="Seconds between answers to block handshakes (the node's registration is renewed"
+    " every --node-ttl/3).",
 )
 @click.option(
     "--node-ttl",
