@@ -10,7 +10,7 @@ import time
 import click
 
 from ipward.agent.directory import cluster_directory
-from ipward.agent.duties import NodeDuties
+from ipward.agent.duties import DUTY_INTERVAL, NodeDuties
 from ipward.agent.listener import DEFAULT_SOCKET, AgentError
 from ipward.agent.reconcile import Reconciler
 from ipward.agent.server import DEFAULT_MAX_CONNECTIONS, Agent
@@ -39,7 +39,7 @@ def run_agent(
     drain_seconds: float,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     stuck_seconds: float = CALL_TIMEOUT,
-    duty_interval: float = 1.0,
+    duty_interval: float = DUTY_INTERVAL,
     node_ttl: int = 10,
     liveness: str | None = None,
     add_grace: float = ADD_GRACE,
@@ -251,7 +251,7 @@ def _parse_gid(text: str | None) -> int | None:
 @click.option(
     "--duty-interval",
     type=click.FloatRange(0.05),
-    default=1.0,
+    default=DUTY_INTERVAL,
     show_default=True,
     help="Seconds between answers to block handshakes (the node's registration is renewed"
     " every --node-ttl/3).",
