@@ -5,11 +5,14 @@ interval, and a failed keepalive is tried again within a second."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from ipward.agent.duties import NodeDuties
 from ipward.core import keys
 from ipward.store import StoreUnreachable
+from ipward.store.base import KeyValue
 from ipward.store.sqlite import SqliteStore
 
 NODE = "n1"
@@ -31,15 +34,17 @@ class Counting(SqliteStore):
         self.keepalives += 1
         return super().lease_keepalive(lease)
 
-    def range(self, prefix: str, limit: int = 0):  # type: ignore[no-untyped-def]
+    def range(self, prefix: str, limit: int = 0) -> tuple[list[KeyValue], int]:
         if prefix == keys.POOLS:
             self.scans += 1
         return super().range(prefix, limit)
 
 
 @pytest.fixture
-def store(sqlite_url: str, sqlite_store) -> Counting:  # sqlite_store: the schema made
-    return Counting(sqlite_url[len("sqlite://") :])
+def store(sqlite_url: str, sqlite_store) -> Iterator[Counting]:  # sqlite_store: the schema made
+    counting = Counting(sqlite_url[len("sqlite://") :])
+    yield counting
+    counting.close()
 
 
 def test_keepalives_every_ttl_third_and_answers_every_interval(store: Counting) -> None:
