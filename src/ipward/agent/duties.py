@@ -19,6 +19,7 @@ from ipward.store.base import Put
 # node, which 5,000 nodes make 3,000 a second on etcd (15,000 at 1 s). A hand-back is
 # housekeeping: an answer up to this late delays only the block's return to the pool.
 DUTY_INTERVAL = 5.0
+NODE_TTL = 10  # seconds the registration's lease lives unrenewed
 KEEPALIVES_PER_TTL = 3  # as the controller's election: two may fail before the lease goes
 RETRY = 1.0  # seconds to a failed keepalive's next try (at most its period)
 

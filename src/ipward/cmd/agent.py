@@ -10,7 +10,7 @@ import time
 import click
 
 from ipward.agent.directory import cluster_directory
-from ipward.agent.duties import DUTY_INTERVAL, NodeDuties
+from ipward.agent.duties import DUTY_INTERVAL, NODE_TTL, NodeDuties
 from ipward.agent.listener import DEFAULT_SOCKET, AgentError
 from ipward.agent.reconcile import Reconciler
 from ipward.agent.server import DEFAULT_MAX_CONNECTIONS, Agent
@@ -40,7 +40,7 @@ def run_agent(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     stuck_seconds: float = CALL_TIMEOUT,
     duty_interval: float = DUTY_INTERVAL,
-    node_ttl: int = 10,
+    node_ttl: int = NODE_TTL,
     liveness: str | None = None,
     add_grace: float = ADD_GRACE,
     reconcile_interval: float = 60.0,
@@ -259,7 +259,7 @@ def _parse_gid(text: str | None) -> int | None:
 @click.option(
     "--node-ttl",
     type=click.IntRange(1),
-    default=10,
+    default=NODE_TTL,
     show_default=True,
     help="Lease TTL of the node's registration (etcd raises it to at least 2).",
 )

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from ipward.agent.duties import DUTY_INTERVAL, KEEPALIVES_PER_TTL, NODE_TTL, NodeDuties
 from ipward.core import keys
 from ipward.ipam.check import check
 from ipward.store import open_store
@@ -57,7 +58,12 @@ from ipward_lab.bench.common import (
     verdict,
 )
 from ipward_lab.bench.plugin_exec import ExecError, exec_kinds, ipam_config
-from ipward_lab.bench.scale_cluster import AGENT_PODS, SCALE_POOL, ScaleCluster
+from ipward_lab.bench.scale_cluster import (
+    AGENT_PODS,
+    REGISTRATION_TTL,
+    SCALE_POOL,
+    ScaleCluster,
+)
 from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import Agent, Controller, FleetError
 
@@ -83,7 +89,8 @@ TARGET_PASS_VS_REFERENCE = 10.0
 class ScaleSizes:
     """How much of each: record counts by stage; agent nodes (AGENT_PODS records each;
     the churn runs on them); churn loops per agent; round pairs (controller running,
-    then paused) of `round_seconds` each; reconcile passes timed."""
+    then paused) of `round_seconds` each; reconcile passes timed; node duties timed (each
+    of a keepalive and a look for marked blocks: fewer nodes, each more than once)."""
 
     stages: Sequence[int]
     agents: int = 2
@@ -91,6 +98,7 @@ class ScaleSizes:
     rounds: int = 3
     round_seconds: float = 8.0
     reconcile_passes: int = 100  # a pass is under a millisecond: many, for a steady median
+    duty_samples: int = 500  # etcd's CPU is counted in 10 ms ticks: many, for a steady figure
 
 
 FULL = ScaleSizes(FULL_STAGES)
@@ -269,6 +277,42 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def duties_load(cluster: ScaleCluster, samples: int) -> dict[str, float]:
+    """etcd's CPU for what each node's agent asks of it besides its ADDs (`NodeDuties`):
+    a keepalive of its registration's lease, and a look for its marked blocks (a range of
+    the pool specs, one of its affinity, a get per block). Each is made `samples` times
+    for this stage's nodes, on leases of the bench's own, and timed by etcd's CPU
+    (/proc) while they run. Then the cores the stage's nodes would keep etcd busy with:
+    at the agent's defaults (a keepalive every TTL/3, a look every --duty-interval) and
+    at the former ones (both every second)."""
+    nodes = [n for n in cluster.nodes if n not in cluster.agent_nodes] or cluster.nodes
+    sample = [nodes[i % len(nodes)] for i in range(samples)]
+    assert cluster.server.proc is not None
+    pid = cluster.server.proc.pid
+    store = cluster.store
+    leases = [store.lease_grant(REGISTRATION_TTL) for _ in sample]
+    try:
+        began = cpu_seconds(pid)
+        for lease in leases:
+            if store.lease_keepalive(lease) <= 0:
+                raise BenchError(f"lease {lease} expired during the duties' timing")
+        keepalive = (cpu_seconds(pid) - began) / len(leases)
+        began = cpu_seconds(pid)
+        for node in sample:
+            NodeDuties(store, node, DUTY_INTERVAL, NODE_TTL).answer_handshakes()
+        look = (cpu_seconds(pid) - began) / len(sample)
+    finally:
+        for lease in leases:
+            store.lease_revoke(lease)
+    per_node_now = keepalive * KEEPALIVES_PER_TTL / NODE_TTL + look / DUTY_INTERVAL
+    return {
+        "duties_keepalive_etcd_ms": keepalive * 1000,
+        "duties_look_etcd_ms": look * 1000,
+        "duties_etcd_cores": len(cluster.nodes) * per_node_now,
+        "duties_etcd_cores_every_second": len(cluster.nodes) * (keepalive + look),
+    }
 
 
 def _pause(controller: Controller, paused: bool) -> None:
@@ -507,6 +551,12 @@ CONTROLLER_KEYS = (
     "controller_view_rereads",
     "changed_pods",
 )
+DUTIES_KEYS = (
+    "duties_keepalive_etcd_ms",
+    "duties_look_etcd_ms",
+    "duties_etcd_cores",
+    "duties_etcd_cores_every_second",
+)
 CHURN_KEYS = (
     "add_running_p50_ms",
     "add_running_p99_ms",
@@ -610,6 +660,8 @@ def measure_stage(
             except (subprocess.TimeoutExpired, FleetError):
                 controller.kill()
     row["liveness_hwm_mib"] = liveness_only_memory(cluster)
+    out(f"      node duties: {sizes.duty_samples} keepalives and looks for marked blocks")
+    _part(row, failed, "duties", DUTIES_KEYS, lambda: duties_load(cluster, sizes.duty_samples), out)
     return row
 
 
@@ -755,6 +807,10 @@ TABLE_ROWS = [
     ("ADD p99 running / paused", "add_p99_vs_paused", "{:.2f}x", "add_p99_vs_paused"),
     ("controller CPU in running rounds (cores)", "controller_cpu", "{:.2f}", ""),
     ("ADDs measured (running/paused)", "adds_running", "{:.0f}", ""),
+    ("node duties: etcd CPU ms per keepalive", "duties_keepalive_etcd_ms", "{:.2f}", ""),
+    ("  per look for marked blocks (3 reads)", "duties_look_etcd_ms", "{:.2f}", ""),
+    ("  etcd cores for every node's, defaults", "duties_etcd_cores", "{:.2f}", ""),
+    ("  the same, both every second (before)", "duties_etcd_cores_every_second", "{:.2f}", ""),
     ("stage s", "stage_s", "{:.0f}", ""),
 ]
 
