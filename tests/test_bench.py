@@ -608,6 +608,8 @@ def test_exec_latency_of_a_named_pool_and_inline_ranges(tmp_path: Path) -> None:
 
 SCALE_ROW = {
     "records",
+    "pass_work_ms",
+    "reconcile_vs_work",
     "duties_keepalive_etcd_ms",
     "duties_look_etcd_ms",
     "duties_etcd_cores",
