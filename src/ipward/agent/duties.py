@@ -9,18 +9,13 @@ import time
 
 from ipward.core import keys, log
 from ipward.core import records as rec
+from ipward.core.policy import KEEPALIVES_PER_TTL
 from ipward.core.pool import PoolSpec
 from ipward.core.records import MARKED, BlockRecord
 from ipward.ipam import blocks
 from ipward.store import Store, StoreError
 from ipward.store.base import Put
 
-# Seconds between scans for this node's marked blocks: 3 reads at about one block a
-# node, which 5,000 nodes make 3,000 a second on etcd (15,000 at 1 s). A hand-back is
-# housekeeping: an answer up to this late delays only the block's return to the pool.
-DUTY_INTERVAL = 5.0
-NODE_TTL = 10  # seconds the registration's lease lives unrenewed
-KEEPALIVES_PER_TTL = 3  # as the controller's election: two may fail before the lease goes
 RETRY = 1.0  # seconds to a failed keepalive's next try (at most its period)
 
 

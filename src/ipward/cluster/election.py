@@ -14,6 +14,7 @@ import time
 from ipward.core import log
 from ipward.core import records as rec
 from ipward.core.keys import LEADER_KEY
+from ipward.core.policy import KEEPALIVES_PER_TTL
 from ipward.store import Store, StoreError, StoreUnreachable
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
 
@@ -91,7 +92,7 @@ class Election:
                     self.campaign()
                 else:
                     self.keep()
-                    wait = self.ttl / 3
+                    wait = self.ttl / KEEPALIVES_PER_TTL
             except Exception as e:  # never let the election thread die
                 log.error("election step failed; retrying", error=f"{type(e).__name__}: {e}")
                 if self.value() is not None and time.monotonic() - self._last_ok >= self.ttl:

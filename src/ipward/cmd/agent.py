@@ -10,7 +10,7 @@ import time
 import click
 
 from ipward.agent.directory import cluster_directory
-from ipward.agent.duties import DUTY_INTERVAL, NODE_TTL, NodeDuties
+from ipward.agent.duties import NodeDuties
 from ipward.agent.listener import DEFAULT_SOCKET, AgentError
 from ipward.agent.reconcile import Reconciler
 from ipward.agent.server import DEFAULT_MAX_CONNECTIONS, Agent
@@ -21,7 +21,7 @@ from ipward.cni.wire import CALL_TIMEOUT
 from ipward.core import log
 from ipward.core.errors import InvalidConfig
 from ipward.core.names import check_node_name
-from ipward.core.policy import ADD_GRACE
+from ipward.core.policy import ADD_GRACE, DUTY_INTERVAL, NODE_TTL
 from ipward.store import Store, StoreError
 
 DEFAULT_METRICS = "127.0.0.1:9310"

@@ -20,3 +20,12 @@ DEFAULT_RELEASE_DELAY = 180.0
 # A block's hand-back compares each of its addresses absent in one etcd transaction,
 # whose compares etcd caps at 128 by default: larger blocks are never asked back.
 MAX_RELEASABLE_BLOCK = 128
+# A lease (an agent's registration, the controller's leadership) is renewed this many
+# times a TTL: two renewals may fail before it lapses.
+KEEPALIVES_PER_TTL = 3
+# Seconds an agent's registration lives unrenewed.
+NODE_TTL = 10
+# Seconds between an agent's looks for its marked blocks: 3 reads at about one block a
+# node, which 5,000 nodes make 3,000 a second on etcd (15,000 at 1 s). A hand-back is
+# housekeeping: an answer up to this late delays only the block's return to the pool.
+DUTY_INTERVAL = 5.0

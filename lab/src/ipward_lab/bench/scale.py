@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from ipward.agent.duties import DUTY_INTERVAL, KEEPALIVES_PER_TTL, NODE_TTL, NodeDuties
+from ipward.agent.duties import NodeDuties
 from ipward.cluster.liveness import open_source
 from ipward.core import keys
-from ipward.core.policy import ADD_GRACE
+from ipward.core.policy import ADD_GRACE, DUTY_INTERVAL, KEEPALIVES_PER_TTL, NODE_TTL
 from ipward.core.records import AddressRecord
 from ipward.gc.rules import Held, gather, judge
 from ipward.ipam.check import check
