@@ -170,17 +170,20 @@ def test_newline_in_container_id_cannot_allocate_as_another(plugin, agent, sqlit
 
 def protocol_1_tree(tmp: Path) -> Path:
     """The package as it last was with wire protocol 1, from git history: a real old
-    plugin and a real old agent, as a rolling upgrade meets them."""
+    plugin and a real old agent, as a rolling upgrade meets them. Found among the
+    commits that changed `src/ipward/wire.py` and their parents (the tree just before
+    protocol 2), however long the history grows: a window of the last 200 commits lost
+    them, and the tests using this skipped."""
     try:
         commits = subprocess.run(
-            ["git", "-C", str(REPO), "log", "--format=%H", "-n", "200"],
+            ["git", "-C", str(REPO), "log", "--format=%H", "--", "src/ipward/wire.py"],
             capture_output=True,
             text=True,
             check=True,
         ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("needs the project's git history")
-    for commit in commits:
+    for commit in (rev for changed in commits for rev in (changed, f"{changed}^")):
         source = subprocess.run(
             ["git", "-C", str(REPO), "show", f"{commit}:src/ipward/wire.py"],
             capture_output=True,
