@@ -125,12 +125,22 @@ class NodeIndex:
             self.revision = batch[-1].kv.mod_revision
 
     def _put(self, kv: KeyValue) -> None:
-        self._held.pop(kv.key, None)
-        _, pool, ip = keys.node_ip_parts(kv.key)
-        try:
-            record = AddressRecord.decode(kv.value)
-        except ValueError:
-            log.error("node index entry unreadable; not judged", key=kv.key)
-            return
-        if not record.is_detached and record.node == self.node:
-            self._held[kv.key] = Held(pool, ip, kv.mod_revision, record)
+        held = entry_held(kv, self.node)
+        if held is None:
+            self._held.pop(kv.key, None)
+        else:
+            self._held[kv.key] = held
+
+
+def entry_held(kv: KeyValue, node: str) -> Held | None:
+    """The record a `nodeips/<node>/` entry copies, as reconciliation judges it (with the
+    entry's revision); None when it holds no sandbox of `node` or does not decode."""
+    _, pool, ip = keys.node_ip_parts(kv.key)
+    try:
+        record = AddressRecord.decode(kv.value)
+    except ValueError:
+        log.error("node index entry unreadable; not judged", key=kv.key)
+        return None
+    if record.is_detached or record.node != node:
+        return None
+    return Held(pool, ip, kv.mod_revision, record)

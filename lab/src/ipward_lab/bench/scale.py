@@ -38,11 +38,11 @@ from functools import partial
 from pathlib import Path
 
 from ipward.agent.duties import NodeDuties
+from ipward.agent.node_index import entry_held
 from ipward.cluster.liveness import open_source
 from ipward.core import keys
 from ipward.core.policy import ADD_GRACE, DUTY_INTERVAL, KEEPALIVES_PER_TTL, NODE_TTL
-from ipward.core.records import AddressRecord
-from ipward.gc.rules import Held, gather, judge
+from ipward.gc.rules import gather, judge
 from ipward.ipam.check import check
 from ipward.store import open_store
 from ipward_lab.bench.common import (
@@ -205,11 +205,8 @@ def pass_work_ms(url: str, node: str, state: str, times: int) -> float:
     it measures how fast the machine runs Python meanwhile (which moves by tens of
     percent between stages here)."""
     with open_store(url) as store:
-        held = [
-            Held(pool, ip, kv.mod_revision, AddressRecord.decode(kv.value))
-            for kv in store.range(keys.node_ips_prefix(node))[0]
-            for _, pool, ip in [keys.node_ip_parts(kv.key)]
-        ]
+        entries = store.range(keys.node_ips_prefix(node))[0]
+    held = [h for kv in entries if (h := entry_held(kv, node)) is not None]
     source = open_source(f"sim://{state}", node)
     seconds = []
     try:
