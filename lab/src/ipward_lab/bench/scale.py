@@ -163,6 +163,7 @@ def probe_agent(cluster: ScaleCluster, tmp: Path, passes: int) -> dict[str, floa
         ),
         metrics=False,
     )
+    work: subprocess.Popen[str] | None = None
     try:
         agent.wait_started(AGENT_READY_TIMEOUT)
         _wait("reconcile pass", partial(_reconciles, agent, 1), agent, PROCESS_TIMEOUT)
@@ -180,6 +181,9 @@ def probe_agent(cluster: ScaleCluster, tmp: Path, passes: int) -> dict[str, floa
     except FleetError as e:
         raise BenchError(str(e)) from None
     finally:
+        if work is not None and work.poll() is None:  # the probe failed: not left running
+            work.kill()
+            work.wait()
         stop_agent(agent)
         cluster.register([node])  # its lease went with it
     wrong = [p for p in lines if p.get("records") != AGENT_PODS or p.get("freed")]
