@@ -128,6 +128,23 @@ def wait_for(
         time.sleep(poll)
 
 
+class Gate:
+    """A test point held open (`IPWARD_TEST_GATES`): the process waits at it until the
+    test opens it, so the test acts exactly in the window."""
+
+    def __init__(self, tmp: Path, point: str) -> None:
+        self.dir = tmp / f"gate-{point}"
+        self.dir.mkdir()
+        self.point = point
+        self.env = {**os.environ, "IPWARD_TEST_GATES": f"{point}={self.dir}"}
+
+    def wait_reached(self) -> None:
+        wait_for((self.dir / f"{self.point}.reached").exists, f"the {self.point} gate")
+
+    def open(self) -> None:
+        (self.dir / f"{self.point}.open").touch()
+
+
 @pytest.fixture(params=["sim", "k8s"])
 def world_kube(request: pytest.FixtureRequest) -> KubeApi | None:
     """Where a scenario's `World` keeps its cluster: `sim`, the state file (None); `k8s`,

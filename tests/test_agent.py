@@ -21,11 +21,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import PluginResult, exec_plugin, run_cli, wait_for
+from conftest import Gate, PluginResult, exec_plugin, run_cli, wait_for
 from ipward.agent.server import MAX_READING_PER_PROCESS
 from ipward.cni.wire import REQUEST_MAGIC, encode_request, read_answer
 from ipward.core import keys
@@ -623,6 +624,85 @@ def dual_stack_pool_with_a_free_queue(plugin: Path, url: str, agent_cfg: dict, s
     warm = [f"warm{i}" for i in range(size)]
     assert_all_answered(concurrent(plugin, "ADD", agent_cfg, warm))
     assert_all_answered(concurrent(plugin, "DEL", agent_cfg, warm))
+
+
+def race(plugin: Path, calls: list[tuple[str, str]], cfg: dict) -> list[PluginResult]:
+    """Exec the plugin for every (command, container) at once, in that order of start;
+    their answers in the same order (every one must come)."""
+    results: list[PluginResult | None] = [None] * len(calls)
+
+    def one(i: int, command: str, container: str) -> None:
+        results[i] = exec_plugin(plugin, command, cfg, container=container)
+
+    threads = [threading.Thread(target=one, args=(i, *c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r is not None for r in results), results
+    return [r for r in results if r is not None]
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite", "etcd"])
+def test_racing_calls_of_one_attachment_act_one_after_the_other(
+    plugin, sqlite_url, etcd, start_agent, store_kind
+):
+    """Finding (hostile pass 2): ADDs of one attachment arriving together, with a DEL of
+    it racing them (a runtime's retry, a timeout), were combined by the agent into one
+    transaction that wrote a record for each: the attachment held two addresses of one
+    pool, and after its final DEL one record stayed. Calls of one attachment now act as
+    if one after the other, whatever the batching: at every point the attachment holds
+    at most one address, the one its index lists, and after the final DEL nothing."""
+    url = sqlite_url if store_kind == "sqlite" else etcd.url
+    run_cli("pool", "create", "pods", "--range", "10.61.0.0/24", store=url, check=True)
+    # Commits wait, so the calls pile up behind the others' batch and meet in the next.
+    paused = {"IPWARD_TEST_PAUSES": "allocate=0.2"}
+    agent = start_agent(url, env=paused, extra=("--max-workers", "32"))
+    cfg = config(agent.socket, pool="pods")
+    for rnd in range(2):
+        dup = f"dup{rnd}"
+        others = [("ADD", f"other{rnd}-{i}") for i in range(3)]
+        calls = [*others, *[("ADD", dup)] * 5, ("DEL", dup), *[("ADD", dup)] * 2]
+        results = race(plugin, calls, cfg)
+        assert all(r.returncode == 0 for r in results), [r for r in results if r.returncode]
+        held = holders(url)
+        assert len(held.get(dup, [])) <= 1, held
+        proc = run_cli("--json", "check", store=url)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert exec_plugin(plugin, "DEL", cfg, container=dup).returncode == 0
+        assert dup not in holders(url)
+    assert agent.stop() == 0
+    assert_check_clean(url)
+
+
+def test_a_del_racing_an_add_of_its_attachment_frees_what_the_add_commits(
+    plugin, sqlite_url, start_agent, tmp_path
+):
+    """Finding (hostile pass 2): a DEL arriving while an ADD of its attachment was still
+    to commit (a runtime's DEL after the ADD timed out) found nothing, answered success,
+    and the ADD's address stayed held by a torn-down sandbox until GC. Now the DEL waits
+    for its turn, after the ADD, and frees what it committed."""
+    run_cli("pool", "create", "pods", "--range", "10.61.0.0/24", store=sqlite_url, check=True)
+    gate = Gate(tmp_path, "allocate")
+    agent = start_agent(sqlite_url, env={"IPWARD_TEST_GATES": gate.env["IPWARD_TEST_GATES"]})
+    cfg = config(agent.socket, pool="pods")
+    added = race_in_background(plugin, "ADD", cfg, "slow")
+    gate.wait_reached()  # the ADD has picked its address and waits to commit
+    deleted = race_in_background(plugin, "DEL", cfg, "slow")
+    waiting = "a call waits for another call of its attachment"
+    wait_for(lambda: deleted.done() or agent.logged(waiting), "the DEL answered, or waiting")
+    gate.open()
+    assert address(added.result(timeout=60))
+    assert deleted.result(timeout=60).returncode == 0
+    assert "slow" not in holders(sqlite_url)
+    assert_check_clean(sqlite_url)
+
+
+def race_in_background(plugin: Path, command: str, cfg: dict, container: str) -> Future:
+    return _BACKGROUND.submit(exec_plugin, plugin, command, cfg, container=container)
+
+
+_BACKGROUND = ThreadPoolExecutor(4)
 
 
 def test_concurrent_dual_stack_adds_all_answered_and_agent_still_serves(plugin, etcd, start_agent):

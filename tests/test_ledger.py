@@ -666,3 +666,50 @@ def test_plain_adds_and_dels_never_write_the_coverage_key(ledger, sqlite_store):
     assert sqlite_store.get(layout.POOL_COVERAGE_KEY).mod_revision == written
     add_to(ledger, inline("10.20.0.0/23"), "wider")  # grows: tested and written
     assert sqlite_store.get(layout.POOL_COVERAGE_KEY).mod_revision > written
+
+
+def test_a_combined_batch_writes_an_attachment_once(sqlite_store, clock, monkeypatch, tmp_path):
+    """Finding (hostile pass 2): calls of one attachment queued behind another batch were
+    combined into one transaction, which wrote a record for each call (the compare that
+    the attachment is absent was the same for all): the attachment held four addresses
+    of one pool. The combiner alone (no turns taken by the ledger) now puts one call of
+    an attachment in a batch; the others find its addresses in the next."""
+    import threading
+
+    from conftest import wait_for
+    from ipward.core import testpoints
+    from ipward.ipam.combining import Combiner
+    from ipward.ipam.reads import Reads
+
+    reads = Reads(sqlite_store, "node-a", clock)
+    spec = pool()
+    combiner = Combiner(reads)
+    combiner.allocate([spec], att("warm"), PodInfo("ns", "warm", "u"))  # the block claimed
+    monkeypatch.setitem(testpoints._GATES, "allocate", str(tmp_path))
+    answers: dict[str, list[str]] = {}
+
+    def one(attachment: Attachment) -> None:
+        got = combiner.allocate([spec], attachment, PodInfo("ns", "p", "u"))
+        answers.setdefault(attachment.container, []).append(got[0].ip)
+
+    lead = threading.Thread(target=one, args=(att("lead"),))
+    lead.start()
+    wait_for((tmp_path / "allocate.reached").exists, "the lead's batch at its commit")
+    queued = [att(f"other{i}") for i in range(2)] + [att("dup")] * 4
+    threads = [threading.Thread(target=one, args=(a,)) for a in queued]
+    for t in threads:
+        t.start()
+    waiting = combiner._waiting[(spec.name,)]
+    wait_for(lambda: len(waiting) == len(queued), "every call queued behind the lead")
+    (tmp_path / "allocate.open").touch()
+    for t in [lead, *threads]:
+        t.join()
+    dup_records = [
+        kv.key
+        for kv in sqlite_store.range("ips/")[0]
+        if rec.AddressRecord.decode(kv.value).container == "cdup"
+    ]
+    assert len(dup_records) == 1, dup_records
+    assert len(answers["cdup"]) == 4 and len(set(answers["cdup"])) == 1, answers
+    problems, _ = check(sqlite_store)
+    assert not problems, problems

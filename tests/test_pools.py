@@ -6,7 +6,6 @@ pool can leave behind (`ipward check`, `--remove-orphans`)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import threading
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IPWARD, exec_plugin, run_cli, wait_for
+from conftest import IPWARD, Gate, exec_plugin, run_cli, wait_for
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
@@ -68,23 +67,6 @@ def pool_keys(url: str, pool: str) -> list[str]:
     with open_store(url) as store:
         kvs, _ = store.range("")
     return [kv.key for kv in kvs if kv.key.split("/")[1:2] == [pool] and kv.key != "poolcoverage"]
-
-
-class Gate:
-    """A test point held open (`IPWARD_TEST_GATES`): the process waits at it until the
-    test opens it, so the test acts exactly in the window."""
-
-    def __init__(self, tmp: Path, point: str) -> None:
-        self.dir = tmp / f"gate-{point}"
-        self.dir.mkdir()
-        self.point = point
-        self.env = {**os.environ, "IPWARD_TEST_GATES": f"{point}={self.dir}"}
-
-    def wait_reached(self) -> None:
-        wait_for((self.dir / f"{self.point}.reached").exists, f"the {self.point} gate")
-
-    def open(self) -> None:
-        (self.dir / f"{self.point}.open").touch()
 
 
 def cli_in_background(url: str, gate: Gate, *args: str) -> subprocess.Popen:

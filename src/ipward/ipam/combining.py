@@ -153,7 +153,13 @@ class Combiner:
         taken = Taken(len(batch))
         refs_of = []
         now = reads.clock()
+        members: set[str] = set()
         for request in batch:
+            if request.attachment.key in members:
+                # One transaction, one write of an attachment: a second call of it waits
+                # for the next batch, where it finds the first's addresses.
+                break
+            members.add(request.attachment.key)
             picks = [
                 (pool, pick(reads, pool, i, rs, None, False, taken))
                 for pool in pools
