@@ -50,6 +50,14 @@ def skipped(ctl: fleet.Controller) -> float:
     return ctl.metric("ipward_gc_skipped_passes_total") or 0
 
 
+def source_errors(ctl: fleet.Controller, source: str) -> float:
+    return ctl.metric("ipward_gc_source_errors_total", source=source) or 0
+
+
+def gc_passes(ctl: fleet.Controller) -> float:
+    return ctl.metric("ipward_gc_pass_seconds_count") or 0
+
+
 class Scene:
     """Pods running, the controller judging from the API, every DEL dropped."""
 
@@ -116,6 +124,19 @@ def test_a_broken_watch_relists_then_frees_exactly_the_gone(
     scene.back()
 
 
+def test_a_controller_on_the_api_alone_counts_no_runtime_errors(
+    k8s_world: World, kube_server: KubeApi
+) -> None:
+    """Finding (a real cluster, deployed as deploy/base says: `--liveness=k8s://`):
+    `ipward_gc_source_errors{source="runtime"}`, the first metric to alert on, counted up
+    on every pass, for runtimes the source never covers. Only configured sources count."""
+    scene = Scene(k8s_world)
+    before, cluster_errors = gc_passes(scene.ctl), source_errors(scene.ctl, "cluster")
+    wait_for(lambda: gc_passes(scene.ctl) >= before + 2, "two more garbage-collection passes")
+    assert source_errors(scene.ctl, "runtime") == 0
+    assert source_errors(scene.ctl, "cluster") == cluster_errors  # (its first list: a start)
+
+
 def test_server_down_frees_nothing_then_back_relists_and_frees(
     k8s_world: World, kube_server: KubeApi
 ) -> None:
@@ -130,6 +151,7 @@ def test_server_down_frees_nothing_then_back_relists_and_frees(
     before = skipped(scene.ctl)
     wait_for(lambda: skipped(scene.ctl) >= before + 2, "passes skipped: the source unavailable")
     scene.nothing_freed()
+    assert source_errors(scene.ctl, "cluster") >= 2
     lists = pod_lists(kube_server)
     server.come_back()
     wait_for(lambda: pod_lists(kube_server) > lists, "the source to list again")

@@ -507,6 +507,8 @@ class CriSource(LivenessSource):
     no cluster, so `cluster_view` raises `NotCovered`.
     """
 
+    covers_cluster = False
+
     def __init__(self, socket_path: str, node: str, timeout: float = 2.0) -> None:
         if not node:
             raise ValueError("a CRI source answers for one node: name it")

@@ -197,7 +197,13 @@ READ_LIVE = Confirmation(True, "the view judged was read live")
 class LivenessSource(ABC):
     """Views (for judging) and live confirmations (before freeing on a view's word). A
     source whose views are themselves live reads (a runtime's list, the labs' file)
-    confirms what they showed; one answering from caches (`k8s://`) reads again."""
+    confirms what they showed; one answering from caches (`k8s://`) reads again.
+
+    `covers_runtimes` and `covers_cluster` say which views it can give at all: a view it
+    does not cover is `NotCovered`, as configured, never a failed read to count."""
+
+    covers_runtimes = True
+    covers_cluster = True
 
     @abstractmethod
     def node_view(self, node: str) -> NodeView:

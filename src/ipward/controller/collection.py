@@ -109,9 +109,10 @@ class Collection:
         nodes, evidence = seen.nodes, seen.evidence
         cluster_ok = isinstance(evidence.cluster, ClusterView)
         runtime_ok = [n for n in nodes if isinstance(evidence.nodes.get(n), NodeView)]
-        if not cluster_ok:
+        # Only what the source covers can fail: a `k8s://` controller has no runtimes.
+        if source.covers_cluster and not cluster_ok:
             self.metrics.gc_source_errors.labels(source="cluster").inc()
-        if len(runtime_ok) < len(nodes):
+        if source.covers_runtimes and len(runtime_ok) < len(nodes):
             self.metrics.gc_source_errors.labels(source="runtime").inc()
         if not cluster_ok and not runtime_ok:
             self.metrics.gc_skipped.inc()

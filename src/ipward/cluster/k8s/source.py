@@ -111,10 +111,13 @@ class Settings:
 class K8sSource(LivenessSource, PodDirectory):
     """The caches of one scope (see the module's docstring) and the direct reads."""
 
+    covers_runtimes = False  # NO_SANDBOXES
+
     def __init__(self, client: ApiClient, settings: Settings) -> None:
         self.client = client
         self.settings = settings
         self.node = settings.node
+        self.covers_cluster = not self.node
 
         def reflector(resource: Resource) -> Reflector:
             return Reflector(
