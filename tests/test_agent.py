@@ -28,6 +28,7 @@ import pytest
 
 from conftest import Gate, PluginResult, exec_plugin, run_cli, wait_for
 from ipward.agent.server import MAX_READING_PER_PROCESS
+from ipward.cluster.liveness import Sandbox
 from ipward.cni.wire import REQUEST_MAGIC, encode_request, read_answer
 from ipward.core import keys
 from ipward.core import records as rec
@@ -37,6 +38,7 @@ from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server
+from ipward_lab.simcluster import write_sim_state
 
 NODE = "agent-node"
 SETPRIV = "/usr/bin/setpriv"
@@ -703,6 +705,37 @@ def race_in_background(plugin: Path, command: str, cfg: dict, container: str) ->
 
 
 _BACKGROUND = ThreadPoolExecutor(4)
+
+
+def test_a_sticky_takeover_waits_while_the_runtime_lists_the_old_sandbox(
+    plugin, sqlite_url, start_agent, tmp_path
+):
+    """Finding (a real cluster, a StatefulSet pod force-deleted): its successor took the
+    sticky address while the old sandbox's teardown was still going on. The agent asks its
+    runtime (`--liveness`): while it lists the old sandbox, the new one's ADD is 11 and
+    nothing is written; once it lists it no more, the address moves."""
+    state = tmp_path / "state.json"
+    cluster = {"pods": [], "nodes": [NODE], "statefulsets": {}}
+
+    def runtime_lists(*ids: str) -> None:
+        sandboxes = [Sandbox(i, ready=True, namespace="db", name="db-0") for i in ids]
+        write_sim_state(str(state), time.time(), cluster, {NODE: {"sandboxes": sandboxes}})
+
+    runtime_lists()
+    agent = start_agent(sqlite_url, extra=("--liveness", f"sim://{state}"))
+    ranges = [[{"subnet": "10.20.0.0/24"}]]
+    cfg = config(agent.socket, ranges=ranges, sticky=True)
+    args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=db;K8S_POD_NAME=db-0"
+    first = address(exec_plugin(plugin, "ADD", cfg, container="old", args=args))
+    runtime_lists("old")  # force-deleted: the old sandbox's teardown has not ended
+    before = snapshot(sqlite_url)
+    waits = exec_plugin(plugin, "ADD", cfg, container="new", args=args)
+    assert waits.returncode == 1 and waits.json["code"] == 11, waits
+    assert "still lists" in waits.json["msg"]
+    assert snapshot(sqlite_url) == before
+    runtime_lists("new")  # torn down (its DEL never came); the new sandbox is created
+    assert address(exec_plugin(plugin, "ADD", cfg, container="new", args=args)) == first
+    assert_check_clean(sqlite_url)
 
 
 def test_concurrent_dual_stack_adds_all_answered_and_agent_still_serves(plugin, etcd, start_agent):

@@ -19,7 +19,7 @@ from ipward.core.records import AddressRecord, ReservationRecord
 from ipward.gc import rules as gc
 from ipward.ipam.check import check
 from ipward.ipam.ledger import Ledger
-from ipward.store.base import Put
+from ipward.store.base import Delete, Put
 
 NET = "net"
 
@@ -116,6 +116,54 @@ def test_no_takeover_from_a_pod_that_may_be_live(sqlite_store, pool) -> None:
         sticky=identity(may_take=lambda uid: uid == "u1"),
     )
     assert len(taken) == 2
+    assert_clean(sqlite_store)
+
+
+def test_a_takeover_waits_for_the_old_sandbox_this_node_still_lists(sqlite_store, pool) -> None:
+    """Finding (a real cluster: `kubectl delete pod db-0 --force --grace-period=0`): the
+    new db-0 took the sticky address 40-90 ms before the old sandbox's teardown ended, and
+    two namespaces on the bridge held one address. The old pod is gone from the API
+    (`may_take` says so), but while this node's runtime lists its sandbox the address
+    stays (11, nothing written); once the runtime lists it no more, or its DEL detaches
+    it, the new sandbox takes it over."""
+    ledger = Ledger(sqlite_store, "n1")
+    first = ips(
+        ledger.allocate([pool], sandbox(1), rec.PodInfo("db", "db-0", "u1"), sticky=identity())
+    )
+    listed = {"sandbox1"}
+    new_pod = rec.PodInfo("db", "db-0", "u2")
+    forced = identity(may_take=lambda uid: True, sandbox_listed=lambda id: id in listed)
+    revision = sqlite_store.revision()
+    with pytest.raises(TryAgainLater, match="still lists"):
+        ledger.allocate([pool], sandbox(2), new_pod, sticky=forced)
+    assert sqlite_store.revision() == revision
+    listed.clear()  # its teardown is over
+    assert ips(ledger.allocate([pool], sandbox(2), new_pod, sticky=forced)) == first
+    assert_clean(sqlite_store)
+
+
+@pytest.mark.parametrize("end", ["its DEL", "the node gone"])
+def test_a_takeover_from_another_node_waits_for_its_del_or_its_end(
+    sqlite_store, pool, end: str
+) -> None:
+    """The old sandbox on another node: its runtime is not ours to ask. While that node's
+    agent runs (registered), the address moves only once the sandbox's DEL there
+    detaches it, or the node is gone (its registration expired)."""
+    n1, n2 = Ledger(sqlite_store, "n1"), Ledger(sqlite_store, "n2")
+    registration = rec.NodeRegistration("n1", 1, 0.0).encode()
+    sqlite_store.txn([], [Put(keys.node_key("n1"), registration)])
+    first = ips(n1.allocate([pool], sandbox(1), rec.PodInfo("db", "db-0", "u1"), sticky=identity()))
+    new_pod = rec.PodInfo("db", "db-0", "u2")
+    forced = identity(may_take=lambda uid: True, sandbox_listed=lambda id: False)
+    revision = sqlite_store.revision()
+    with pytest.raises(TryAgainLater, match="node n1, whose agent runs"):
+        n2.allocate([pool], sandbox(2), new_pod, sticky=forced)
+    assert sqlite_store.revision() == revision
+    if end == "its DEL":
+        n1.free(sandbox(1))
+    else:
+        sqlite_store.txn([], [Delete(keys.node_key("n1"))])
+    assert ips(n2.allocate([pool], sandbox(2), new_pod, sticky=forced)) == first
     assert_clean(sqlite_store)
 
 

@@ -1,7 +1,11 @@
-"""The agent's `PodDirectory` (`--cluster`): what an ADD reads of its pod. `k8s://` is
-one itself, in the node's scope; other sources answer from their cluster view."""
+"""What an ADD reads beyond its call, in the agent: its `PodDirectory` (`--cluster`),
+what it reads of its pod (`k8s://` is one itself, in the node's scope; other sources
+answer from their cluster view), and the node's runtime (`--liveness`): which sandboxes
+it lists."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from ipward.cluster.liveness import ClusterView, LivenessSource, LivenessUnavailable, open_source
 from ipward.cluster.pods import PodDirectory, PodMeta
@@ -40,6 +44,20 @@ class ClusterDirectory(PodDirectory):
 
     def listed(self, namespace: str, name: str, uid: str) -> bool:
         return uid in self._view().pods
+
+
+def runtime_sandboxes(source: LivenessSource, node: str) -> Callable[[str], bool]:
+    """Whether this node's runtime lists a sandbox (ready or not), for a sticky take-over
+    (`Sticky.sandbox_listed`); a runtime that cannot be read is code 11."""
+
+    def listed(sandbox: str) -> bool:
+        try:
+            view = source.node_view(node)
+        except LivenessUnavailable as e:
+            raise TryAgainLater(f"runtime: {e}") from e
+        return sandbox in view.sandboxes
+
+    return listed
 
 
 def cluster_directory(url: str, node: str) -> PodDirectory:

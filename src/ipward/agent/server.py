@@ -49,6 +49,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ipward.agent.listener import AgentSocket, peer_credentials, peer_groups
@@ -147,11 +148,13 @@ class Agent:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         stuck_seconds: float = CALL_TIMEOUT,
         directory: PodDirectory | None = None,
+        sandboxes: Callable[[str], bool] | None = None,
     ) -> None:
         self.store = store
         self.node = node
         self.ledger = Ledger(store, node)
         self.directory = directory
+        self.sandboxes = sandboxes
         self.allow_gid = allow_gid
         self.uid = os.getuid()
         self.metrics = Metrics(node)
@@ -481,7 +484,9 @@ class Agent:
         label = command if command in _COMMAND_LABELS else "other"
         started = time.monotonic()
         try:
-            status, out = verbs.answer(env, stdin, self.ledger, self.directory)  # never raises
+            status, out = verbs.answer(  # never raises
+                env, stdin, self.ledger, self.directory, self.sandboxes
+            )
             answer = wire.encode_answer(status, out.encode())
         except Exception as e:  # a bug (an answer too large): an error, not silence
             status, out = 1, verbs.error_output(IpwardError(f"internal error: {e}"), stdin)

@@ -9,7 +9,7 @@ import time
 
 import click
 
-from ipward.agent.directory import cluster_directory
+from ipward.agent.directory import cluster_directory, runtime_sandboxes
 from ipward.agent.duties import NodeDuties
 from ipward.agent.listener import DEFAULT_SOCKET, AgentError
 from ipward.agent.reconcile import Reconciler
@@ -71,6 +71,7 @@ def run_agent(
             max_connections=max_connections,
             stuck_seconds=stuck_seconds,
             directory=directory,
+            sandboxes=runtime_sandboxes(source, node) if source is not None else None,
         )
         http = _start_http(agent, metrics_address)
         agent.start()

@@ -31,6 +31,8 @@ from ipward.core.records import Sticky
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ipward.cluster.pods import PodDirectory, PodMeta
     from ipward.cni.config import Call, IpamConfig
     from ipward.core.pool import PoolSpec
@@ -46,8 +48,10 @@ def choose(
     call: Call,
     requested: list[str],
     directory: PodDirectory | None,
+    sandboxes: Callable[[str], bool] | None = None,
 ) -> tuple[list[PoolSpec], Sticky | None]:
-    """(pools, sticky identity or None) for an ADD of the `requested` addresses."""
+    """(pools, sticky identity or None) for an ADD of the `requested` addresses;
+    `sandboxes`: whether this node's runtime lists a sandbox (`Sticky.sandbox_listed`)."""
     pod = call.pod
     meta = directory.meta(pod.namespace, pod.name, pod.uid) if directory and pod.name else None
     annotated = _annotated(meta)
@@ -59,7 +63,7 @@ def choose(
         # Maybe judged on pool specs a long-lived ledger remembers (an agent's): a
         # refusal is only given on the pools as stored now.
         pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=True)
-    return pools, _sticky(config, call, meta, directory)
+    return pools, _sticky(config, call, meta, directory, sandboxes)
 
 
 def _pools(
@@ -119,7 +123,11 @@ def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> lis
 
 
 def _sticky(
-    config: IpamConfig, call: Call, meta: PodMeta | None, directory: PodDirectory | None
+    config: IpamConfig,
+    call: Call,
+    meta: PodMeta | None,
+    directory: PodDirectory | None,
+    sandboxes: Callable[[str], bool] | None,
 ) -> Sticky | None:
     stateful = meta is not None and meta.owner_kind == "StatefulSet"
     asked = meta is not None and meta.annotations.get(STICKY_ANNOTATION, "").lower() == "true"
@@ -141,4 +149,5 @@ def _sticky(
         may_take=None
         if directory is None
         else (lambda uid: not directory.listed(pod.namespace, pod.name, uid)),
+        sandbox_listed=sandboxes,
     )

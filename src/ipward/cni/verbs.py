@@ -46,6 +46,8 @@ from ipward.core.errors import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ipward.cluster.pods import PodDirectory
     from ipward.core.pool import PoolSpec
     from ipward.ipam.ledger import Allocation, Ledger
@@ -63,11 +65,13 @@ def run(
     stdin: bytes,
     ledger: Ledger | None = None,
     directory: PodDirectory | None = None,
+    sandboxes: Callable[[str], bool] | None = None,
 ) -> str:
     """Do one plugin call; returns what goes on stdout. Raises IpwardError. The agent
-    passes its own `ledger` (its store, its node) and, with a cluster source, the
-    `directory` of pods ADD reads annotations and owners from; the plugin opens a
-    ledger on SQLite."""
+    passes its own `ledger` (its store, its node), with a cluster source the `directory`
+    of pods ADD reads annotations and owners from, and with a runtime `sandboxes`
+    (whether it lists a sandbox: a sticky take-over waits for the old one's teardown);
+    the plugin opens a ledger on SQLite."""
     check_size(stdin)
     command = env.get("CNI_COMMAND", "")
     if command not in COMMANDS:
@@ -105,7 +109,7 @@ def run(
     call = Call(env, config.network)
     ledger = ledger or _ledger(config)
     if command == "ADD":
-        return dump(_add(ledger, config, call, directory))
+        return dump(_add(ledger, config, call, directory, sandboxes))
     if command == "DEL":
         ledger.free(call.attachment)
         return ""
@@ -146,7 +150,13 @@ def _ledger(config: IpamConfig) -> Ledger:
         raise InvalidConfig(str(e)) from e
 
 
-def _add(ledger: Ledger, config: IpamConfig, call: Call, directory: PodDirectory | None) -> dict:
+def _add(
+    ledger: Ledger,
+    config: IpamConfig,
+    call: Call,
+    directory: PodDirectory | None,
+    sandboxes: Callable[[str], bool] | None,
+) -> dict:
     """ADD: the result for the attachment. One that holds addresses gets them again
     (invariant 4) whatever the config selects now (its ranges changed, a pool it names
     was deleted since), so a refusal of the selection is only given once the attachment
@@ -155,7 +165,7 @@ def _add(ledger: Ledger, config: IpamConfig, call: Call, directory: PodDirectory
 
     requested = config.requested_ips(call.args)
     try:
-        pools, sticky = choose(ledger, config, call, requested, directory)
+        pools, sticky = choose(ledger, config, call, requested, directory, sandboxes)
     except InvalidEnvironment:  # the call's input (a sticky pod without its identity)
         raise
     except IpwardError as refusal:
@@ -268,11 +278,12 @@ def answer(
     stdin: bytes,
     ledger: Ledger | None = None,
     directory: PodDirectory | None = None,
+    sandboxes: Callable[[str], bool] | None = None,
 ) -> tuple[int, str]:
     """One call as the runtime sees it: exit status and stdout. Every failure becomes the
     CNI error object; nothing raises."""
     try:
-        return 0, run(env, stdin, ledger, directory)
+        return 0, run(env, stdin, ledger, directory, sandboxes)
     except IpwardError as e:
         log.warning(
             e.msg,

@@ -542,9 +542,20 @@ class Sticky:
     """An ADD's request to keep its addresses for a stable identity (network, pod
     namespace, pod name): StatefulSet pods, or pods that ask for it. `may_take(uid)`
     says whether a reservation still bound to a pod of another UID may be taken over
-    (that pod is known gone); None: always (no cluster to ask)."""
+    (that pod is known gone); None: always (no cluster to ask). `sandbox_listed(id)`
+    says whether this node's runtime still lists a sandbox (its teardown is not over);
+    None: no runtime to ask."""
 
-    __slots__ = ("key", "may_take", "name", "namespace", "owner_kind", "owner_name", "ttl")
+    __slots__ = (
+        "key",
+        "may_take",
+        "name",
+        "namespace",
+        "owner_kind",
+        "owner_name",
+        "sandbox_listed",
+        "ttl",
+    )
 
     def __init__(
         self,
@@ -555,6 +566,7 @@ class Sticky:
         owner_name: str = "",
         ttl: float | None = None,
         may_take: Callable[[str], bool] | None = None,
+        sandbox_listed: Callable[[str], bool] | None = None,
     ) -> None:
         self.key = sticky_key(network, namespace, name)
         self.namespace = namespace
@@ -563,6 +575,7 @@ class Sticky:
         self.owner_name = owner_name
         self.ttl = ttl
         self.may_take = may_take
+        self.sandbox_listed = sandbox_listed
 
     def record(
         self, refs: list[str], attachment: Attachment, uid: str, node: str, now: float

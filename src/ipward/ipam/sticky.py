@@ -78,6 +78,8 @@ def take_over(
             f"{sticky.key} is bound to {old} of pod UID {old_uid}, which may still be"
             " live; the address moves once that pod is gone"
         )
+    if old and old != attachment.key:
+        _wait_for_teardown(reads, sticky, old, held.node)
     now = reads.clock()
     compares: list[Compare] = [
         at_revision(reservation.key, reservation.mod_revision),
@@ -119,6 +121,28 @@ def take_over(
         previous=old or "(detached)",
     )
     return allocations
+
+
+def _wait_for_teardown(reads: Reads, sticky: Sticky, old: str, old_node: str) -> None:
+    """A reservation still bound to another sandbox moves only once that sandbox is torn
+    down, so two network namespaces never hold the address at once (a pod force-deleted:
+    its successor's ADD comes before the old sandbox's DEL). On this node the runtime
+    says (it lists the old sandbox until its teardown is over); on another, that node's
+    agent detaches it (its DEL, or its reconciliation once its runtime lists the sandbox
+    no more) unless the node is gone (its registration expired). TryAgainLater until
+    then: the runtime retries the ADD."""
+    _, container, _ = keys.attach_parts(old)
+    if old_node == reads.node:
+        if sticky.sandbox_listed is not None and sticky.sandbox_listed(container):
+            raise TryAgainLater(
+                f"{sticky.key} is bound to {old}, whose sandbox this node's runtime still"
+                " lists; the address moves once its teardown is over"
+            )
+    elif reads.get(keys.node_key(old_node), fresh=True) is not None:
+        raise TryAgainLater(
+            f"{sticky.key} is bound to {old} on node {old_node}, whose agent runs; the"
+            " address moves once that sandbox's DEL detaches it (or the node is gone)"
+        )
 
 
 def free_sticky(
