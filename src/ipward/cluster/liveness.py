@@ -212,6 +212,13 @@ class LivenessSource(ABC):
         once (a source that reads them together answers all from one read)."""
         return views_or_why(nodes, self.node_view)
 
+    def wait_listed(self, timeout: float) -> None:  # noqa: B027 (most sources read live)
+        """For a one-shot command (`ipward gc`, `release --liveness`), which asks once
+        and cannot wait for a next pass: wait until the source answers from complete
+        lists, up to `timeout` seconds; then LivenessUnavailable naming what is not
+        listed, and why. A source that reads at each question (a runtime, the labs'
+        file) has nothing to wait for: its failures are each answer's own."""
+
     def confirm_pod_gone(self, namespace: str, name: str, uid: str) -> Confirmation:
         return READ_LIVE
 
