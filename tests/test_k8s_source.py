@@ -724,3 +724,39 @@ def test_one_shot_gc_names_what_it_could_not_list(kube: KubeApi, tmp_path: Path)
         assert why in res.stderr, res.stderr
     with open_store(url) as store:
         assert store.revision() == before
+
+
+def test_release_with_liveness_refuses_a_live_pods_address(kube: KubeApi, tmp_path: Path) -> None:
+    """Finding (issue 21, 7): `ipward release --yes` freed a live pod's address without a
+    word. With `--liveness` the record is judged as garbage collection judges it: refused
+    (exit 2, nothing changed) while the cluster has the pod, saying so; released once
+    the pod is gone (after the API's own NotFound). Without `--liveness`, a line on
+    stderr says nothing was checked."""
+    ns, node = kube.name("release"), kube.name("n1")
+    kube.admin.namespace(ns)
+    kube.admin.node(node)
+    alive = kube.admin.pod(ns, "alive", node)
+    gone = kube.admin.pod(ns, "gone", node)
+    kube.admin.delete_pod(ns, "gone", grace=0)
+    url = f"sqlite://{tmp_path}/ipward.db"
+    before = _records_of(
+        url, node, {"sb-alive": (f"{ns}/alive", alive), "sb-gone": (f"{ns}/gone", gone)}
+    )
+    rows = json.loads(run_cli("--json", "alloc", "list", store=url, check=True).stdout)
+    ip_of = {r["pod"]["name"]: r["ip"] for r in rows}
+    liveness = ("--yes", "--liveness", f"k8s://?kubeconfig={kube.kubeconfig}", "--add-grace", "0")
+
+    refused = run_cli("release", "--pool", "p", "--ip", ip_of["alive"], *liveness, store=url)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused
+    assert f"p/{ip_of['alive']} not released: pod {ns}/alive Pending" in refused.stderr
+    with open_store(url) as store:
+        assert store.revision() == before
+    released = run_cli(
+        "--json", "release", "--pool", "p", "--ip", ip_of["gone"], *liveness, store=url
+    )
+    assert released.returncode == 0, released
+    assert json.loads(released.stdout)["checked"].startswith(f"{gc.POD_GONE}: cluster has no pod")
+    unchecked = run_cli("release", "--pool", "p", "--ip", ip_of["alive"], "--yes", store=url)
+    assert unchecked.returncode == 0, unchecked
+    assert f"nothing checked that pod {ns}/alive" in unchecked.stderr, unchecked.stderr
+    assert json.loads(run_cli("--json", "alloc", "list", store=url).stdout) == []
