@@ -158,9 +158,11 @@ def test_unavailable_until_the_first_list_completes(kube_server: KubeApi) -> Non
     source = kube_server.source()
     with pytest.raises(LivenessUnavailable, match="not listed yet"):
         source.cluster_view()
+    assert "Kubernetes pods: not listed yet" in source.unavailable()  # an agent's /healthz
     kube_server.server.slow(0)
     view = wait_view(source, lambda v: True, "the first list")
     assert "a" in view.namespaces
+    assert source.unavailable() is None
 
 
 def test_events_update_the_view(kube: KubeApi) -> None:

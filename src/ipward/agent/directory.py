@@ -41,6 +41,13 @@ class ClusterDirectory(PodDirectory):
     def listed(self, namespace: str, name: str, uid: str) -> bool:
         return uid in self._view().pods
 
+    def unavailable(self) -> str | None:
+        try:
+            self.source.cluster_view()
+        except LivenessUnavailable as e:
+            return str(e)
+        return None
+
 
 def cluster_directory(url: str, node: str) -> PodDirectory:
     """The pod directory of ADDs. `k8s://` opens in this node's scope (its pods and the

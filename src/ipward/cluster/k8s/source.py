@@ -144,6 +144,13 @@ class K8sSource(LivenessSource, PodDirectory):
         403 ..."); [] when every cache answers."""
         return [p for r in self.reflectors if (p := r.problem()) is not None]
 
+    def unavailable(self) -> str | None:
+        """Any cache not trusted now, with why: the API refuses or does not answer its
+        list (ADDs of pods not cached get the same answer, 11), or it is not listed yet
+        (at start; ADDs read each pod directly meanwhile), or it is being listed again."""
+        problems = self.problems()
+        return "; ".join(problems) if problems else None
+
     def wait_listed(self, timeout: float) -> None:
         """Until every cache has its first complete list; then LivenessUnavailable naming
         each one that has not, and why."""
