@@ -265,7 +265,8 @@ def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSourc
         if not node:
             raise InvalidConfig(
                 f"liveness source {url!r}: a runtime's socket answers for one node only;"
-                " name its node (ipward gc --node; a controller judges the whole cluster: use k8s://)"
+                " name its node (`ipward gc`, `ipward release`: --node; a controller judges the"
+                " whole cluster: use k8s://)"
             )
         from ipward.cluster.cri import CriSource  # grpc stays out of everything else's imports
 
