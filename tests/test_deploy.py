@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from conftest import REPO, exec_plugin, run_cli, wait_for
+from ipward.cluster.k8s.client import ApiError
 
 DEPLOY = REPO / "deploy"
 RENDERINGS = {
@@ -375,3 +376,104 @@ def test_manifests_are_accepted_by_a_real_kube_apiserver(
     )
     assert applied.returncode == 0, applied.stderr
     assert "(server dry run)" in applied.stdout
+
+
+# -- the agent's health when its RBAC goes ----------------------------------------------------
+
+
+def _manifest_identity(client: Any, tag: str) -> tuple[str, str, dict]:
+    """The agent's identity as `deploy/base/agent-rbac.yaml` makes it, on a real API
+    server shared with other tests (names suffixed with `tag`): its ServiceAccount, its
+    ClusterRole's rules and the binding. (A token for the account from the TokenRequest
+    API, the binding's path, the binding) to remove and restore it."""
+    docs = {
+        d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "base" / "agent-rbac.yaml").read_text())
+    }
+    namespace, name = "ipward-system", f"ipward-agent-{tag}"
+    try:
+        client.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})
+    except ApiError as e:
+        if e.status != 409:  # made by an earlier test: fine
+            raise
+    client.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts",
+        body={"metadata": {"name": name}},
+    )
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    role = {**docs["ClusterRole"], "metadata": {"name": name}}
+    client.request("POST", f"{rbac}/clusterroles", body=role)
+    binding = {
+        **docs["ClusterRoleBinding"],
+        "metadata": {"name": name},
+        "roleRef": {**docs["ClusterRoleBinding"]["roleRef"], "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
+    token = client.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}},
+    )["status"]["token"]
+    return token, f"{rbac}/clusterrolebindings", binding
+
+
+def test_agent_healthz_reports_its_cluster_source_refused(
+    real_kube_apiserver: Any, plugin: Path, sqlite_url: str, tmp_path: Path
+) -> None:
+    """Finding (issue 21, 7): with the agent's RBAC removed, its ADDs answered 11 while
+    `/healthz` said ok. The agent, with the identity the manifests make and `--cluster
+    k8s://`: ok; its ClusterRoleBinding deleted: 503 naming the source and the API's 403
+    (and an ADD answers 11); the binding back: ok again, and the ADD is served."""
+    import json
+    import uuid
+
+    from ipward.cluster.k8s.client import ApiClient
+    from ipward.cluster.k8s.config import from_kubeconfig
+    from ipward_lab import fleet
+    from ipward_lab.kubeadmin import KubeAdmin
+
+    lab = real_kube_apiserver
+    tag = uuid.uuid4().hex[:8]
+    admin_client = ApiClient(from_kubeconfig(str(lab.kubeconfig)))
+    run_dir = Path(tempfile.mkdtemp(prefix="ipw-health-"))  # AF_UNIX paths are short
+    agent = None
+    try:
+        token, bindings, binding = _manifest_identity(admin_client, tag)
+        admin_client.request("POST", bindings, body=binding)
+        kubeconfig = json.loads(lab.kubeconfig.read_text())
+        kubeconfig["users"][0]["user"] = {"token": token}
+        (tmp_path / "agent.kubeconfig").write_text(json.dumps(kubeconfig))
+        admin = KubeAdmin(admin_client)
+        ns, node = f"health-{tag}", f"n1-{tag}"
+        admin.namespace(ns)
+        admin.node(node)
+        uid = admin.pod(ns, "web-0", node)
+        cluster = f"k8s://?kubeconfig={tmp_path / 'agent.kubeconfig'}&stale=2"  # watches of 1 s
+        agent = fleet.Agent(
+            node, sqlite_url, run_dir / "agent.sock", tmp_path, extra=("--cluster", cluster)
+        ).wait_ready()
+        wait_for(lambda: agent.healthz() == "ok", "healthz ok with the manifests' rights")
+
+        admin_client.request("DELETE", f"{bindings}/{binding['metadata']['name']}")
+        refused = wait_for(
+            lambda: (h := agent.healthz()) != "ok" and h, "healthz to see the source refused"
+        )
+        assert refused.startswith("503: cluster source: Kubernetes ") and "HTTP 403" in refused
+        config = {
+            "cniVersion": "1.1.0",
+            "name": "podnet",
+            "ipam": {"type": "ipward", "agentSocket": str(agent.socket), **POD_RANGES},
+        }
+        args = f"K8S_POD_NAMESPACE={ns};K8S_POD_NAME=web-0;K8S_POD_UID={uid}"
+        add = exec_plugin(plugin, "ADD", config, "sb1", args=args)
+        assert add.json["code"] == 11 and "403" in add.json["msg"], add
+
+        admin_client.request("POST", bindings, body=binding)
+        wait_for(lambda: agent.healthz() == "ok", "healthz ok once the binding is back")
+        add = exec_plugin(plugin, "ADD", config, "sb1", args=args)
+        assert add.returncode == 0, add
+    finally:
+        if agent is not None:
+            agent.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        admin_client.close()

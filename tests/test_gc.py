@@ -279,6 +279,33 @@ def test_ipward_gc_dry_run_then_run(tmp_path: Path, sqlite_url: str, sqlite_stor
     assert run_cli("check", store=sqlite_url).returncode == 0
 
 
+def test_release_with_liveness_refuses_while_the_runtime_lists_the_sandbox(
+    tmp_path: Path, sqlite_url: str, sqlite_store
+) -> None:
+    """Finding (issue 21, 7): `release --yes` freed a live pod's address. With
+    `--liveness`, a sandbox its runtime lists ready keeps it (whatever the cluster
+    says), as in garbage collection: exit 2, nothing changed; once the runtime no longer
+    lists it, it is released, saying on what evidence."""
+    spec = make_pool(sqlite_store)
+    attachment = rec.Attachment("net", "sb1", "eth0")
+    ip = Ledger(sqlite_store, "n1").allocate([spec], attachment, rec.PodInfo("ns", "web-0", "u1"))
+    state = tmp_path / "state.json"
+    publish(state, [], [READY], time.time() + 1)  # the cluster lists no pod
+    release = (
+        *("release", "--pool", "p", "--ip", ip[0].ip, "--yes", "--liveness", f"sim://{state}"),
+        *("--node", "n1", "--add-grace", "0"),
+    )
+    before = sqlite_store.revision()
+    refused = run_cli(*release, store=sqlite_url)
+    assert refused.returncode == 2 and "not released: sandbox sb1 ready on n1" in refused.stderr
+    assert sqlite_store.revision() == before
+    publish(state, [], [], time.time() + 1)
+    released = run_cli("--json", *release, store=sqlite_url)
+    assert released.returncode == 0, released
+    assert json.loads(released.stdout)["checked"].startswith(f"{gc.SANDBOX_GONE}: runtime of n1")
+    assert gc.snapshot(sqlite_store) == []
+
+
 def test_ipward_gc_with_unreachable_source_frees_nothing(
     tmp_path: Path, sqlite_url: str, sqlite_store
 ) -> None:

@@ -6,6 +6,7 @@ condition."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -157,9 +158,11 @@ def test_unavailable_until_the_first_list_completes(kube_server: KubeApi) -> Non
     source = kube_server.source()
     with pytest.raises(LivenessUnavailable, match="not listed yet"):
         source.cluster_view()
+    assert "Kubernetes pods: not listed yet" in source.unavailable()  # an agent's /healthz
     kube_server.server.slow(0)
     view = wait_view(source, lambda v: True, "the first list")
     assert "a" in view.namespaces
+    assert source.unavailable() is None
 
 
 def test_events_update_the_view(kube: KubeApi) -> None:
@@ -604,7 +607,7 @@ def test_a_free_on_the_cached_view_waits_for_the_apis_own_word(
     url = f"sqlite://{tmp_path}/ipward.db"
     run_cli("pool", "create", "p", "--range", "10.0.0.0/24", store=url, check=True)
     source = kube_server.source("margin=0")
-    assert source.wait_synced(30)
+    source.wait_listed(30)
     with open_store(url) as store:
         ledger = Ledger(store, "n2")
         pod = PodInfo("shop", "web-0", "u-web")
@@ -635,3 +638,127 @@ def test_a_free_on_the_cached_view_waits_for_the_apis_own_word(
             assert gc.snapshot(store) == []
         finally:
             kube_server.server.unstall()  # the watches end, the source closes at once
+
+
+def _records_of(url: str, node: str, pods: dict[str, tuple[str, str]]) -> int:
+    """A pool `p` and one record per sandbox of `pods` (sandbox -> (pod name, UID), in
+    the namespace of the name before the slash), made now on `node`; the revision."""
+    run_cli("pool", "create", "p", "--range", "10.0.0.0/24", store=url, check=True)
+    with open_store(url) as store:
+        ledger = Ledger(store, node)
+        for sandbox, (name, uid) in pods.items():
+            namespace, _, pod = name.partition("/")
+            ledger.allocate(
+                [ledger.get_pool("p")],
+                Attachment("net", sandbox, "eth0"),
+                PodInfo(namespace, pod, uid),
+            )
+        return store.revision()
+
+
+def test_one_shot_gc_waits_for_the_first_list(kube: KubeApi, tmp_path: Path) -> None:
+    """Finding (issue 21, 6): `ipward gc --dry-run --all --liveness k8s://...` judged the
+    caches before their first list: every record "no evidence: ... not listed yet",
+    nothing a candidate, nothing ever freed. A one-shot command waits for the first
+    complete list: the gone pod's record is a candidate, the live one's kept, and a run
+    frees the first (after the API's own NotFound)."""
+    ns, node = kube.name("oneshot"), kube.name("n1")
+    kube.admin.namespace(ns)
+    kube.admin.node(node)
+    alive = kube.admin.pod(ns, "alive", node)
+    gone = kube.admin.pod(ns, "gone", node)
+    kube.admin.delete_pod(ns, "gone", grace=0)
+    url = f"sqlite://{tmp_path}/ipward.db"
+    _records_of(url, node, {"sb-alive": (f"{ns}/alive", alive), "sb-gone": (f"{ns}/gone", gone)})
+    liveness = ("--liveness", f"k8s://?kubeconfig={kube.kubeconfig}", "--add-grace", "0")
+    dry = run_cli("--json", "gc", "--dry-run", "--all", *liveness, store=url)
+    assert dry.returncode == 0, dry.stderr
+    out = json.loads(dry.stdout)
+    assert [(c["pod"], c["reason"]) for c in out["candidates"]] == [(f"{ns}/gone", gc.POD_GONE)]
+    assert [(k["pod"], k["evidence"]) for k in out["kept"]] == [
+        (f"{ns}/alive", f"pod {ns}/alive Pending")
+    ]
+    run = run_cli("--json", "gc", *liveness, "--confirm-after", "0", store=url)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["freed"] == [out["candidates"][0]["address"]]
+
+
+def test_one_shot_gc_names_what_it_could_not_list(kube: KubeApi, tmp_path: Path) -> None:
+    """Finding (issue 21, 6): a source that cannot list (a token without rights, a
+    server that does not answer) made `ipward gc` judge nothing and exit 0. Now it waits
+    `--timeout`, then exits 2 naming each resource it could not list and why; nothing
+    changed."""
+    node = kube.name("n1")
+    url = f"sqlite://{tmp_path}/ipward.db"
+    before = _records_of(url, node, {"sb-gone": ("shop/gone", "uid-gone")})
+    refused = _kubeconfig(kube, tmp_path / "nobody.yaml", "nobody-token")
+    with socket.socket() as closed:  # a port nothing listens on once it is closed
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    nowhere = tmp_path / "nowhere.yaml"
+    nowhere.write_text(
+        _kubeconfig(kube, tmp_path / "n.yaml", "admin-token")
+        .read_text()
+        .replace(kube.url, f"https://127.0.0.1:{port}")
+    )
+    for kubeconfig, why, dry in (
+        (refused, "HTTP 403", ("--dry-run",)),
+        (refused, "HTTP 403", ()),
+        (nowhere, "Connection refused", ("--dry-run",)),
+    ):
+        res = run_cli(
+            "gc",
+            *dry,
+            "--liveness",
+            f"k8s://?kubeconfig={kubeconfig}",
+            "--add-grace",
+            "0",
+            "--confirm-after",
+            "0",
+            "--timeout",
+            "0.5",
+            store=url,
+        )
+        assert res.returncode == 2 and res.stdout == "", res
+        assert "Traceback" not in res.stderr and "within 0.5s" in res.stderr, res.stderr
+        for resource in ("pods", "nodes", "namespaces", "statefulsets"):
+            assert f"Kubernetes {resource}: could not list" in res.stderr, res.stderr
+        assert why in res.stderr, res.stderr
+    with open_store(url) as store:
+        assert store.revision() == before
+
+
+def test_release_with_liveness_refuses_a_live_pods_address(kube: KubeApi, tmp_path: Path) -> None:
+    """Finding (issue 21, 7): `ipward release --yes` freed a live pod's address without a
+    word. With `--liveness` the record is judged as garbage collection judges it: refused
+    (exit 2, nothing changed) while the cluster has the pod, saying so; released once
+    the pod is gone (after the API's own NotFound). Without `--liveness`, a line on
+    stderr says nothing was checked."""
+    ns, node = kube.name("release"), kube.name("n1")
+    kube.admin.namespace(ns)
+    kube.admin.node(node)
+    alive = kube.admin.pod(ns, "alive", node)
+    gone = kube.admin.pod(ns, "gone", node)
+    kube.admin.delete_pod(ns, "gone", grace=0)
+    url = f"sqlite://{tmp_path}/ipward.db"
+    before = _records_of(
+        url, node, {"sb-alive": (f"{ns}/alive", alive), "sb-gone": (f"{ns}/gone", gone)}
+    )
+    rows = json.loads(run_cli("--json", "alloc", "list", store=url, check=True).stdout)
+    ip_of = {r["pod"]["name"]: r["ip"] for r in rows}
+    liveness = ("--yes", "--liveness", f"k8s://?kubeconfig={kube.kubeconfig}", "--add-grace", "0")
+
+    refused = run_cli("release", "--pool", "p", "--ip", ip_of["alive"], *liveness, store=url)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused
+    assert f"p/{ip_of['alive']} not released: pod {ns}/alive Pending" in refused.stderr
+    with open_store(url) as store:
+        assert store.revision() == before
+    released = run_cli(
+        "--json", "release", "--pool", "p", "--ip", ip_of["gone"], *liveness, store=url
+    )
+    assert released.returncode == 0, released
+    assert json.loads(released.stdout)["checked"].startswith(f"{gc.POD_GONE}: cluster has no pod")
+    unchecked = run_cli("release", "--pool", "p", "--ip", ip_of["alive"], "--yes", store=url)
+    assert unchecked.returncode == 0, unchecked
+    assert f"nothing checked that pod {ns}/alive" in unchecked.stderr, unchecked.stderr
+    assert json.loads(run_cli("--json", "alloc", "list", store=url).stdout) == []

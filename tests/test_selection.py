@@ -138,6 +138,28 @@ def test_annotation_lists_one_pool_per_family(cluster: Cluster) -> None:
     assert v4.startswith("10.2.0.") and v6.startswith("fd00:6::")
 
 
+def test_annotation_naming_an_invalid_pool_name_is_invalid_config(cluster: Cluster) -> None:
+    """Finding (issue 21, 7): a name no pool can have in `ipward.io/pool` answered 103
+    (unknown pool); the README's tables say a bad pool name is 7. The message names the
+    annotation, whose it is, and the name; nothing is written. A valid name of no pool
+    stays 103."""
+    pod = cluster.pod("web", "bad", annotations={"ipward.io/pool": "green,no/such pool"})
+    cluster.namespaces["odd"] = {"ipward.io/pool": "x" * 254}
+    spaced = cluster.pod("odd", "long")
+    before = cluster.revision()
+    for res, whose, name in (
+        (cluster.add(pod), "pod web/bad", "'no/such pool'"),
+        (cluster.add(spaced), "namespace odd", "longer than 253"),
+    ):
+        assert res.returncode != 0 and res.json["code"] == 7, res
+        assert "ipward.io/pool" in res.json["msg"] and whose in res.json["msg"], res
+        assert name in res.json["msg"], res
+    assert cluster.revision() == before
+    unknown = cluster.pod("web", "unknown", annotations={"ipward.io/pool": "no-such-pool"})
+    res = cluster.add(unknown)
+    assert res.returncode != 0 and res.json["code"] == 103, res
+
+
 def test_requested_address_picks_the_pool_holding_it(cluster: Cluster) -> None:
     (ip,) = address(cluster.add(cluster.pod("web", "static"), ip="10.2.0.77"))
     assert ip == "10.2.0.77"

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -119,13 +120,16 @@ class Process:
         return out
 
     def healthz(self) -> str:
-        """Its /healthz answer, or why there is none."""
+        """Its /healthz answer (an unhealthy one as "503: " and its reason), or why there
+        is none."""
         url = self.metrics_url()
         if url is None:
             return "not started"
         try:
             with urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
                 return str(r.read().decode().strip())
+        except urllib.error.HTTPError as e:
+            return f"{e.code}: {e.read().decode().strip()}"
         except OSError as e:
             return f"unreachable: {e}"
 

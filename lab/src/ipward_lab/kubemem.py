@@ -31,8 +31,7 @@ gc.collect()
 before = rss()
 start = time.monotonic()
 source = open_source(sys.argv[1], node=sys.argv[2])
-if not source.wait_synced(1200):
-    raise SystemExit("not synced")
+source.wait_listed(1200)
 synced = time.monotonic() - start
 pods = len(source.pods.snapshot()[0])
 gc.collect()

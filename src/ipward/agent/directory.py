@@ -45,6 +45,13 @@ class ClusterDirectory(PodDirectory):
     def listed(self, namespace: str, name: str, uid: str) -> bool:
         return uid in self._view().pods
 
+    def unavailable(self) -> str | None:
+        try:
+            self.source.cluster_view()
+        except LivenessUnavailable as e:
+            return str(e)
+        return None
+
 
 def runtime_sandboxes(source: LivenessSource, node: str) -> Callable[[str], bool]:
     """Whether this node's runtime lists a sandbox (ready or not), for a sticky take-over

@@ -37,9 +37,9 @@ refused, and the plugin answers 11) and its file unlinked; calls already accepte
 store is closed and the agent exits 0. A second signal ends the drain early.
 
 Metrics (Prometheus text format, on a registry of the agent's own) and `/healthz` (200
-"ok" when nothing is stuck and the store answers `revision()` within HEALTH_TIMEOUT,
-else 503 with the reason) are served over HTTP on `--metrics-address`, loopback by
-default.
+"ok" when nothing is stuck, the store answers `revision()` within HEALTH_TIMEOUT and
+the `--cluster` source is read as it should, else 503 with the reason: `cmd.agent`) are
+served over HTTP on `--metrics-address`, loopback by default.
 """
 
 from __future__ import annotations

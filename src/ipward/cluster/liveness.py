@@ -218,6 +218,13 @@ class LivenessSource(ABC):
         once (a source that reads them together answers all from one read)."""
         return views_or_why(nodes, self.node_view)
 
+    def wait_listed(self, timeout: float) -> None:  # noqa: B027 (most sources read live)
+        """For a one-shot command (`ipward gc`, `release --liveness`), which asks once
+        and cannot wait for a next pass: wait until the source answers from complete
+        lists, up to `timeout` seconds; then LivenessUnavailable naming what is not
+        listed, and why. A source that reads at each question (a runtime, the labs'
+        file) has nothing to wait for: its failures are each answer's own."""
+
     def confirm_pod_gone(self, namespace: str, name: str, uid: str) -> Confirmation:
         return READ_LIVE
 
@@ -264,7 +271,8 @@ def open_source(url: str, node: str = "", timeout: float = 2.0) -> LivenessSourc
         if not node:
             raise InvalidConfig(
                 f"liveness source {url!r}: a runtime's socket answers for one node only;"
-                " name its node (ipward gc --node; a controller judges the whole cluster: use k8s://)"
+                " name its node (`ipward gc`, `ipward release`: --node; a controller judges the"
+                " whole cluster: use k8s://)"
             )
         from ipward.cluster.cri import CriSource  # grpc stays out of everything else's imports
 

@@ -35,3 +35,8 @@ class PodDirectory:
         """Whether the pod with this UID (named namespace/name when it was bound) still
         exists. The name lets a source that does not cache every pod ask for it."""
         raise NotImplementedError
+
+    def unavailable(self) -> str | None:
+        """Why the cluster cannot be read as it should now (for the agent's `/healthz`):
+        a source refused, unreachable, or not listed yet; None when it can."""
+        return None

@@ -15,6 +15,7 @@ from ipward.agent.listener import DEFAULT_SOCKET, AgentError
 from ipward.agent.reconcile import Reconciler
 from ipward.agent.server import DEFAULT_MAX_CONNECTIONS, Agent
 from ipward.cluster.liveness import open_source
+from ipward.cluster.pods import PodDirectory
 from ipward.cmd import daemon
 from ipward.cmd.daemon import HealthProbe, Signals, add_grace_option, redact
 from ipward.cni.wire import CALL_TIMEOUT
@@ -73,7 +74,7 @@ def run_agent(
             directory=directory,
             sandboxes=runtime_sandboxes(source, node) if source is not None else None,
         )
-        http = _start_http(agent, metrics_address)
+        http = _start_http(agent, metrics_address, directory)
         agent.start()
         duties = NodeDuties(store, node, duty_interval, node_ttl)
         duties.start()
@@ -154,10 +155,13 @@ def _open_agent(store: Store, node: str, socket_path: str, **options: object) ->
         raise
 
 
-def _start_http(agent: Agent, address: tuple[str, int] | None) -> daemon.ThreadingHTTPServer | None:
-    """/metrics and /healthz: unhealthy when the agent is stopping or stuck, or its store
-    does not answer (`HealthProbe`). The agent is closed when the address cannot be
-    served."""
+def _start_http(
+    agent: Agent, address: tuple[str, int] | None, directory: PodDirectory | None
+) -> daemon.ThreadingHTTPServer | None:
+    """/metrics and /healthz: unhealthy when the agent is stopping or stuck, its store
+    does not answer (`HealthProbe`), or its cluster source (`--cluster`) cannot be read
+    as it should (`PodDirectory.unavailable`). The agent is closed when the address
+    cannot be served."""
     if address is None:
         return None
     probe = HealthProbe(agent.store)
@@ -167,7 +171,10 @@ def _start_http(agent: Agent, address: tuple[str, int] | None) -> daemon.Threadi
         if not ok:
             return ok, reason
         ok, reason = probe.check()
-        return ok, "ok" if ok else reason
+        if not ok:
+            return ok, reason
+        cluster = directory.unavailable() if directory is not None else None
+        return (False, f"cluster source: {cluster}") if cluster else (True, "ok")
 
     try:
         return daemon.start_http(address, agent.metrics.registry, health, "ipward-agent")

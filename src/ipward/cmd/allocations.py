@@ -7,11 +7,24 @@ import time
 import click
 from rich.table import Table
 
-from ipward.cmd.context import Context, age, console, pass_ctx
+from ipward.cmd.context import (
+    Context,
+    age,
+    console,
+    listed_timeout_option,
+    open_listed_source,
+    pass_ctx,
+)
+from ipward.cmd.daemon import add_grace_option
 from ipward.core import keys
 from ipward.core.addr import format_ip, parse_ip
 from ipward.core.errors import InvalidConfig
 from ipward.core.records import AddressRecord, ReservationRecord
+from ipward.gc import rules as gc_rules
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.store.base import KeyValue
 
 # -- allocations ------------------------------------------------------------------------
 
@@ -123,6 +136,15 @@ def _sticky_text(state: dict) -> str:
     help="Release only if the record is still at this revision (from alloc list).",
 )
 @click.option("--yes", is_flag=True, help="Do not ask; release the record as shown.")
+@click.option(
+    "--liveness",
+    help="With --ip: first judge the record as garbage collection does, on this source"
+    " (k8s:// or k8s://?kubeconfig=PATH, cri:///SOCKET with --node, sim:///PATH), and"
+    " refuse while it does not show the pod gone. Without it, nothing is checked.",
+)
+@click.option("--node", "liveness_node", default="", help="The node a cri:// socket belongs to.")
+@add_grace_option
+@listed_timeout_option
 @pass_ctx
 def release_command(
     c: Context,
@@ -132,6 +154,10 @@ def release_command(
     network: str | None,
     revision: int | None,
     yes: bool,
+    liveness: str | None,
+    liveness_node: str,
+    add_grace: float,
+    timeout: float,
 ) -> None:
     """Free one address (--pool, --ip) or one sticky reservation (--sticky) by hand:
     compare-and-delete, refused if it changed since it was shown. A sticky address given
@@ -139,6 +165,11 @@ def release_command(
     if sticky:
         if pool_name or ip:
             raise InvalidConfig("--sticky frees a reservation; do not give --pool or --ip too")
+        if liveness:
+            raise InvalidConfig(
+                "--liveness checks the pod of an address (--ip); a detached"
+                " reservation (--sticky) has no sandbox to check"
+            )
         _release_sticky(c, sticky, network, revision, yes)
         return
     if not pool_name or not ip:
@@ -148,20 +179,65 @@ def release_command(
     if kv is None:
         raise InvalidConfig(f"--ip {ip} is not allocated in pool {pool_name}")
     record = AddressRecord.decode(kv.value)
+    p = record.pod
+    if liveness:
+        checked = _judged_gone(c, kv, liveness, liveness_node, add_grace, timeout)
+    else:
+        checked = "nothing checked (no --liveness)"
+        click.echo(
+            f"ipward: warning: nothing checked that pod {p.namespace}/{p.name} no longer uses"
+            f" {pool_name}/{ip} (--liveness URL judges it as garbage collection does)",
+            err=True,
+        )
     shown = revision if revision is not None else kv.mod_revision
     if revision is None and not yes and not c.as_json:
-        p = record.pod
         console.print(
             f"{pool_name}/{ip} belongs to {record.attachment!r} (pod {p.namespace}/{p.name},"
             f" node {record.node}, revision {kv.mod_revision})"
         )
         if not click.confirm("release it?", default=False):
             raise click.Abort
-    freed = c.ledger().free_address(pool_name, ip, shown, "ipward release by an operator")
-    c.emit(
-        {"released": f"{pool_name}/{ip}", "record": freed.to_dict(), "revision": shown},
-        f"released {pool_name}/{ip}",
+    freed = c.ledger().free_address(
+        pool_name, ip, shown, f"ipward release by an operator: {checked}"
     )
+    c.emit(
+        {
+            "released": f"{pool_name}/{ip}",
+            "record": freed.to_dict(),
+            "revision": shown,
+            "checked": checked,
+        },
+        f"released {pool_name}/{ip} ({checked})",
+    )
+
+
+def _judged_gone(
+    c: Context, kv: KeyValue, liveness: str, node: str, grace: float, timeout: float
+) -> str:
+    """What shows the record's pod gone, judged as garbage collection judges it (its
+    rules, the live read before a free on the cluster's word); InvalidConfig (nothing
+    changed) saying what shows it alive, or why nothing shows it gone."""
+    where = "/".join(keys.ip_parts(kv.key))
+    held = gc_rules.held_records([kv])
+    if not held:
+        return "its record holds no sandbox"  # detached: its reservation keeps it
+    source = open_listed_source(liveness, node, timeout)
+    try:
+        look = gc_rules.look_at(held, [], gc_rules.registered_nodes(c.store), source, grace)
+        verdict = look.verdicts[0]
+        if verdict.reason is None:
+            raise InvalidConfig(
+                f"{where} not released: {verdict.evidence} (on {liveness}; nothing changed)"
+            )
+        live = gc_rules.live_word(source, verdict)
+    finally:
+        source.close()
+    if not live.confirmed:
+        raise InvalidConfig(
+            f"{where} not released: {verdict.reason} on the cached view ({verdict.evidence}),"
+            f" not confirmed by a live read: {live.evidence} (nothing changed)"
+        )
+    return f"{verdict.reason}: {verdict.evidence}"
 
 
 def _release_sticky(

@@ -13,8 +13,13 @@ from typing import Any
 import click
 from rich.console import Console
 
+from ipward.core.errors import TryAgainLater
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, open_backend, open_store, store_location
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ipward.cluster.liveness import LivenessSource
 
 # Scripts and CI pipe the output: give tables room instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -98,6 +103,33 @@ def _uses_store(create: bool) -> Callable[[Callable[..., Any]], Callable[..., An
 
 pass_ctx = _uses_store(create=False)
 pass_ctx_may_create = _uses_store(create=True)
+
+
+# The one-shot commands that read a liveness source (`gc`, `release --liveness`).
+listed_timeout_option = click.option(
+    "--timeout",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for the liveness source's first complete list (k8s://: pods,"
+    " nodes, namespaces, StatefulSets) before giving up: exit status 2, nothing changed.",
+)
+
+
+def open_listed_source(url: str, node: str, timeout: float) -> LivenessSource:
+    """The liveness source of a one-shot command, once it answers from complete lists
+    (`LivenessSource.wait_listed`): a command that asks once must not judge on caches
+    still being filled, where everything reads "not listed yet". TryAgainLater (exit
+    status 2) naming what could not be listed within `timeout` seconds."""
+    from ipward.cluster.liveness import LivenessUnavailable, open_source
+
+    source = open_source(url, node=node)
+    try:
+        source.wait_listed(timeout)
+    except LivenessUnavailable as e:
+        source.close()
+        raise TryAgainLater(f"liveness source {url}: {e}; nothing changed") from e
+    return source
 
 
 def age(seconds: float) -> str:

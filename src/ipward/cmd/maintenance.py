@@ -12,7 +12,15 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ipward.cmd.context import Context, age, console, pass_ctx, pass_ctx_may_create
+from ipward.cmd.context import (
+    Context,
+    age,
+    console,
+    listed_timeout_option,
+    open_listed_source,
+    pass_ctx,
+    pass_ctx_may_create,
+)
 from ipward.cmd.daemon import add_grace_option, redact
 from ipward.cmd.pools import bar, pools_in_use
 from ipward.core import keys
@@ -98,6 +106,7 @@ def check_command(c: Context, remove_orphans: bool) -> None:
     help="Seconds between the two looks of a real run (a record is freed only when both find it).",
 )
 @click.option("--all", "show_all", is_flag=True, help="Also list the records kept, and why.")
+@listed_timeout_option
 @pass_ctx
 def gc_command(
     c: Context,
@@ -107,11 +116,10 @@ def gc_command(
     dry_run: bool,
     confirm_after: float,
     show_all: bool,
+    timeout: float,
 ) -> None:
     """Garbage-collect leaked addresses with the controller's rules, once."""
-    from ipward.cluster.liveness import open_source
-
-    source = open_source(liveness, node=node)
+    source = open_listed_source(liveness, node, timeout)
     try:
         freed: list[gc_rules.Verdict] = []
         if dry_run:

@@ -122,11 +122,7 @@ class IpamConfig:
         names = pool.split(",") if isinstance(pool, str) else pool
         if "pool" in ipam and not (isinstance(names, list) and names):
             raise InvalidConfig("ipam.pool must be a pool name or a list of names")
-        self.pool_names = [
-            check_name(n.strip() if isinstance(n, str) else n) for n in (names or [])
-        ]
-        if any(len(n) > MAX_NAME for n in self.pool_names):
-            raise InvalidConfig(f"ipam.pool: a pool name is longer than {MAX_NAME} characters")
+        self.pool_names = [pool_name(n, "ipam.pool") for n in (names or [])]
 
     def requested_ips(self, cni_args: dict[str, str]) -> list[str]:
         """Addresses asked for by the runtime: `runtimeConfig.ips`, `args.cni.ips`, or
@@ -142,6 +138,15 @@ class IpamConfig:
         if cni_args.get("IP"):
             found += _ip_list(cni_args["IP"].split(","), "CNI_ARGS IP", InvalidEnvironment)
         return list(dict.fromkeys(found))
+
+
+def pool_name(value: object, where: str) -> str:
+    """One pool name given in `where` (`ipam.pool`, an `ipward.io/pool` annotation),
+    stripped; InvalidConfig (7) for a name no pool can have."""
+    name = value.strip() if isinstance(value, str) else value
+    if isinstance(name, str) and len(name) > MAX_NAME:
+        raise InvalidConfig(f"{where}: a pool name is longer than {MAX_NAME} characters")
+    return check_name(name, f"{where}: pool name")
 
 
 def _str(section: dict, field: str, default: str) -> str:

@@ -24,6 +24,7 @@ with code 11: a pod is never put in a pool it did not ask for.
 
 from __future__ import annotations
 
+from ipward.cni.config import pool_name
 from ipward.core.addr import parse_ip
 from ipward.core.errors import AddressOutsidePool, InvalidEnvironment, IpwardError, TryAgainLater
 from ipward.core.pool import check_one_per_family
@@ -54,7 +55,7 @@ def choose(
     `sandboxes`: whether this node's runtime lists a sandbox (`Sticky.sandbox_listed`)."""
     pod = call.pod
     meta = directory.meta(pod.namespace, pod.name, pod.uid) if directory and pod.name else None
-    annotated = _annotated(meta)
+    annotated = _annotated(meta, pod.namespace, pod.name)
     try:
         pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=False)
     except TryAgainLater:
@@ -90,11 +91,18 @@ def _pools(
     return pools
 
 
-def _annotated(meta: PodMeta | None) -> list[str]:
+def _annotated(meta: PodMeta | None, namespace: str, name: str) -> list[str]:
+    """The pool names of the pod's annotation, else of its namespace's; a name no pool
+    can have is the annotation's mistake (7), not an unknown pool (103)."""
     if meta is None:
         return []
-    value = meta.annotations.get(POOL_ANNOTATION) or meta.namespace_annotations.get(POOL_ANNOTATION)
-    return [n.strip() for n in value.split(",") if n.strip()] if value else []
+    value, whose = meta.annotations.get(POOL_ANNOTATION), f"pod {namespace}/{name}"
+    if not value:
+        value, whose = meta.namespace_annotations.get(POOL_ANNOTATION), f"namespace {namespace}"
+    if not value:
+        return []
+    where = f"annotation {POOL_ANNOTATION} of {whose}"
+    return [pool_name(n, where) for n in value.split(",") if n.strip()]
 
 
 def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> list[PoolSpec]:

@@ -42,7 +42,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from ipward.cluster.liveness import ClusterView, LivenessSource, LivenessUnavailable, NodeView
+from ipward.cluster.liveness import (
+    ClusterView,
+    Confirmation,
+    LivenessSource,
+    LivenessUnavailable,
+    NodeView,
+)
 from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged
@@ -324,16 +330,8 @@ def confirmed_live(source: LivenessSource, judged: Verdict | Retirement) -> bool
         answer = source.confirm_identity_retired(r.namespace, r.name, owner)
         subject = {"sticky": r.key}
     else:
-        held, pod = judged.held, judged.held.pod
-        if judged.reason == POD_GONE:
-            answer = source.confirm_pod_gone(pod.namespace, pod.name, pod.uid)
-        elif judged.reason == POD_TERMINAL:
-            answer = source.confirm_pod_terminal(pod.namespace, pod.name, pod.uid)
-        elif judged.reason == NODE_GONE:
-            answer = source.confirm_node_gone(held.node)
-        else:
-            return True  # sandbox-gone: the runtime's list was the live read
-        subject = {"address": held.ref, "attachment": held.attachment}
+        answer = live_word(source, judged)
+        subject = {"address": judged.held.ref, "attachment": judged.held.attachment}
     if not answer.confirmed:
         log.info(
             "not freed: a live read does not confirm the cached view",
@@ -342,6 +340,18 @@ def confirmed_live(source: LivenessSource, judged: Verdict | Retirement) -> bool
             evidence=answer.evidence,
         )
     return answer.confirmed
+
+
+def live_word(source: LivenessSource, verdict: Verdict) -> Confirmation:
+    """Rule 7's live read for a record's candidate (`ipward release --liveness` shows it)."""
+    pod = verdict.held.pod
+    if verdict.reason == POD_GONE:
+        return source.confirm_pod_gone(pod.namespace, pod.name, pod.uid)
+    if verdict.reason == POD_TERMINAL:
+        return source.confirm_pod_terminal(pod.namespace, pod.name, pod.uid)
+    if verdict.reason == NODE_GONE:
+        return source.confirm_node_gone(verdict.held.node)
+    return Confirmation(True, "the runtime's list was the live read")  # sandbox-gone
 
 
 def free(ledger: Ledger, verdict: Verdict, who: str, fence: Sequence[Compare] = ()) -> bool:

@@ -161,14 +161,18 @@ class Reflector(Generic[V]):
             self._check()
             return self._items.get(key)
 
-    @property
-    def available(self) -> bool:
+    def problem(self) -> str | None:
+        """Why the cache is not trusted now (what `snapshot` would raise), or None."""
         with self._lock:
             try:
                 self._check()
-            except LivenessUnavailable:
-                return False
-            return True
+            except LivenessUnavailable as e:
+                return str(e)
+            return None
+
+    @property
+    def available(self) -> bool:
+        return self.problem() is None
 
     # -- the loop ------------------------------------------------------------------------
 

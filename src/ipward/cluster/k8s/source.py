@@ -142,14 +142,26 @@ class K8sSource(LivenessSource, PodDirectory):
             r for r in (self.pods, self.namespaces, self.nodes, self.statefulsets) if r is not None
         ]
 
-    def wait_synced(self, timeout: float) -> bool:
-        """Whether every cache became usable within `timeout` (for labs and tools)."""
+    def problems(self) -> list[str]:
+        """Why each cache not trusted now is not ("Kubernetes pods: could not list: HTTP
+        403 ..."); [] when every cache answers."""
+        return [p for r in self.reflectors if (p := r.problem()) is not None]
+
+    def unavailable(self) -> str | None:
+        """Any cache not trusted now, with why: the API refuses or does not answer its
+        list (ADDs of pods not cached get the same answer, 11), or it is not listed yet
+        (at start; ADDs read each pod directly meanwhile), or it is being listed again."""
+        problems = self.problems()
+        return "; ".join(problems) if problems else None
+
+    def wait_listed(self, timeout: float) -> None:
+        """Until every cache has its first complete list; then LivenessUnavailable naming
+        each one that has not, and why."""
         deadline = time.monotonic() + timeout
-        while not all(r.available for r in self.reflectors):
-            if time.monotonic() > deadline:
-                return False
+        while problems := self.problems():
+            if time.monotonic() >= deadline:
+                raise LivenessUnavailable(f"not listed within {timeout:g}s: {'; '.join(problems)}")
             time.sleep(0.05)
-        return True
 
     def close(self) -> None:
         threads = [threading.Thread(target=r.stop) for r in self.reflectors]
