@@ -160,6 +160,27 @@ def test_annotation_naming_an_invalid_pool_name_is_invalid_config(cluster: Clust
     assert res.returncode != 0 and res.json["code"] == 103, res
 
 
+def test_an_annotation_pool_on_a_gateway_bridge_is_refused(cluster: Cluster) -> None:
+    """Finding (a real cluster): a pool chosen by `ipward.io/pool` on a `bridge` network
+    with `isGateway` can never work: the bridge holds one IPv4 gateway (its network's
+    pool's) and refuses the other pool's, so every such pod stayed ContainerCreating.
+    Refused at selection now (7, naming the annotation, the pools and the way out),
+    nothing written; the network's own pool by annotation, or on a bridge without a
+    gateway, is served."""
+    gateway = {**cluster.config(), "type": "bridge", "isDefaultGateway": True}
+    plain = {**cluster.config(), "type": "bridge"}
+    green = cluster.pod("web", "green", annotations={"ipward.io/pool": "green"})
+    before = cluster.revision()
+    res = cluster.add(green, gateway)
+    assert res.returncode != 0 and res.json["code"] == 7, res
+    for words in ("annotation ipward.io/pool of pod web/green", "pool green", "pool blue"):
+        assert words in res.json["msg"], res
+    assert cluster.revision() == before
+    assert address(cluster.add(green, plain))[0].startswith("10.2.0.")
+    own = cluster.pod("web", "blue", annotations={"ipward.io/pool": "blue"})
+    assert address(cluster.add(own, gateway))
+
+
 def test_requested_address_picks_the_pool_holding_it(cluster: Cluster) -> None:
     (ip,) = address(cluster.add(cluster.pod("web", "static"), ip="10.2.0.77"))
     assert ip == "10.2.0.77"

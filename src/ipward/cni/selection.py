@@ -26,7 +26,13 @@ from __future__ import annotations
 
 from ipward.cni.config import pool_name
 from ipward.core.addr import parse_ip
-from ipward.core.errors import AddressOutsidePool, InvalidEnvironment, IpwardError, TryAgainLater
+from ipward.core.errors import (
+    AddressOutsidePool,
+    InvalidConfig,
+    InvalidEnvironment,
+    IpwardError,
+    TryAgainLater,
+)
 from ipward.core.pool import check_one_per_family
 from ipward.core.records import Sticky
 
@@ -55,7 +61,7 @@ def choose(
     `sandboxes`: whether this node's runtime lists a sandbox (`Sticky.sandbox_listed`)."""
     pod = call.pod
     meta = directory.meta(pod.namespace, pod.name, pod.uid) if directory and pod.name else None
-    annotated = _annotated(meta, pod.namespace, pod.name)
+    annotated, where = _annotated(meta, pod.namespace, pod.name)
     try:
         pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=False)
     except TryAgainLater:
@@ -64,6 +70,8 @@ def choose(
         # Maybe judged on pool specs a long-lived ledger remembers (an agent's): a
         # refusal is only given on the pools as stored now.
         pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=True)
+    if annotated:
+        _check_gateway_bridge(config, pools, where)
     return pools, _sticky(config, call, meta, directory, sandboxes)
 
 
@@ -91,18 +99,39 @@ def _pools(
     return pools
 
 
-def _annotated(meta: PodMeta | None, namespace: str, name: str) -> list[str]:
-    """The pool names of the pod's annotation, else of its namespace's; a name no pool
-    can have is the annotation's mistake (7), not an unknown pool (103)."""
+def _annotated(meta: PodMeta | None, namespace: str, name: str) -> tuple[list[str], str]:
+    """The pool names of the pod's annotation, else of its namespace's, and which
+    annotation that is; a name no pool can have is the annotation's mistake (7), not an
+    unknown pool (103)."""
     if meta is None:
-        return []
+        return [], ""
     value, whose = meta.annotations.get(POOL_ANNOTATION), f"pod {namespace}/{name}"
     if not value:
         value, whose = meta.namespace_annotations.get(POOL_ANNOTATION), f"namespace {namespace}"
     if not value:
-        return []
+        return [], ""
     where = f"annotation {POOL_ANNOTATION} of {whose}"
-    return [pool_name(n, where) for n in value.split(",") if n.strip()]
+    return [pool_name(n, where) for n in value.split(",") if n.strip()], where
+
+
+def _check_gateway_bridge(config: IpamConfig, pools: list[PoolSpec], where: str) -> None:
+    """A `bridge` network with `isGateway` (or `isDefaultGateway`) puts its pool's IPv4
+    gateway on the bridge, which holds one IPv4 address: a pod of another IPv4 pool can
+    never start there (the bridge refuses its gateway, and the runtime retries forever).
+    So an annotation may choose only the network's own IPv4 pool there (7 otherwise;
+    IPv6 pools may differ: the bridge holds one address per IPv6 subnet)."""
+    raw = config.raw
+    if raw.get("type") != "bridge" or not (raw.get("isGateway") or raw.get("isDefaultGateway")):
+        return
+    own = [config.inline_pool.name] if config.inline_pool is not None else config.pool_names
+    foreign = [p.name for p in pools if p.name not in own and p.set_of(4) is not None]
+    if foreign:
+        raise InvalidConfig(
+            f"{where} chooses IPv4 pool {foreign[0]} on network {config.network}, a bridge"
+            f" with isGateway: the bridge holds one IPv4 gateway (pool {', '.join(own)}'s),"
+            f" so no pod of another IPv4 pool can start on it; give pool {foreign[0]} a"
+            " network of its own (another bridge, or a Multus attachment)"
+        )
 
 
 def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> list[PoolSpec]:
