@@ -33,6 +33,11 @@ from ipward.core import extensions
 from ipward.core.errors import InvalidConfig
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+# On the mirror pod a kubelet makes in the API for a static pod (one it runs from a file):
+# the static pod's own UID, its config hash. The kubelet passes that UID to the ADD
+# (K8S_POD_UID), the runtime lists the sandbox with it and records hold it; the mirror
+# pod has a UID of its own. The API refuses to add, change or remove it after creation.
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 
 
 class LivenessUnavailable(Exception):
