@@ -16,7 +16,9 @@ or than the server's (re)start, and a clean end at `timeoutSeconds`
 (`tests/test_k8s_wire.py` runs one scenario on both servers and compares);
 writes (POST, PUT of `/status`, merge PATCH, DELETE with `gracePeriodSeconds` and a UID
 precondition: a pod's graceful delete only sets `deletionTimestamp`, as without a
-kubelet); Status bodies for 401, 403, 404, 409, 410.
+kubelet; a mirror pod's `kubernetes.io/config.mirror` needs `spec.nodeName` and is never
+added, changed or removed by an update: 422); Status bodies for 401, 403, 404, 409, 410,
+422.
 
 Faults, on demand: `expire_history` (every open watch and the next watch from before now
 get 410, continue tokens too), `cut_streams` (open watches end without their last
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from ipward.cluster.liveness import MIRROR_ANNOTATION
 from ipward_lab.etcdlab import free_port
 from ipward_lab.pki import CLIENT_USER, client_pki, serving_cert
 
@@ -153,6 +156,8 @@ class KubeStore:
         with self.cond:
             if not meta.get("name"):
                 raise ApiError(status(422, "Invalid", f"{resource}: metadata.name: Required"))
+            if resource == "pods":
+                _check_mirror_create(obj)
             if key in self.objects[resource]:
                 raise ApiError(
                     status(
@@ -204,8 +209,11 @@ class KubeStore:
     def update(self, resource: str, namespace: str, name: str, change: dict) -> dict:
         """Merge `change` into the object (a merge patch: dicts merge, None deletes)."""
         with self.cond:
-            obj = copy.deepcopy(self.get(resource, namespace, name))
+            before = self.get(resource, namespace, name)
+            obj = copy.deepcopy(before)
             _merge(obj, change)
+            if resource == "pods":
+                _check_mirror_update(before, obj)
             obj["metadata"]["managedFields"] = [
                 *obj["metadata"].get("managedFields", [])[:1],
                 _managed_entry(change, "Update"),
@@ -340,6 +348,46 @@ def _managed_entry(written: dict, operation: str) -> dict:
         "fieldsType": "FieldsV1",
         "fieldsV1": _fields(fields),
     }
+
+
+def _invalid_mirror(pod: dict, reason: str, detail: str) -> ApiError:
+    """The real server's 422 for a pod's mirror annotation (`field` is the annotation)."""
+    field = f"metadata.annotations[{MIRROR_ANNOTATION}]"
+    name = pod["metadata"].get("name", "")
+    return ApiError(
+        status(
+            422,
+            "Invalid",
+            f'Pod "{name}" is invalid: {field}: {detail}',
+            details={
+                "name": name,
+                "kind": "Pod",
+                "causes": [{"reason": reason, "message": detail, "field": field}],
+            },
+        )
+    )
+
+
+def _check_mirror_create(pod: dict) -> None:
+    """As the real server: a mirror pod (a kubelet's copy of a static pod) names its node."""
+    mirror = (pod["metadata"].get("annotations") or {}).get(MIRROR_ANNOTATION)
+    if mirror and not (pod.get("spec") or {}).get("nodeName"):
+        raise _invalid_mirror(
+            pod,
+            "FieldValueInvalid",
+            f'Invalid value: "{mirror}": must set spec.nodeName if mirror pod annotation is set',
+        )
+
+
+def _check_mirror_update(before: dict, after: dict) -> None:
+    """As the real server: a pod's mirror annotation is never added, changed or removed."""
+    old = (before["metadata"].get("annotations") or {}).get(MIRROR_ANNOTATION)
+    new = (after["metadata"].get("annotations") or {}).get(MIRROR_ANNOTATION)
+    if old != new:
+        what = "may not add" if old is None else "may not remove or update"
+        raise _invalid_mirror(
+            after, "FieldValueForbidden", f"Forbidden: {what} mirror pod annotation"
+        )
 
 
 def _token(rv: int, start: str) -> str:

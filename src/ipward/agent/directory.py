@@ -29,7 +29,7 @@ class ClusterDirectory(PodDirectory):
     def meta(self, namespace: str, name: str, uid: str) -> PodMeta:
         view = self._view()
         if uid:
-            pod = view.pods.get(uid)
+            pod = view.pod(uid)
         else:  # no UID in CNI_ARGS: the pod of that name
             named = view.pods_named(namespace, name)
             pod = named[0] if named else None
@@ -43,7 +43,7 @@ class ClusterDirectory(PodDirectory):
         )
 
     def listed(self, namespace: str, name: str, uid: str) -> bool:
-        return uid in self._view().pods
+        return self._view().pod(uid) is not None
 
     def unavailable(self) -> str | None:
         try:

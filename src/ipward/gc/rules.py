@@ -19,7 +19,10 @@ sandbox ID, ifname; created_at = when its ADD committed):
    - the record's node is not registered (its lease expired) and the cluster does not
      list it: candidate, `node-gone`;
    - no pod with the record's UID: candidate, `pod-gone` (a pod with the same name and
-     another UID is another pod; a sticky reservation, when there is one, keeps it);
+     another UID is another pod; a sticky reservation, when there is one, keeps it). A
+     static pod's record holds its own UID, which the cluster lists only as the
+     `kubernetes.io/config.mirror` annotation of its mirror pod: that pod is its pod
+     (`ClusterView.pod`, and the live confirmation likewise);
    - the pod is Succeeded or Failed, and its termination grace has passed since it
      finished: candidate, `pod-terminal`;
    - otherwise alive, kept.
@@ -265,7 +268,7 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
     uid = pod_info.uid
     if not uid:
         return Verdict(held, None, "no pod UID on the record and no runtime answer", True)
-    pod = cluster.pods.get(uid)
+    pod = cluster.pod(uid)
     if pod is None:
         if stopped:
             return Verdict(held, None, "sandbox stopped, pod gone: the runtime will DEL it", True)

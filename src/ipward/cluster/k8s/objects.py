@@ -1,6 +1,6 @@
 """API objects reduced to what ipward uses, as they are parsed: a cache holds these, never
-the API's objects (`managedFields`, specs, statuses and foreign annotations are dropped
-with the page or event they came in).
+the API's objects (`managedFields`, specs, statuses and other annotations than ipward's
+and a mirror pod's are dropped with the page or event they came in).
 
 Each parser takes one object (dict) and returns (cache key, value); it raises
 KeyError, TypeError or ValueError on an object it cannot read (the caller relists).
@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from datetime import datetime
 
-from ipward.cluster.liveness import TERMINAL_PHASES, Pod
+from ipward.cluster.liveness import MIRROR_ANNOTATION, TERMINAL_PHASES, Pod
 
-ANNOTATION_PREFIX = "ipward.io/"  # the only annotations kept (pool selection, sticky)
+ANNOTATION_PREFIX = "ipward.io/"  # kept: pool selection, sticky
 DEFAULT_GRACE = 30.0  # the API's default terminationGracePeriodSeconds
 # Shared by every pod without ipward annotations (most): a Pod is frozen and its
 # annotations are read, never changed, by every user.
@@ -26,11 +26,15 @@ def api_time(text: str) -> float:
     return datetime.fromisoformat(text).timestamp()
 
 
-def ours(annotations: object) -> dict[str, str]:
+def kept_annotations(annotations: object) -> dict[str, str]:
+    """The annotations ipward reads: its own (`ipward.io/`) and MIRROR_ANNOTATION (a
+    static pod is found by its mirror pod's, `Pod.mirror_of`); no other is kept."""
     if not isinstance(annotations, dict) or not annotations:
         return _NO_ANNOTATIONS
     kept = {
-        sys.intern(k): str(v) for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)
+        sys.intern(k): str(v)
+        for k, v in annotations.items()
+        if k.startswith(ANNOTATION_PREFIX) or k == MIRROR_ANNOTATION
     }
     return kept or _NO_ANNOTATIONS
 
@@ -86,7 +90,7 @@ def parse_pod(obj: dict) -> tuple[str, Pod]:
         finished_at=finished_at,
         owner_kind=owner_kind,
         owner_name=owner_name,
-        annotations=ours(meta.get("annotations")),
+        annotations=kept_annotations(meta.get("annotations")),
     )
 
 
@@ -98,7 +102,7 @@ def parse_node(obj: dict) -> tuple[str, bool]:
 def parse_namespace(obj: dict) -> tuple[str, dict[str, str]]:
     """A namespace by name: its ipward annotations."""
     meta = obj["metadata"]
-    return sys.intern(str(meta["name"])), ours(meta.get("annotations"))
+    return sys.intern(str(meta["name"])), kept_annotations(meta.get("annotations"))
 
 
 def parse_statefulset(obj: dict) -> tuple[str, int]:

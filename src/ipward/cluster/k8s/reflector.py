@@ -161,6 +161,13 @@ class Reflector(Generic[V]):
             self._check()
             return self._items.get(key)
 
+    def find(self, match: Callable[[V], bool]) -> V | None:
+        """A cached value `match` accepts (None: none), by a walk of the cache: for a
+        small one (an agent's node's pods); raises LivenessUnavailable."""
+        with self._lock:
+            self._check()
+            return next((v for v in self._items.values() if match(v)), None)
+
     def problem(self) -> str | None:
         """Why the cache is not trusted now (what `snapshot` would raise), or None."""
         with self._lock:

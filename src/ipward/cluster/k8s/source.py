@@ -220,10 +220,12 @@ class K8sSource(LivenessSource, PodDirectory):
     # -- PodDirectory (ADD) --------------------------------------------------------------
 
     def _cached_pod(self, uid: str) -> Pod | None:
+        """The cached pod `uid` names (`Pod.has_uid`): a static pod's is its mirror pod,
+        cached under a UID of its own (a walk of the node's pods, for those only)."""
         if not uid:
             return None  # by name: the API's key, read below
         try:
-            return self.pods.get(uid)
+            return self.pods.get(uid) or self.pods.find(lambda pod: pod.has_uid(uid))
         except LivenessUnavailable:
             return None
 
@@ -233,7 +235,7 @@ class K8sSource(LivenessSource, PodDirectory):
         try:
             if pod is None:
                 pod = self.read_pod(namespace, name)
-                if pod is None or (uid and pod.uid != uid):
+                if pod is None or (uid and not pod.has_uid(uid)):
                     raise TryAgainLater(f"{where} not listed yet")
             return PodMeta(
                 dict(pod.annotations),
@@ -258,15 +260,16 @@ class K8sSource(LivenessSource, PodDirectory):
 
     def listed(self, namespace: str, name: str, uid: str) -> bool:
         """Whether the pod with this UID still exists: True when the cache or the API
-        shows it; False only when the API answers NotFound for its name or shows a pod
-        of that name with another UID. Anything else raises TryAgainLater."""
+        shows it (a static pod: its mirror pod); False only when the API answers NotFound
+        for its name or shows a pod of that name with another UID. Anything else raises
+        TryAgainLater."""
         if self._cached_pod(uid) is not None:
             return True
         try:
             pod = self.read_pod(namespace, name)
         except (ApiError, ApiUnreachable, KeyError, TypeError, ValueError) as e:
             raise TryAgainLater(f"pod {namespace}/{name} ({uid}): Kubernetes API: {e}") from e
-        return pod is not None and pod.uid == uid
+        return pod is not None and pod.has_uid(uid)
 
     # -- live confirmations (controller, before freeing on the cluster's word) -----------
 
@@ -281,7 +284,7 @@ class K8sSource(LivenessSource, PodDirectory):
             pod = self.read_pod(namespace, name)
             if pod is None:
                 return Confirmation(True, f"API: pod {namespace}/{name} not found")
-            if pod.uid != uid:
+            if not pod.has_uid(uid):
                 return Confirmation(True, f"API: pod {namespace}/{name} is now UID {pod.uid}")
             return Confirmation(
                 terminal and pod.terminal, f"API: pod {namespace}/{name} ({uid}) is {pod.phase}"
@@ -291,7 +294,8 @@ class K8sSource(LivenessSource, PodDirectory):
 
     def confirm_pod_gone(self, namespace: str, name: str, uid: str) -> Confirmation:
         """Pod-gone: confirmed when the API answers NotFound for the name, or shows a pod
-        of that name with another UID."""
+        of that name with another UID (a static pod's mirror pod with another
+        `kubernetes.io/config.mirror`)."""
         return self._confirm_pod(namespace, name, uid, terminal=False)
 
     def confirm_pod_terminal(self, namespace: str, name: str, uid: str) -> Confirmation:
