@@ -163,7 +163,7 @@ def test_controller_gc_keeps_a_running_static_pod_then_frees_it_once_its_mirror_
     key = allocate(store, static.node, static.info)
     source = kube.source()
     wait_for(
-        lambda: source.wait_synced(0) and static.mirror_uid in source.cluster_view().pods,
+        lambda: not source.problems() and static.mirror_uid in source.cluster_view().pods,
         "the controller's view to list the mirror pod",
     )
     election = Election(store, "static", ttl=600)
