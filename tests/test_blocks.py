@@ -254,7 +254,7 @@ def test_assign_compares_the_spec_it_read(sqlite_store):
 def test_a_block_whose_every_address_is_queued_is_taken_back(sqlite_store, a, clock, cooldown):
     """The node's only room is a block in the handshake whose every address is freed
     (queued, none fresh): the ADD takes the block back for its oldest freed address,
-    still cooling if nothing else is left (invariant 9 allows it then)."""
+    still cooling if nothing else is left (docs/design.md invariant 9 allows it then)."""
     pool = stored(
         sqlite_store,
         PoolSpec("p", [[{"subnet": "10.0.0.0/28"}]], block_prefix={4: 28}, cooldown=cooldown),

@@ -1,6 +1,6 @@
 """Named races in cluster mode, all real: etcd processes, `ipward agent` processes, the
-installed plugin exec'd as a runtime would. Each race ends with the DESIGN.md section 4
-invariants as `ipward check` sees them, plus what that race in particular must leave.
+installed plugin exec'd as a runtime would. Each race ends with the invariants of
+docs/design.md 4 as `ipward check` sees them, plus what that race in particular must leave.
 
   * two agents fire their first ADD in a fresh pool at the same moment: one block each,
     never one block twice; with a single block, one wins and the other is refused

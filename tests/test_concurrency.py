@@ -1,4 +1,4 @@
-"""The concurrency proof (DESIGN.md sections 2, 4, 5.1, 5.2): real processes exec'ing the
+"""The concurrency proof (docs/design.md 2, 4, 5.1, 5.2): real processes exec'ing the
 real plugin against one SQLite file, SIGKILLed mid-operation, never mocks.
 
 `test_sixteen_plugins_with_sigkill` runs 16 worker processes, each looping ADD/DEL through

@@ -1,7 +1,7 @@
-"""Garbage-collection scenarios (issue 4, DESIGN 7), each on a real store with real
+"""Garbage-collection scenarios (docs/design.md 5.4, 7), each on a real store with real
 `ipward agent` and `ipward controller` processes, driven by the simulated cluster
 (`ipward_lab.simcluster`) through the real plugin. Every scenario ends with the invariants
-of DESIGN section 4 (`ipward check`, no address on two ready pods, every running pod's
+of docs/design.md 4 (`ipward check`, no address on two ready pods, every running pod's
 address recorded for its sandbox) plus its own expectation.
 
 No timing is asserted as a speed: where a rule is about time ("never before the grace"),

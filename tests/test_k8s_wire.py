@@ -1,5 +1,5 @@
 """The loopback test API server answers the recorded exchanges of a real kube-apiserver
-1.26 (tests/k8s_wire/, copied from shared/k8s-wire) in the same shapes: status, the
+1.26 (tests/k8s_wire/) in the same shapes: status, the
 headers that matter, kinds, fields, item order, event types; after loading the same
 objects and making the same changes. And the source's parsers read the recorded objects
 right."""

@@ -661,7 +661,7 @@ class Model:
 
     def add(self, call: Add, outcome: Outcome) -> str:
         held = self.attachments.get(call.att)
-        if held is not None:  # invariant 4: the same addresses, nothing written
+        if held is not None:  # docs/design.md invariant 4: the same addresses, nothing written
             if outcome.code != 0 or outcome.answer.get("ips") != held.answer.get("ips"):
                 raise Mismatch(f"a repeated ADD must answer {held.answer}, not {outcome}")
             return NOTHING
@@ -735,10 +735,10 @@ class Model:
         return tuple(refs)
 
     def chosen_as_cooldown_allows(self, pool: Pool, a: IP) -> None:
-        """Invariant 9: with a cooldown, a freed address only when no other is free.
-        Freed addresses go oldest first, with or without a cooldown (not predicted once
-        the pool's ranges changed; one freed by a call running at the same time may not
-        be seen yet)."""
+        """docs/design.md invariant 9: with a cooldown, a freed address only when no
+        other is free. Freed addresses go oldest first, with or without a cooldown (not
+        predicted once the pool's ranges changed; one freed by a call running at the
+        same time may not be seen yet)."""
         free = pool.layout.usable(a.version) - self.held()
         freed = {x: t for x, t in self.freed.get(pool.name, {}).items() if x in free}
         if pool.cooldown and free - set(freed) and a in freed:
@@ -765,7 +765,7 @@ class Model:
         if outcome.code != 0:
             raise Mismatch(f"DEL must succeed, got {outcome}")
         if call.att not in self.attachments:
-            return NOTHING  # invariant 4: an unknown or repeated DEL changes nothing
+            return NOTHING  # docs/design.md invariant 4: an unknown or repeated DEL changes nothing
         self.release(call.att)
         return WRITES
 
@@ -1343,7 +1343,7 @@ def test_a_retried_add_answers_its_addresses_after_a_range_change(
     was judged against the current config before the attachment was looked up: after
     the network's ranges changed, the retry with its requested address was refused
     with 102 (103 when its config named a pool that is gone). A retried ADD answers the
-    addresses it holds (invariant 4) and writes nothing; its own bad input is still
+    addresses it holds (docs/design.md invariant 4) and writes nothing; its own bad input is still
     refused."""
     old, new = host_local(sqlite_url, "10.3.0.0/29"), host_local(sqlite_url, "10.3.0.8/29")
     gone = {**new, "ipam": {"type": "ipward", "store": sqlite_url, "pool": "gone"}}

@@ -1,7 +1,7 @@
 """A loopback Kubernetes API server for tests: the protocol of a real kube-apiserver for
 what ipward uses, over HTTPS with bearer tokens, so a client takes the same code path
-against it as against the real thing (docs: /work/shared/k8s-wire has recorded real
-exchanges; `tests/test_k8s_wire.py` checks this server answers them in the same shapes).
+against it as against the real thing (`tests/k8s_wire/` holds recorded real exchanges;
+`tests/test_k8s_wire.py` checks this server answers them in the same shapes).
 
 Served: pods, nodes, namespaces (core/v1) and StatefulSets (apps/v1), cluster-wide and
 per namespace; GET of one object; lists paged with `limit`/`continue` (each paged list

@@ -22,7 +22,7 @@ RETRY = 1.0  # seconds to a failed keepalive's next try (at most its period)
 class NodeDuties:
     """What the agent owes the cluster besides answering plugins: keep `nodes/<node>`
     alive under a lease (the controller serves registered nodes), renewed every TTL/3,
-    and answer the hand-back handshake for this node's marked blocks (DESIGN 5.3) every
+    and answer the hand-back handshake for this node's marked blocks (docs/design.md 5.3) every
     `interval`. Keepalives at TTL/3 rather than every `interval` are what a cluster of
     5,000 nodes asks of etcd: 1,500 a second, not 5,000."""
 

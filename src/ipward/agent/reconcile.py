@@ -1,4 +1,4 @@
-"""Reconciliation (DESIGN 5.5): the agent frees its node's records whose sandbox the
+"""Reconciliation (docs/design.md 5.5): the agent frees its node's records whose sandbox the
 runtime reports gone, with garbage collection's rules."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ FIRST_READ_WAITS = 40  # quarter seconds the first pass waits for the node index
 
 
 class Reconciler:
-    """DESIGN 5.5: on start and every `interval`, free this node's records whose sandbox
+    """docs/design.md 5.5: on start and every `interval`, free this node's records whose sandbox
     the runtime positively reports gone, older than the ADD grace (the rules are
     `ipward.gc`'s; only `sandbox-gone` applies here, the runtime being the one source
     asked). A runtime that cannot be read, or that lists two ready sandboxes for one pod,

@@ -1,13 +1,13 @@
-"""Liveness sources: who is alive, behind one interface (DESIGN 1, 5.4, 5.5).
+"""Liveness sources: who is alive, behind one interface (docs/design.md 1, 5.4, 5.5).
 
 A source answers two questions, each with a view or `LivenessUnavailable`:
   * `node_view(node)`: the pod sandboxes the container runtime of `node` holds, ready or
     not (the runtime: CRI `ListPodSandbox`);
   * `cluster_view()`: the orchestrator's pods (UID, phase, deletion, node, owner), its
     nodes, and its StatefulSets' replicas.
-"Could not list" is always `LivenessUnavailable`, never an empty view (invariant 8). A
-source that cannot see something at all (a CRI socket sees one node and no cluster)
-raises `NotCovered`, a kind of `LivenessUnavailable`.
+"Could not list" is always `LivenessUnavailable`, never an empty view (docs/design.md
+invariant 8). A source that cannot see something at all (a CRI socket sees one node and
+no cluster) raises `NotCovered`, a kind of `LivenessUnavailable`.
 
 Every view carries `as_of`: a time such that everything that existed before it is in
 the view. A caller keeps a record whenever the view is not newer than the record's
@@ -136,7 +136,7 @@ class NodeView:
 
     def duplicate_pods(self) -> dict[str, list[str]]:
         """Pod UIDs with more than one ready sandbox: sandbox IDs per UID. A runtime
-        showing this is not to be trusted (DESIGN 5.5)."""
+        showing this is not to be trusted (docs/design.md 5.5)."""
         by_uid: dict[str, list[str]] = {}
         for sandbox in self.sandboxes.values():
             if sandbox.ready and sandbox.uid:

@@ -158,9 +158,10 @@ def _add(
     sandboxes: Callable[[str], bool] | None,
 ) -> dict:
     """ADD: the result for the attachment. One that holds addresses gets them again
-    (invariant 4) whatever the config selects now (its ranges changed, a pool it names
-    was deleted since), so a refusal of the selection is only given once the attachment
-    is known to hold none. The call's own input is refused first, whatever it holds."""
+    (docs/design.md invariant 4) whatever the config selects now (its ranges changed, a
+    pool it names was deleted since), so a refusal of the selection is only given once
+    the attachment is known to hold none. The call's own input is refused first,
+    whatever it holds."""
     from ipward.cni.selection import choose
 
     requested = config.requested_ips(call.args)

@@ -6,12 +6,12 @@ Standard library only, nothing imported: the plugin reads the grace and TTL defa
 
 from __future__ import annotations
 
-# Seconds a record is never judged leaked after its ADD (DESIGN 5.4): its sandbox may
+# Seconds a record is never judged leaked after its ADD (docs/design.md 5.4): its sandbox may
 # not be listed by the runtime yet.
 ADD_GRACE = 120.0
 # Seconds a detached sticky reservation of a pod with no StatefulSet is kept.
 STICKY_TTL = 600.0
-# Seconds before a freed address is handed out again (invariant 9), per pool.
+# Seconds before a freed address is handed out again (docs/design.md invariant 9), per pool.
 DEFAULT_COOLDOWN = 30.0
 # Free addresses the controller keeps on every node, per family, per pool.
 DEFAULT_WARM = 16

@@ -32,7 +32,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-# Block states (DESIGN 5.3): a block takes allocations only while active.
+# Block states (docs/design.md 5.3): a block takes allocations only while active.
 ACTIVE = "active"
 MARKED = "marked"  # the controller asks for it back
 READY = "ready"  # the agent agrees: no records, nothing in flight

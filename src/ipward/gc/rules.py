@@ -1,5 +1,5 @@
 """Garbage collection: which allocation records are leaked, and freeing them safely
-(DESIGN 5.4 for the controller and `ipward gc`, 5.5 for the agent's own node).
+(docs/design.md 5.4 for the controller and `ipward gc`, 5.5 for the agent's own node).
 
 The rules, in the order they are applied to one record (its attachment = network,
 sandbox ID, ifname; created_at = when its ADD committed):
@@ -26,7 +26,7 @@ sandbox ID, ifname; created_at = when its ADD committed):
    - the pod is Succeeded or Failed, and its termination grace has passed since it
      finished: candidate, `pod-terminal`;
    - otherwise alive, kept.
-5. No source answered for the record's node: kept (invariant 8, fail closed). A
+5. No source answered for the record's node: kept (docs/design.md invariant 8, fail closed). A
    runtime listing two ready sandboxes for one pod UID is not trusted at all: the
    whole node's view is dropped and logged loudly.
 6. The controller frees a candidate only when it was a candidate at the same record
@@ -195,7 +195,7 @@ def gather(
 ) -> Evidence:
     """Read liveness for `nodes` (after the records were read). A node whose runtime
     lists two ready sandboxes for one pod UID gets no view: that runtime is not
-    trusted (DESIGN 5.5)."""
+    trusted (docs/design.md 5.5)."""
     evidence = Evidence(grace=grace, registered=registered)
     if source is None:
         evidence.cluster = "no liveness source configured"

@@ -1,4 +1,4 @@
-"""One allocation in one transaction (DESIGN.md 5.1): the pool guard, every family's pick
+"""One allocation in one transaction (docs/design.md 5.1): the pool guard, every family's pick
 in the order the ledger takes addresses, and the transaction that pins them; retried on
 conflict with jittered backoff, at most MAX_ATTEMPTS times.
 

@@ -1,5 +1,5 @@
 """`ipward check`: read the whole ledger and report every broken invariant
-(DESIGN.md section 4) that can be seen from the store alone.
+(docs/design.md 4) that can be seen from the store alone.
 
   duplicate-address    one address recorded twice on one network (overlapping pools),
                        or an attachment holding two addresses of one family in a pool
@@ -259,9 +259,9 @@ def _reservations(
     sticky_of: dict[str, tuple[str, bool]],
     index_refs: dict[str, list[str]],
 ) -> list[Problem]:
-    """Invariant 6 as the store shows it: a reservation's addresses are recorded for it
-    (bound to the sandbox it names, or detached when it names none), and no record
-    claims a reservation that does not list it."""
+    """What the store shows of docs/design.md invariant 6: a reservation's addresses
+    are recorded for it (bound to the sandbox it names, or detached when it names
+    none), and no record claims a reservation that does not list it."""
     problems = []
     listed: set[str] = set()
     for kv in reservations:
@@ -284,7 +284,7 @@ def _reservations(
 
 
 def _block_owners(by_prefix: dict[str, list[KeyValue]]) -> list[Problem]:
-    """Invariant 7 as the store shows it: a block belongs to exactly one node."""
+    """What the store shows of docs/design.md invariant 7: a block belongs to exactly one node."""
     problems = []
     owners: dict[str, str] = {}  # "<pool>/<cidr>" -> node, from the block records
     for kv in by_prefix[keys.BLOCKS]:

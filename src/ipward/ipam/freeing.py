@@ -1,8 +1,8 @@
-"""Freeing addresses (DESIGN.md 5.2): an attachment's at DEL, one record by
+"""Freeing addresses (docs/design.md 5.2): an attachment's at DEL, one record by
 compare-and-delete (the CLI's `ipward release`, garbage collection), and the CNI GC
 verb's side (`collect_network`). A freed address cools down in the free queue of the
 node owning its block; a sticky one is detached instead (its reservation keeps it).
-A record now owned by someone else is never touched (invariant 5).
+A record now owned by someone else is never touched (docs/design.md invariant 5).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def free_plan(
             continue  # the address belongs to someone else now: never touch it
         if record.sticky:
             # Detach: the reservation keeps the address for the identity's next
-            # sandbox (DESIGN 2); retiring it is the controller's.
+            # sandbox (docs/design.md 2); retiring it is the controller's.
             ops += record_writes(pool_name, ip, record.detached(now))
             sticky_ops, sticky_compares = detach_reservation(reads, record.sticky, attachment, now)
             ops += sticky_ops

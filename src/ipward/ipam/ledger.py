@@ -1,4 +1,4 @@
-"""The ledger: allocate and free addresses for attachments (DESIGN.md 5.1, 5.2).
+"""The ledger: allocate and free addresses for attachments (docs/design.md 5.1, 5.2).
 
 `Ledger` is the facade every caller uses (the plugin's verbs, the agent, the controller,
 garbage collection, the CLI, the labs). Its parts, one concept each, share one `Reads`

@@ -1,5 +1,5 @@
 """Address pickers inside what a node holds: a requested address, the head of its free
-queue, a never-used address of a block it fills (DESIGN.md 5.1 step 2). Each returns a
+queue, a never-used address of a block it fills (docs/design.md 5.1 step 3). Each returns a
 `Pick`: the address and what the allocating transaction must compare and write for it.
 Getting room elsewhere (another block, a take-back, a claim, a borrow) is `claims`'.
 

@@ -1,6 +1,6 @@
 """What a ledger reads and remembers, and the one way its parts write: the remembered-key
 cache, the free-queue views, the parsed pool specs, and the pinned transaction that
-keeps them true (DESIGN.md 5.1). Every other part of the ledger holds one `Reads`.
+keeps them true (docs/design.md 5.1). Every other part of the ledger holds one `Reads`.
 
 A ledger remembers the keys it last read or wrote present (pool specs, its blocks, its
 fill records, its own allocations), so a long-lived ledger (agent, benchmark) mostly

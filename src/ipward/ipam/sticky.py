@@ -1,4 +1,4 @@
-"""Sticky reservations (DESIGN.md 5.1 step 2): an identity's first ADD makes its
+"""Sticky reservations (docs/design.md 5.6): an identity's first ADD makes its
 reservation in the allocating transaction, a new sandbox of the identity takes the
 reserved addresses over by one CAS, and retirement (`free_sticky`) frees a detached
 reservation with its records. The detach itself rides in a DEL (`freeing.free_plan`).
@@ -60,7 +60,7 @@ def take_over(
     sticky: Sticky,
     requested: Sequence[str],
 ) -> list[Allocation] | None:
-    """DESIGN 5.1 step 2: the new sandbox of the identity takes the reserved
+    """docs/design.md 5.6: the new sandbox of the identity takes the reserved
     addresses by one CAS over the reservation, its records and the old sandbox's
     index (deleted: its DEL then finds nothing). None when something moved."""
     held = ReservationRecord.decode(reservation.value)
