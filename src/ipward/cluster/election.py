@@ -157,8 +157,8 @@ class Election:
 
     def step_down(self, reason: str) -> None:
         """Stop acting at once; then wait as a candidate again. The lease is not revoked:
-        it is expired or the key is not ours, and a lease id we no longer hold may name
-        someone else's lease by now (SQLite reuses the ids of deleted leases)."""
+        it has expired, no longer holds the key, or the store does not answer; whatever
+        it still holds goes when it expires."""
         if self._forget() is not None:
             log.warning("leadership lost", id=self.ident, reason=reason)
             self.on_change(False)

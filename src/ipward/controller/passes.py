@@ -1,6 +1,6 @@
 """`ipward controller`: one active per cluster. Keeps every registered node's free
 addresses at or above its pool's warm target by assigning blocks, and asks surplus blocks
-back through the hand-back handshake (DESIGN.md 5.3, the steps in `ipward.ipam.blocks`).
+back through the hand-back handshake (docs/design.md 5.3, the steps in `ipward.ipam.blocks`).
 
 Leadership: the key `controller/leader` = {id, since}, put with a lease and only when
 absent (version 0). The leader keeps the lease alive every ttl/3 and checks the key is
@@ -13,8 +13,7 @@ lease cannot have expired before then), and every write it makes carries the fen
 `controller/leader == <its exact value>`: a leader paused past its lease (GC, SIGSTOP,
 a stalled VM) cannot write when it wakes, whatever its threads believe. A write that
 fails makes it read the key; not ours any more means step down. Stepping down leaves
-the lease alone (it has expired, or the key is not ours; and SQLite hands a deleted
-lease's id out again, so revoking an id no longer held could end someone else's lease).
+the lease alone (it has expired or no longer holds the key; it expires by itself).
 Only a clean stop (SIGTERM, SIGINT) resigns: compare-and-delete of the key, then revoke.
 
 A pass (leader only, every --interval), per pool, from the store view

@@ -1,10 +1,10 @@
-"""Blocks leaving and joining nodes: the hand-back handshake (DESIGN 5.3) and assignment.
+"""Blocks leaving and joining nodes: the hand-back handshake (docs/design.md 5.3) and assignment.
 
 Every step is one compare-and-swap on the block record, so the controller and the agent
 can each stop at any point and the other, or a successor, resumes from the store:
 
     active --mark (controller)--> marked --answer (agent)--> ready | refused
-    ready  --release (controller, after release_delay)--> deleted, listed in blockfree/
+    ready  --release (controller, after --ready-delay)--> deleted, listed in blockfree/
     refused --resume (controller)--> active
     marked | ready | refused --take back (agent needing space, in the ledger)--> active
 
