@@ -1,6 +1,7 @@
 """Damaged stores, on real ones: a SQLite file damaged by bytes written into it, as a
-flipped disk sector would (one bit of a held record's key): a single-node ADD does not
-hand the held address out again (its node index entry is the second witness)."""
+flipped disk sector would (one bit of a held record's key): the agent refuses to start,
+a single-node ADD does not hand the held address out again (its node index entry is the
+second witness)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import exec_plugin
+from conftest import exec_plugin, run_cli
 from ipward.core import keys
 
 POOL = "pods"  # an inline pool is named after its network
@@ -68,6 +69,20 @@ def damaged(tmp_path: Path, plugin: Path) -> tuple[str, Path, list[str]]:
     finally:
         conn.close()
     return url, db, held
+
+
+def test_the_agent_refuses_to_start_on_a_damaged_sqlite_file(
+    damaged: tuple[str, Path, list[str]], tmp_path: Path
+) -> None:
+    url, _, _ = damaged
+    socket_path = tmp_path / "agent.sock"
+    args = ("--node", NODE, "--socket", str(socket_path), "--metrics-address", "off")
+    proc = run_cli("agent", *args, store=url)
+    assert proc.returncode == 2, proc
+    assert "Traceback" not in proc.stderr
+    for needle in ("is damaged", "row not in PRIMARY KEY order", "ipward check", "ipward export"):
+        assert needle in proc.stderr, proc.stderr
+    assert not socket_path.exists()
 
 
 def test_a_requested_address_whose_record_is_damaged_is_refused(
