@@ -40,14 +40,23 @@ def alloc() -> None:
 @click.option("--pod", help="Only this pod: NAMESPACE/NAME (or NAME).")
 @pass_ctx
 def alloc_list(c: Context, pool_name: str | None, node: str | None, pod: str | None) -> None:
-    """Every allocation, with its attachment, pod, node and revision."""
+    """Every allocation, with its attachment, pod, node and revision. A key or record
+    that cannot be read is left out and named on stderr (`ipward check` reports it)."""
+    from ipward.ipam.check import unreadable
+
     prefix = keys.ips_prefix(pool_name or None)
     rows = []
     now = time.time()
-    reservations = {
-        kv.key: ReservationRecord.decode(kv.value) for kv in c.store.range(keys.STICKY)[0]
-    }
+    damaged = []
+    reservations = {}
+    for kv in c.store.range(keys.STICKY)[0]:
+        if unreadable(kv) is None:
+            reservations[kv.key] = ReservationRecord.decode(kv.value)
     for kv in c.store.range(prefix)[0]:
+        problem = unreadable(kv)
+        if problem is not None:
+            damaged.append(problem)
+            continue
         pname, ip = keys.ip_parts(kv.key)
         record = AddressRecord.decode(kv.value)
         p = record.pod
@@ -89,6 +98,8 @@ def alloc_list(c: Context, pool_name: str | None, node: str | None, pod: str | N
             str(r["revision"]),
         )
     c.emit(rows, table if rows else "no allocations")
+    for problem in damaged:
+        click.echo(f"ipward: not listed: {problem!r} (see 'ipward check')", err=True)
 
 
 def _sticky_state(held: ReservationRecord | None, now: float) -> dict:

@@ -22,7 +22,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from ipward.core import log
 from ipward.core.errors import InvalidConfig, IpwardError
 from ipward.core.policy import ADD_GRACE
-from ipward.store import Store, StoreError, open_store_waiting
+from ipward.store import (
+    Store,
+    StoreDamaged,
+    StoreError,
+    StoreUnreachable,
+    open_store_waiting,
+    refuse_damaged,
+)
 
 SECRET_OPTIONS = ("password", "key")
 
@@ -221,10 +228,22 @@ class Signals:
 
 def open_daemon_store(url: str, stop: threading.Event, error: type[IpwardError]) -> Store | None:
     """The daemon's store, its schema checked before anything is served; waited for while
-    it cannot be reached (None: stopped meanwhile). One that is not usable (106) or a bad
+    it cannot be reached (None: stopped meanwhile). One that is not usable (106), that
+    reports damage to its data (serving from it could hand out a held address) or a bad
     URL is permanent: logged, and raised as `error`."""
     try:
-        return open_store_waiting(url, stop)
+        store = open_store_waiting(url, stop)
     except StoreError as e:
         log.error("store not usable; not starting", store=redact(url), error=str(e))
         raise error(f"store {redact(url)}: {e}") from e
+    if store is None:
+        return None
+    try:
+        refuse_damaged(redact(url), store.integrity_problems())
+    except StoreDamaged as e:
+        store.close()
+        log.error("store damaged; not starting", store=redact(url), error=str(e))
+        raise error(str(e)) from e
+    except StoreUnreachable as e:  # gone again: served as any other outage (11)
+        log.warning("store unreachable at start; its integrity not checked", error=str(e))
+    return store

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
@@ -27,7 +27,10 @@ from ipward.core import keys
 from ipward.core.records import LeaderRecord
 from ipward.gc import rules as gc_rules
 from ipward.ipam import transfer
-from ipward.store import schema
+from ipward.store import refuse_damaged, schema
+
+if TYPE_CHECKING:
+    from ipward.ipam.check import Problem
 
 # -- check, release, status -------------------------------------------------------------
 
@@ -36,50 +39,75 @@ from ipward.store import schema
 @click.option(
     "--remove-orphans",
     is_flag=True,
-    help="First remove keys left by deleted pools and state a pool's current ranges do"
-    " not use, prune earlier pool versions no record holds (each a compare-and-"
-    "delete; never an allocation record, never a key ipward does not know), and put"
-    " the node index in step with the records.",
+    help="Then repair what can be repaired, after showing it, each by compare on the"
+    " revision read: remove bad keys and values, write back lost records from their"
+    " node index copies, free records no attachment's index lists (logged), remove keys"
+    " left by deleted pools and state a pool's current ranges do not use, prune earlier"
+    " pool versions no record holds, and put the node index in step with the records."
+    " Never a key ipward does not know (it may be another program's); refused on a store"
+    " that reports damage.",
 )
 @pass_ctx
 def check_command(c: Context, remove_orphans: bool) -> None:
     """Report broken invariants; exit status 1 if any."""
-    from ipward.ipam.check import check
+    from ipward.ipam.check import check, repair
 
-    removed: dict[str, Any] = {}
+    problems, counts = check(c.store)
+    said = [p.detail for p in problems if p.kind == "integrity"]
+    repaired: dict[str, Any] = {}
     if remove_orphans:
         from ipward.ipam import pools
 
+        refuse_damaged(c.where, said)
+        fixes = [p for p in problems if p.fix]
+        if fixes and not c.as_json:
+            console.print(_problem_table(fixes, f"repairing {len(fixes)} problem(s)", fix=True))
+        done = repair(c.ledger(), fixes)
         keys, pruned = pools.remove_orphans(c.store)
         indexed = schema.repair_node_index(c.store)
-        removed = {
+        repaired = {
             "removed": keys,
             "pruned": {name: {"keys": k, "layouts": n} for name, (k, n) in pruned.items()},
             "node_index": [{"fixed": kind, "key": key} for kind, key in indexed],
+            "repaired": [p.to_dict() for p in fixes],
+            "unreadable_removed": done["remove"],
+            "records_restored": done["restore"],
+            "unlisted_freed": done["free"],
         }
         if not c.as_json:
             pruned_keys = sum(k for k, _ in pruned.values())
             pruned_layouts = sum(n for _, n in pruned.values())
             console.print(
-                f"removed {len(keys)} orphan key(s), {pruned_keys} stale key(s), pruned"
-                f" {pruned_layouts} earlier pool version(s), fixed {len(indexed)} node index"
-                " entries"
+                f"removed {len(done['remove'])} bad key(s) or value(s), restored"
+                f" {len(done['restore'])} lost record(s), freed {len(done['free'])} unlisted"
+                f" record(s); removed {len(keys)} orphan key(s), {pruned_keys} stale key(s),"
+                f" pruned {pruned_layouts} earlier pool version(s), fixed {len(indexed)} node"
+                " index entries"
             )
-    problems, counts = check(c.store)
-    data = {"ok": not problems, "problems": [p.to_dict() for p in problems], **counts, **removed}
+        problems, counts = check(c.store)
+    data = {"ok": not problems, "problems": [p.to_dict() for p in problems], **counts, **repaired}
     if c.as_json:
         c.emit(data, None)
     elif problems:
-        table = Table("problem", "key", "detail", title=f"{len(problems)} problem(s)")
-        for p in problems:
-            table.add_row(p.kind, p.key, p.detail)
-        console.print(table)
+        console.print(_problem_table(problems, f"{len(problems)} problem(s)"))
+        if said:
+            console.print(
+                "the store reports damage: move the ledger to a sound store (README: Damaged"
+                " stores)"
+            )
     else:
         console.print(
             f"ok: {counts['allocations']} allocations, {counts['attachments']} attachments,"
             f" {counts['free']} cooling down, {counts['pools']} pools"
         )
     sys.exit(1 if problems else 0)
+
+
+def _problem_table(problems: list[Problem], title: str, fix: bool = False) -> Table:
+    table = Table("problem", "key", "detail", *(["fix", "revision"] if fix else []), title=title)
+    for p in problems:
+        table.add_row(p.kind, p.key or "-", p.detail, *([p.fix, str(p.revision)] if fix else []))
+    return table
 
 
 @click.command("gc")

@@ -111,7 +111,7 @@ def pick(
     (queue, fill block), else room elsewhere; `taken`: a batch's picks so far (a batch
     never moves blocks: `NeedsBlock`)."""
     if requested is not None:
-        return picking.requested_address(reads, pool, index, rs, requested)
+        return picking.requested_address(reads, pool, index, rs, requested, verify)
     chosen = _unrequested(reads, pool, index, rs, verify, taken)
     if taken is not None:
         taken.ips.add(chosen.ip)

@@ -169,7 +169,8 @@ def _claimed(
             pick, cursor = queued, claim.block.size if offset is None else offset
         else:
             assert offset is not None
-            pick, cursor = picking.fresh_pick(pool, index, claim.block, offset), offset + 1
+            pick = picking.fresh_pick(reads, pool, index, claim.block, offset)
+            cursor = offset + 1
         compares, ops = claim_writes(pool, rs.family, reads.node, [*full, (claim, cursor)])
         pick.compares += compares
         pick.ops += ops
@@ -238,13 +239,13 @@ def _available_in(
     only (a first one proposes the first address and lets the compares judge)."""
     offset = block.next_usable(0)
     if not verify:
-        return None if offset is None else picking.fresh_pick(pool, index, block, offset)
+        return None if offset is None else picking.fresh_pick(reads, pool, index, block, offset)
     fresh: int | None = None
     oldest: dict[bool, tuple[float, KeyValue]] = {}  # cooled? -> oldest freed
     now = reads.clock()
     while offset is not None:
         ip = block.address(offset)
-        if reads.get(keys.ip_key(pool.name, ip), fresh=True) is None:
+        if not picking.held(reads, pool.name, ip):
             free = reads.get(keys.free_key(pool.name, ip), fresh=True)
             if free is None:
                 fresh = offset if fresh is None else fresh
@@ -256,12 +257,12 @@ def _available_in(
         offset = block.next_usable(offset + 1)
     queued = oldest.get(True) or (None if cooled_only else oldest.get(False))
     if queued is None:
-        return None if fresh is None else picking.fresh_pick(pool, index, block, fresh)
+        return None if fresh is None else picking.fresh_pick(reads, pool, index, block, fresh)
     free = queued[1]
     ip = keys.last(free.key)
     pick = Pick(index, ip, block.cidr)
     pick.compares += [
-        absent(keys.ip_key(pool.name, ip)),
+        *picking.unheld(reads, pool.name, ip),
         at_revision(free.key, free.mod_revision),
     ]
     pick.ops += [Delete(free.key), Delete(FreeRecord.decode(free.value).queue)]

@@ -5,6 +5,15 @@ Getting room elsewhere (another block, a take-back, a claim, a borrow) is `claim
 
 A first attempt trusts the ledger's remembered keys and leaves absences to compares; a
 verifying one (`verify`, a retry) reads what it would otherwise trust.
+
+An address is free only when two witnesses say so (`unheld`, `held`): no record, and no
+node index entry (`nodeips/<node>/<pool>/<ip>`, written and deleted with the record in
+one transaction) under the allocating node or the block's owner, the nodes whose
+records an allocation of its blocks meets. One damaged record (a flipped byte in its
+SQLite key reads as absent) then does not hand its address out again. A record another
+node holds in the block (borrowed, requested there, a sticky one moved with its pod)
+has its entry under that node, which this does not read: the SQLite file's integrity
+check (`ipward check`, and every daemon's start) finds such damage.
 """
 
 from __future__ import annotations
@@ -71,6 +80,33 @@ class ClaimFirst(Exception):
         self.ops = ops
 
 
+def _witnesses(reads: Reads, owner: str) -> tuple[str, ...]:
+    """The nodes whose node index entry of an address an allocation reads: its own and
+    the block owner's."""
+    return (reads.node,) if owner in ("", reads.node) else (reads.node, owner)
+
+
+def unheld(reads: Reads, pool: str, ip: str, owner: str = "") -> list[Compare]:
+    """The compares that the address is held by no one (see the module's docstring):
+    its record absent, and its node index entries under this node and the block's
+    `owner`."""
+    return [
+        absent(keys.ip_key(pool, ip)),
+        *(absent(keys.node_ip_key(node, pool, ip)) for node in _witnesses(reads, owner)),
+    ]
+
+
+def held(reads: Reads, pool: str, ip: str, owner: str = "") -> bool:
+    """On a verifying attempt: the address has a record, or one of the node index
+    entries `unheld` compares absent (read from the store)."""
+    if reads.get(keys.ip_key(pool, ip), fresh=True) is not None:
+        return True
+    return any(
+        reads.get(keys.node_ip_key(node, pool, ip), fresh=True) is not None
+        for node in _witnesses(reads, owner)
+    )
+
+
 def with_cleanups(pick: Pick, stale: list[Cleanup]) -> Pick:
     for removal in stale:
         pick.compares += removal.compares
@@ -110,15 +146,23 @@ def requested_by_pool(
     return wanted
 
 
-def requested_address(reads: Reads, pool: PoolSpec, index: int, rs: RangeSet, value: int) -> Pick:
+def requested_address(
+    reads: Reads, pool: PoolSpec, index: int, rs: RangeSet, value: int, verify: bool
+) -> Pick:
     block = rs.block_of(value)
     assert block is not None  # usable() was checked
     ip = block.address(value - block.base)
     if reads.get(keys.ip_key(pool.name, ip)) is not None:
         raise AddressTaken(f"requested address {ip} is already allocated in pool {pool.name}")
     pick = Pick(index, ip, block.cidr)
-    pick.compares.append(absent(keys.ip_key(pool.name, ip)))
     block_kv = reads.get(keys.block_key(pool.name, block.cidr))
+    owner = BlockRecord.decode(block_kv.value).node if block_kv is not None else ""
+    if verify and held(reads, pool.name, ip, owner):
+        raise AddressTaken(
+            f"requested address {ip} is held in pool {pool.name}: its node index entry"
+            " names it, though its record cannot be read (see 'ipward check')"
+        )
+    pick.compares += unheld(reads, pool.name, ip, owner)
     if block_kv is None:
         pick.compares.append(absent(keys.block_key(pool.name, block.cidr)))
     else:
@@ -202,10 +246,12 @@ def queued(
     state = BlockRecord.decode(block_kv.value)
     if not state.active or state.node != (owner or reads.node):
         return None
+    if verify and held(reads, pool.name, ip, state.node):
+        return None  # its record is unreadable (damage), not gone: passed over, kept
     pick = Pick(index, ip, block.cidr)
     pick.compares += [
         at_revision(head.key, head.mod_revision),
-        absent(keys.ip_key(pool.name, ip)),
+        *unheld(reads, pool.name, ip, state.node),
         at_revision(block_kv.key, block_kv.mod_revision),
     ]
     pick.ops += [Delete(head.key), Delete(keys.free_key(pool.name, ip))]
@@ -244,10 +290,10 @@ def fresh_in_block(
     start = state.next_for(pool.version)
     if taken is not None:
         start = max(start, taken.next.get(block.cidr, 0))
-    offset = free_offset(reads, pool, block, start, verify)
+    offset = free_offset(reads, pool, block, start, verify, state.node)
     if offset is None:
         return None
-    pick = fresh_pick(pool, index, block, offset)
+    pick = fresh_pick(reads, pool, index, block, offset, state.node)
     pick.compares.append(at_revision(block_kv.key, block_kv.mod_revision))
     advanced = state.advanced(offset + 1, pool.version)
     pick.ops.append(Put(block_kv.key, advanced.encode()))
@@ -256,15 +302,18 @@ def fresh_in_block(
     return pick
 
 
-def free_offset(reads: Reads, pool: PoolSpec, block: Block, start: int, verify: bool) -> int | None:
-    """The first usable offset >= `start` of the block to hand out fresh. A requested
-    address may sit ahead of the cursor: the first attempt trusts the transaction's
-    compares to find out; a retry reads and skips what is taken or queued."""
+def free_offset(
+    reads: Reads, pool: PoolSpec, block: Block, start: int, verify: bool, owner: str = ""
+) -> int | None:
+    """The first usable offset >= `start` of the block (of `owner`) to hand out fresh. A
+    requested address may sit ahead of the cursor: the first attempt trusts the
+    transaction's compares to find out; a retry reads and skips what is taken or
+    queued."""
     offset = block.next_usable(start)
     while offset is not None:
         ip = block.address(offset)
         if not verify or (
-            reads.get(keys.ip_key(pool.name, ip), fresh=True) is None
+            not held(reads, pool.name, ip, owner)
             and reads.get(keys.free_key(pool.name, ip), fresh=True) is None
         ):
             return offset
@@ -285,21 +334,21 @@ def queued_in(reads: Reads, pool: PoolSpec, index: int, block: Block, verify: bo
         inside = rs.block_of(parse_ip(ip)[1])
         if inside is None or inside.cidr != block.cidr:
             continue
-        if verify and reads.get(keys.ip_key(pool.name, ip), fresh=True) is not None:
+        if verify and held(reads, pool.name, ip):
             continue  # allocated by request meanwhile: a stale entry, for a later pass
         pick = Pick(index, ip, block.cidr)
-        pick.compares += [
-            at_revision(kv.key, kv.mod_revision),
-            absent(keys.ip_key(pool.name, ip)),
-        ]
+        pick.compares += [at_revision(kv.key, kv.mod_revision), *unheld(reads, pool.name, ip)]
         pick.ops += [Delete(kv.key), Delete(keys.free_key(pool.name, ip))]
         return pick
     return None
 
 
-def fresh_pick(pool: PoolSpec, index: int, block: Block, offset: int) -> Pick:
-    """A never-used address: its record and free entry must still be absent."""
+def fresh_pick(
+    reads: Reads, pool: PoolSpec, index: int, block: Block, offset: int, owner: str = ""
+) -> Pick:
+    """A never-used address of a block of `owner`'s (none: being claimed): held by no
+    one, and its free entry absent."""
     ip = block.address(offset)
     pick = Pick(index, ip, block.cidr)
-    pick.compares += [absent(keys.ip_key(pool.name, ip)), absent(keys.free_key(pool.name, ip))]
+    pick.compares += [*unheld(reads, pool.name, ip, owner), absent(keys.free_key(pool.name, ip))]
     return pick

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ipward.store.base import (
     Store,
+    StoreDamaged,
     StoreError,
     StoreIncompatible,
     StoreMissing,
@@ -15,6 +16,7 @@ from ipward.store.base import (
 
 __all__ = [
     "Store",
+    "StoreDamaged",
     "StoreError",
     "StoreIncompatible",
     "StoreMissing",
@@ -22,6 +24,7 @@ __all__ = [
     "open_backend",
     "open_store",
     "open_store_waiting",
+    "refuse_damaged",
     "store_location",
 ]
 
@@ -50,6 +53,22 @@ def open_store(url: str, *, create: bool = True, short_lived: bool = False) -> S
         store.close()
         raise
     return store
+
+
+def refuse_damaged(where: str, said: list[str]) -> None:
+    """Raise StoreDamaged when the store at `where` reported damage (`said`: its
+    `integrity_problems()`), naming what it said, how to see what it holds and how to
+    move the ledger to a sound store."""
+    if not said:
+        return
+    shown = "; ".join(said[:3]) + (f"; and {len(said) - 3} more" if len(said) > 3 else "")
+    raise StoreDamaged(
+        f"{where} is damaged ({shown}). Nothing is served from it or repaired in it: see"
+        " what it holds with `ipward check`, then move the ledger to a sound store"
+        " (`ipward export -o FILE`, `ipward --store NEW_URL import FILE`, `ipward --store"
+        " NEW_URL check --remove-orphans`) or restore a backup made with `ipward export`,"
+        " and start on that store (README: Damaged stores)"
+    )
 
 
 def open_store_waiting(url: str, stop: Event) -> Store | None:

@@ -42,6 +42,13 @@ class StoreIncompatible(StoreError):
     not yet migrated, an import in progress. Permanent: trying again cannot help."""
 
 
+class StoreDamaged(StoreIncompatible):
+    """The store reports damage to its data (SQLite's integrity check, etcd's CORRUPT
+    alarm): what it reads back is not to be trusted (a key it holds may read as absent,
+    and its address be handed out again), so no daemon serves from it and no repair
+    writes to it. Permanent: the ledger must move to a sound store."""
+
+
 class Compacted(StoreError):
     """A watch asked for revisions whose history the store no longer keeps (etcd's
     compaction, SQLite's bounded events table): read the keys whole again."""
@@ -320,6 +327,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def revision(self) -> int:
         """The store's current revision."""
+
+    @abc.abstractmethod
+    def integrity_problems(self) -> list[str]:
+        """What the store itself reports as damage to its data, one line each; empty
+        when it reports none. Reads the whole store on SQLite: for `ipward check` and a
+        daemon's start, never a plugin call."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

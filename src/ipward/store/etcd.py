@@ -118,6 +118,7 @@ class Endpoint:
         self.lease = rpc.LeaseStub(self.channel)
         self.auth = rpc.AuthStub(self.channel)
         self.watch = rpc.WatchStub(self.channel)
+        self.maintenance = rpc.MaintenanceStub(self.channel)
 
 
 class EtcdStore(Store):
@@ -302,6 +303,18 @@ class EtcdStore(Store):
         req = rpc.RangeRequest(key=b"\0", count_only=True)
         resp = self._call(lambda ep, md, t: ep.kv.Range(req, timeout=t, metadata=md))
         return int(resp.header.revision)
+
+    def integrity_problems(self) -> list[str]:
+        # etcd checks its own data (hashes compared between members, each file's
+        # checksums) and raises CORRUPT on a member that differs; NOSPACE is no damage
+        # (it clears once space is freed), so not reported here.
+        req = rpc.AlarmRequest(action=rpc.AlarmRequest.GET)
+        resp = self._call(lambda ep, md, t: ep.maintenance.Alarm(req, timeout=t, metadata=md))
+        return [
+            f"etcd: member {alarm.memberID:x} raised alarm CORRUPT"
+            for alarm in resp.alarms
+            if alarm.alarm == rpc.CORRUPT
+        ]
 
     def close(self) -> None:
         with self._lock:
