@@ -952,6 +952,75 @@ class Cluster:
 
         wait_for("every node Ready", ready, timeout, 1.0)
 
+    # -- deploy ---------------------------------------------------------------------------
+
+    def deploy(self, say: Callable[[str], None] = print) -> None:
+        """ipward installed as its README says: its image (built here) on every node, the
+        Secret naming its etcd, `kubectl apply -k deploy/base`; then every node's network
+        switched from host-local to ipward (its `type` only)."""
+        from ipward_lab.images import build_ipward_image
+
+        started = time.monotonic()
+        image = build_ipward_image(CHECKOUT, say)
+        say(f"loading {image.name} into every node's containerd")
+        for node in self.nodes:
+            self.import_images(node, [image])
+        say("making the store (an empty ledger imported) and the Secret ipward-etcd")
+        self.make_store()
+        self.kubectl("create", "namespace", "ipward-system")
+        p = self.pki
+        self.kubectl(
+            "--namespace=ipward-system", "create", "secret", "generic", "ipward-etcd",
+            f"--from-literal=endpoints={CONTROL_PLANE_IP}:{IPWARD_ETCD_PORT}",
+            f"--from-file=ca.crt={p}/ipward-etcd-ca.crt",
+            f"--from-file=tls.crt={p}/ipward-client.crt",
+            f"--from-file=tls.key={p}/ipward-client.key",
+        )  # fmt: skip
+        # Nothing runs on the pod network yet: switching now is README's "drain each
+        # node before switching it". The controllers' pods then get their addresses
+        # from ipward (their ADDs answered 11 until their node's agent serves).
+        say("switching every node's network to ipward (its ipam `type`)")
+        for node in self.nodes:
+            self.write_network(node, "ipward")
+        self.write_info(cni="ipward")
+        say(f"kubectl apply -k {CHECKOUT / 'deploy' / 'base'}")
+        self.kubectl("apply", "-k", str(CHECKOUT / "deploy" / "base"))
+        self.wait_deployed()
+        self.write_info(deploy_seconds=round(time.monotonic() - started, 1))
+        say(f"deployed in {time.monotonic() - started:.1f}s")
+
+    def make_store(self) -> None:
+        """The store, made empty: ipward makes one only with `pool create` or `import`,
+        and the networks here declare their pools inline (made at their first ADD)."""
+        from ipward.ipam.transfer import FORMAT, FORMAT_VERSION
+        from ipward.store.schema import VERSION
+
+        header = {"format": FORMAT, "format_version": FORMAT_VERSION, "schema": VERSION}
+        header |= {"revision": 0, "keys": 0, "counts": {}}
+        empty = self.state / "empty-ledger.jsonl"
+        empty.write_text(json.dumps(header) + "\n")
+        run(self.ipward_argv(["import", str(empty)]))
+
+    def wait_deployed(self, timeout: float = 600.0) -> None:
+        """The agent on every node serving its socket, the plugin installed, both
+        controllers available."""
+
+        def ready() -> bool:
+            ds = self.kubectl_json("--namespace=ipward-system", "get", "daemonset", "ipward-agent")
+            status = ds.get("status", {})
+            if status.get("numberReady", 0) < len(self.nodes):
+                return False
+            for node in self.nodes:
+                for path in (f"{node.dir}/run/ipward/agent.sock", f"{node.dir}/opt/cni/bin/ipward"):
+                    if not os.path.exists(path):
+                        return False
+            deployment = self.kubectl_json(
+                "--namespace=ipward-system", "get", "deployment", "ipward-controller"
+            )
+            return bool(deployment.get("status", {}).get("availableReplicas", 0) >= 2)
+
+        wait_for("ipward deployed (agents ready, controllers available)", ready, timeout, 2.0)
+
     # -- down -----------------------------------------------------------------------------
 
     def down(self, say: Callable[[str], None] = print) -> list[str]:
