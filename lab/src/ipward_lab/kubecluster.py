@@ -43,7 +43,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ipward_lab.containerd import containerd_config
 from ipward_lab.etcdlab import EtcdServer
@@ -54,6 +54,9 @@ from ipward_lab.images import (
 )
 from ipward_lab.nsenter import in_netns
 from ipward_lab.pki import openssl
+
+if TYPE_CHECKING:
+    from ipward.cluster.cri import CriSandboxStatus
 
 CHECKOUT = Path(__file__).resolve().parents[3]  # lab/src/ipward_lab/ -> the checkout
 DEFAULT_STATE = Path("/tmp/ipward-cluster")
@@ -476,6 +479,17 @@ class Cluster:
         ipward = str(Path(sys.executable).parent / "ipward")
         return self.in_cp([ipward, "--store", self.ipward_store_url, *args])
 
+    def ipward_run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """The ipward CLI against the deployed store; ClusterError on a non-zero exit
+        with `check`."""
+        env = {k: v for k, v in os.environ.items() if k != "IPWARD_STORE"}
+        proc = subprocess.run(
+            self.ipward_argv(args), capture_output=True, text=True, timeout=CALL_TIMEOUT, env=env
+        )
+        if check and proc.returncode != 0:
+            raise ClusterError(f"ipward {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
+        return proc
+
     # -- up -------------------------------------------------------------------------------
 
     def up(self, count: int, say: Callable[[str], None] = print) -> None:
@@ -728,6 +742,7 @@ class Cluster:
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--enable-admission-plugins=NodeRestriction",
+            "--kubelet-preferred-address-types=InternalIP",
         ]
         self.launch("kube-apiserver", self.in_cp(apiserver))
         wait_for(
@@ -952,6 +967,37 @@ class Cluster:
 
         wait_for("every node Ready", ready, timeout, 1.0)
 
+    # -- pods, as the nodes' runtimes see them ------------------------------------------
+
+    def sandboxes(self, node: Node) -> list[CriSandboxStatus]:
+        """The node's ready pod sandboxes, with their addresses, from its containerd."""
+        from ipward.cluster.cri import SANDBOX_READY, CriClient
+
+        with CriClient(node.containerd_socket, timeout=10) as cri:
+            return [
+                cri.pod_sandbox_status(s.id, verbose=True)
+                for s in cri.list_pod_sandboxes(state=SANDBOX_READY)
+            ]
+
+    def sandbox_pid(self, node: Node, pod_uid: str) -> int:
+        """The pid of the ready sandbox of pod `pod_uid` on `node` (its pause process)."""
+        for sandbox in self.sandboxes(node):
+            if sandbox.uid == pod_uid:
+                return int(json.loads(sandbox.info["info"])["pid"])
+        raise ClusterError(f"no ready sandbox of pod {pod_uid} on {node.name}")
+
+    def in_pod_netns(
+        self, node: Node, pod_uid: str, *args: str, timeout: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
+        """A machine binary (`ping`, `ip`) run in the network namespace of a pod."""
+        pid = self.sandbox_pid(node, pod_uid)
+        return subprocess.run(
+            ["nsenter", f"--target={pid}", "--net", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
     # -- deploy ---------------------------------------------------------------------------
 
     def deploy(self, say: Callable[[str], None] = print) -> None:
@@ -1124,6 +1170,58 @@ class Cluster:
                 left.extend(failed)
                 return
             time.sleep(0.2)
+
+
+# Where containerd, the kubelet and the agent DaemonSet would write on a machine: none of
+# it may appear (every node has its own in its mount namespace).
+FIXED_PATHS = (
+    "/run/containerd", "/run/ipward", "/var/lib/containerd", "/var/lib/kubelet",
+    "/var/lib/cni", "/var/log/pods", "/var/log/containers", "/opt/cni", "/etc/cni",
+    "/etc/kubernetes",
+)  # fmt: skip
+
+
+def machine_snapshot() -> dict[str, Any]:
+    """What a cluster must leave as it found on the machine: its network namespace's
+    links and forwarding, the sysctls the kubelets want, which of the fixed paths exist."""
+    from ipward_lab.netlab import root_namespace_state
+
+    return {
+        "network": root_namespace_state(),
+        "sysctls": {k: Path(f"/proc/sys/{k}").read_text().strip() for k in KUBELET_SYSCTLS},
+        "fixed_paths": {p: os.path.lexists(p) for p in FIXED_PATHS},
+    }
+
+
+def leftovers(state: Path, cluster_id: str, ns_ids: set[tuple[int, int]]) -> list[str]:
+    """What is left on the machine of the cluster that was in `state` (id `cluster_id`,
+    its namespaces' inodes `ns_ids`, read while it was up): processes in its namespaces
+    or naming its state dir, mounts under the state dir, its cgroups, the dir itself."""
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me or _zombie(int(entry)):
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        held = [k for k in ("net", "mnt") if _ns_id(f"/proc/{entry}/ns/{k}") in ns_ids]
+        if held or str(state) in cmdline:
+            found.append(f"process {entry} ({cmdline.strip()[:120]}) {' '.join(held)}")
+    found += [f"mount {point}" for point in _mounts_under(state)]
+    for hierarchy in cgroup_hierarchies():
+        found += [f"cgroup {d}" for d in hierarchy.glob(f"ipward-cluster-{cluster_id}-*")]
+    if state.exists():
+        found.append(f"state dir {state}")
+    return found
+
+
+def namespace_ids(lab: Cluster) -> set[tuple[int, int]]:
+    """The inodes of the cluster's namespaces (while it is up)."""
+    files = [lab.cp_netns, lab.fabric_netns, *(n.netns for n in lab.nodes)]
+    files += [n.mntns for n in lab.nodes]
+    return {i for i in (_ns_id(f) for f in files) if i is not None}
 
 
 def _zombie(pid: int) -> bool:
