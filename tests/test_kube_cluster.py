@@ -7,8 +7,11 @@ default test command (`pytest -m kube` runs it); skipped without the Kubernetes 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +21,7 @@ from ipward_lab.kubecluster import Cluster
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
 
+IPWARD = str(Path(sys.executable).parent / "ipward")
 REPLICAS = 9
 RUNNING_TIMEOUT = 180.0
 
@@ -47,6 +51,45 @@ SPREAD = {
         },
     },
 }
+
+
+def test_down_after_a_crash_of_up_removes_what_it_made() -> None:
+    """`up` killed (SIGKILL) once a node's kubelet is started: `down` finds all it made
+    from the journal, and the machine keeps nothing of it."""
+    reason = kubecluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    # Short: the nodes' socket paths under it must fit a Unix socket's.
+    state = Path(tempfile.mkdtemp(prefix="ipwc-", dir="/tmp")) / "crashed"
+    up_log = state.parent / "up.log"
+    with open(up_log, "wb") as log:
+        up = subprocess.Popen(
+            [IPWARD, "cluster", "up", "--nodes", "1", "--state", str(state)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    lab = Cluster(state)
+    try:
+        kubecluster.wait_for(
+            "the kubelet started",
+            lambda: any(e.get("name") == "n1-kubelet" for e in lab.journal.entries()) or up.poll(),
+            120.0,
+            0.1,
+        )
+    finally:
+        up.kill()
+        up.wait()
+    assert up.returncode == -9, up_log.read_text()
+    lab = Cluster.load(state)  # cluster.json is written before anything is made
+    ns_ids = kubecluster.namespace_ids(lab)
+    assert len(ns_ids) == 4, "fabric, control plane, the node's network and mount namespaces"
+    down = subprocess.run(
+        [IPWARD, "cluster", "down", "--state", str(state)], capture_output=True, text=True
+    )
+    assert down.returncode == 0, down.stderr
+    assert kubecluster.leftovers(state, lab.info["id"], ns_ids) == []
+    up_log.unlink()
+    state.parent.rmdir()
 
 
 def running_pods(lab: Cluster, selector: str) -> list[dict[str, Any]]:
