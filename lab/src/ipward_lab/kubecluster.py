@@ -1003,7 +1003,13 @@ class Cluster:
     def deploy(self, say: Callable[[str], None] = print) -> None:
         """ipward installed as its README says: its image (built here) on every node, the
         Secret naming its etcd, `kubectl apply -k deploy/base`; then every node's network
-        switched from host-local to ipward (its `type` only)."""
+        switched from host-local to ipward (its `type` only).
+
+        Its etcd is outside the cluster (the base's Secret), not the `with-etcd` overlay:
+        the overlay's image comes from a registry this machine cannot reach, its members
+        find each other by names only a cluster DNS resolves (none here), and its pods
+        would be on the pod network whose IPAM is ipward, which needs that etcd to give
+        them addresses (they start only if they start before the switch)."""
         from ipward_lab.images import build_ipward_image
 
         started = time.monotonic()
