@@ -429,8 +429,32 @@ class Cluster:
                 env=env,
             )
         self.journal.record("process", name=name, pid=proc.pid, start=_start_time(proc.pid))
-        self.info.setdefault("processes", {})[name] = {"pid": proc.pid, "argv": list(argv)}
+        self.info.setdefault("processes", {})[name] = {
+            "pid": proc.pid,
+            "argv": list(argv),
+            "env": env,
+        }
         return proc.pid
+
+    def kill(self, name: str, timeout: float = 30.0) -> None:
+        """SIGKILL the lab's daemon `name` (e.g. `n1-kubelet`, `n2-containerd`,
+        `kube-apiserver`) and wait until it is gone; its pods and their shims live on."""
+        pid = self.info["processes"][name]["pid"]
+        started = _start_time(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        wait_for(f"{name} gone", lambda: _start_time(pid) != started or _zombie(pid), timeout, 0.05)
+
+    def restart(self, name: str) -> int:
+        """Kill the daemon `name` and start it again with the same command line (a
+        node's kubelet or containerd after a crash); its new pid."""
+        self.kill(name)
+        entry = self.info["processes"][name]
+        pid = self.launch(name, entry["argv"], env=entry.get("env"))
+        self.write_info()
+        return pid
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         try:
@@ -704,9 +728,9 @@ class Cluster:
         server.initial_cluster = f"{name}={server.peer_url}"
         server.start()
         assert server.proc is not None
-        self.journal.record(
-            "process", name=name, pid=server.proc.pid, start=_start_time(server.proc.pid)
-        )
+        pid = server.proc.pid
+        self.journal.record("process", name=name, pid=pid, start=_start_time(pid))
+        self.info.setdefault("processes", {})[name] = {"pid": pid, "argv": server.args}
         in_netns(self.cp_netns, server.wait_ready)
         return server
 
