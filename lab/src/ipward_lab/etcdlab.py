@@ -91,6 +91,7 @@ class EtcdServer:
         self.extra_args = list(extra_args)
         self.cluster_token = uuid.uuid4().hex
         self.proc: subprocess.Popen[bytes] | None = None
+        self.args: list[str] = []  # its command line, once started
         self.client_port = self.peer_port = self.metrics_port = 0  # see choose_ports
 
     def choose_ports(self) -> None:
@@ -137,6 +138,7 @@ class EtcdServer:
             "--log-outputs=stderr",
             *self.extra_args,
         ]
+        self.args = args
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 args,
