@@ -10,7 +10,13 @@ from pathlib import Path
 
 import click
 
-from ipward_lab.kubecluster import DEFAULT_STATE, Cluster, ClusterError
+from ipward_lab.kubecluster import (
+    DEFAULT_STATE,
+    Cluster,
+    ClusterError,
+    kubectl_binary,
+    unavailable_reason,
+)
 
 EXIT_FAILED = 1
 EXIT_CANNOT_RUN = 2
@@ -46,6 +52,9 @@ def cluster_command() -> None:
 @state_option
 def up_command(nodes: int, state: Path) -> None:
     """Bring up the control plane and NODES worker nodes (host-local as IPAM)."""
+    reason = unavailable_reason()
+    if reason:
+        _fail(ClusterError(reason), EXIT_CANNOT_RUN)
     lab = Cluster(state)
     try:
         lab.up(nodes, _say)
@@ -79,7 +88,7 @@ def down_command(state: Path) -> None:
         sys.exit(EXIT_FAILED)
 
 
-def _passthrough(state: Path, argv: list[str]) -> None:
+def _passthrough(argv: list[str]) -> None:
     try:
         proc = subprocess.run(argv)
     except OSError as e:
@@ -96,12 +105,10 @@ def kubectl_command(state: Path, args: tuple[str, ...]) -> None:
     """kubectl ARGS against the cluster, run where its API is reached."""
     try:
         lab = Cluster.load(state)
-        from ipward_lab.kubecluster import kubectl_binary
-
         argv = lab.in_cp([kubectl_binary(), f"--kubeconfig={lab.kubeconfig}", *args])
     except ClusterError as e:
         _fail(e, EXIT_CANNOT_RUN)
-    _passthrough(state, argv)
+    _passthrough(argv)
 
 
 @cluster_command.command(
@@ -116,4 +123,4 @@ def ipward_command(state: Path, args: tuple[str, ...]) -> None:
     except ClusterError as e:
         _fail(e, EXIT_CANNOT_RUN)
     os.environ.pop("IPWARD_STORE", None)
-    _passthrough(state, argv)
+    _passthrough(argv)

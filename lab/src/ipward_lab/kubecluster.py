@@ -1043,15 +1043,20 @@ class Cluster:
             self.import_images(node, [image])
         say("making the store (an empty ledger imported) and the Secret ipward-etcd")
         self.make_store()
-        self.kubectl("create", "namespace", "ipward-system")
         p = self.pki
-        self.kubectl(
-            "--namespace=ipward-system", "create", "secret", "generic", "ipward-etcd",
-            f"--from-literal=endpoints={CONTROL_PLANE_IP}:{IPWARD_ETCD_PORT}",
-            f"--from-file=ca.crt={p}/ipward-etcd-ca.crt",
-            f"--from-file=tls.crt={p}/ipward-client.crt",
-            f"--from-file=tls.key={p}/ipward-client.key",
-        )  # fmt: skip
+        # As README says, made with `kubectl create`; applied, so a second deploy works.
+        for made in (
+            ["create", "namespace", "ipward-system"],
+            [
+                "--namespace=ipward-system", "create", "secret", "generic", "ipward-etcd",
+                f"--from-literal=endpoints={CONTROL_PLANE_IP}:{IPWARD_ETCD_PORT}",
+                f"--from-file=ca.crt={p}/ipward-etcd-ca.crt",
+                f"--from-file=tls.crt={p}/ipward-client.crt",
+                f"--from-file=tls.key={p}/ipward-client.key",
+            ],
+        ):  # fmt: skip
+            manifest = self.kubectl(*made, "--dry-run=client", "--output=yaml").stdout
+            self.kubectl("apply", "--filename=-", input=manifest)
         # Nothing runs on the pod network yet: switching now is README's "drain each
         # node before switching it". The controllers' pods then get their addresses
         # from ipward (their ADDs answered 11 until their node's agent serves).
@@ -1073,6 +1078,8 @@ class Cluster:
 
         header = {"format": FORMAT, "format_version": FORMAT_VERSION, "schema": VERSION}
         header |= {"revision": 0, "keys": 0, "counts": {}}
+        if self.ipward_run("status", check=False).returncode == 0:
+            return  # made by an earlier deploy
         empty = self.state / "empty-ledger.jsonl"
         empty.write_text(json.dumps(header) + "\n")
         run(self.ipward_argv(["import", str(empty)]))
