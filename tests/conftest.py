@@ -272,14 +272,22 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     reason = kubecluster.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    before = kubecluster.machine_snapshot()
-    lab = kubecluster.Cluster(tmp_path_factory.mktemp("cluster"))
-    lab.machine_before = before  # type: ignore[attr-defined]
-    say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
+    from containerd_lab import machine_lock
+
+    # A containerd lab writes to the machine's /run/containerd and /var/lib/cni while it
+    # runs, which the snapshot compares: none runs meanwhile (they take the same lock).
+    machine_lock.acquire()
     try:
-        lab.up(3, say)
-        lab.deploy(say)
-        yield lab
+        before = kubecluster.machine_snapshot()
+        lab = kubecluster.Cluster(tmp_path_factory.mktemp("cluster"))
+        lab.machine_before = before  # type: ignore[attr-defined]
+        say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
+        try:
+            lab.up(3, say)
+            lab.deploy(say)
+            yield lab
+        finally:
+            left = lab.down(say)
+            assert not left, f"cluster down left: {left}"
     finally:
-        left = lab.down(say)
-        assert not left, f"cluster down left: {left}"
+        machine_lock.release()

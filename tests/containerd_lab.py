@@ -81,7 +81,7 @@ class MachineLock:
             self._file = None
 
 
-_machine_lock = MachineLock(MACHINE_LOCK)
+machine_lock = MachineLock(MACHINE_LOCK)
 K8S_NAMESPACE = "k8s.io"  # containerd namespace of the CRI plugin
 IMAGE_NAME = PAUSE_IMAGE
 CNI_VERSION = "1.0.0"  # Debian's bridge 1.1.1 refuses 1.1.0
@@ -306,7 +306,7 @@ class ContainerdLab:
                 "a containerd lab needs: " + ", ".join(missing) + " (scripts/setup.sh installs"
                 " the packages)"
             )
-        _machine_lock.acquire()
+        machine_lock.acquire()
         self._holds_lock = True
         if not os.access(self.ipward_plugin, os.X_OK):
             raise LabError(f"the ipward plugin {self.ipward_plugin} is not executable")
@@ -542,7 +542,7 @@ class ContainerdLab:
                 self.leftovers.append(f"{step.__name__}: {e!r}")
         if self._holds_lock:
             self._holds_lock = False
-            _machine_lock.release()
+            machine_lock.release()
 
     def _known_sandbox_ids(self) -> set[str]:
         ids = set(self.sandbox_ids)
