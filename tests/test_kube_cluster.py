@@ -7,6 +7,7 @@ default test command (`pytest -m kube` runs it); skipped without the Kubernetes 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,26 +71,31 @@ def test_down_after_a_crash_of_up_removes_what_it_made() -> None:
         )
     lab = Cluster(state)
     try:
-        kubecluster.wait_for(
-            "the kubelet started",
-            lambda: any(e.get("name") == "n1-kubelet" for e in lab.journal.entries()) or up.poll(),
-            120.0,
-            0.1,
+        try:
+            kubecluster.wait_for(
+                "the kubelet started",
+                lambda: (
+                    any(e.get("name") == "n1-kubelet" for e in lab.journal.entries())
+                    or up.poll() is not None
+                ),
+                120.0,
+                0.1,
+            )
+        finally:
+            up.kill()
+            up.wait()
+        assert up.returncode == -9, up_log.read_text()
+        lab = Cluster.load(state)  # cluster.json is written before anything is made
+        ns_ids = kubecluster.namespace_ids(lab)
+        assert len(ns_ids) == 4, "fabric, control plane, the node's network and mount namespaces"
+        down = subprocess.run(
+            [IPWARD, "cluster", "down", "--state", str(state)], capture_output=True, text=True
         )
+        assert down.returncode == 0, down.stderr
+        assert kubecluster.leftovers(state, lab.info["id"], ns_ids) == []
     finally:
-        up.kill()
-        up.wait()
-    assert up.returncode == -9, up_log.read_text()
-    lab = Cluster.load(state)  # cluster.json is written before anything is made
-    ns_ids = kubecluster.namespace_ids(lab)
-    assert len(ns_ids) == 4, "fabric, control plane, the node's network and mount namespaces"
-    down = subprocess.run(
-        [IPWARD, "cluster", "down", "--state", str(state)], capture_output=True, text=True
-    )
-    assert down.returncode == 0, down.stderr
-    assert kubecluster.leftovers(state, lab.info["id"], ns_ids) == []
-    up_log.unlink()
-    state.parent.rmdir()
+        lab.down(lambda text: None)  # whatever the test left (nothing when it passed)
+        shutil.rmtree(state.parent, ignore_errors=True)
 
 
 def running_pods(lab: Cluster, selector: str) -> list[dict[str, Any]]:

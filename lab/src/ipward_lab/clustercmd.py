@@ -58,11 +58,13 @@ def up_command(nodes: int, state: Path) -> None:
     lab = Cluster(state)
     try:
         lab.up(nodes, _say)
-    except ClusterError as e:
+    except BaseException as e:  # interrupted, or a failure of the lab itself: undo too
         _say("up failed; removing what was made (`ipward cluster down` does the same)")
         left = lab.down(_say)
         if left:
             _say("left behind: " + "; ".join(left))
+        if not isinstance(e, ClusterError):
+            raise
         _fail(e)
     click.echo(f"kubeconfig: {lab.kubeconfig}")
 
