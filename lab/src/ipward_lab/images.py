@@ -408,6 +408,7 @@ def build_ipward_image(repo: Path, say: Any = print) -> Path:
         )
         partial = Path(tmp) / "image.tar"
         buildah("push", IPWARD_IMAGE, f"docker-archive:{partial}:{IPWARD_IMAGE}")
+        buildah("rmi", "--prune")  # earlier builds' images, untagged by this one
         for old in cache.glob("ipward-image-*.tar"):
             old.unlink()
         partial.rename(out)
