@@ -275,3 +275,36 @@ def kube(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KubeApi]:
         yield api
     finally:
         api.close()
+
+
+@pytest.fixture(scope="module")
+def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real cluster (`ipward cluster up --nodes 3`) with ipward deployed from its image
+    and manifests (`ipward cluster deploy`), for a module of `kube` tests; removed after
+    it. The machine's state before `up` is in `.machine_before`, the times taken in
+    `.info` (`up_seconds`, `deploy_seconds`). Skipped when the Kubernetes binaries are
+    not found (the reason says where to get them)."""
+    from ipward_lab import kubecluster
+
+    reason = kubecluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from containerd_lab import machine_lock
+
+    # A containerd lab writes to the machine's /run/containerd and /var/lib/cni while it
+    # runs, which the snapshot compares: none runs meanwhile (they take the same lock).
+    machine_lock.acquire()
+    try:
+        before = kubecluster.machine_snapshot()
+        lab = kubecluster.Cluster(tmp_path_factory.mktemp("cluster"))
+        lab.machine_before = before  # type: ignore[attr-defined]
+        say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
+        try:
+            lab.up(3, say)
+            lab.deploy(say)
+            yield lab
+        finally:
+            left = lab.down(say)
+            assert not left, f"cluster down left: {left}"
+    finally:
+        machine_lock.release()

@@ -2,10 +2,10 @@
 temp dir and a network namespace of its own, with a pause image built here.
 
 `ContainerdLab` (a context manager):
-  * compiles a pause program (`gcc -static -Os`: `pause()` in a loop, reaps children on
-    SIGCHLD, exits on SIGTERM/SIGINT) and packs it as a one-layer OCI image layout
-    tarball, imported with `ctr images import` and named as the CRI `sandbox_image`:
-    nothing is downloaded;
+  * compiles a pause program (`ipward_lab.images`: `gcc -static -Os`, `pause()` in a
+    loop, reaps children on SIGCHLD, exits on SIGTERM/SIGINT) and packs it as a one-layer
+    OCI image layout tarball, imported with `ctr images import` and named as the CRI
+    `sandbox_image`: nothing is downloaded;
   * makes a CNI bin dir (Debian's `bridge` and `loopback`, and our `ipward` behind a
     wrapper that records each call) and a conf dir with one conflist, `bridge` with
     `"ipam"` as given (`write_network` rewrites it in place: containerd 1.6 ignores a
@@ -29,17 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gzip
 import hashlib
 import io
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
 import subprocess
-import tarfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -49,6 +46,8 @@ from typing import Any
 import grpc
 
 from ipward.cluster.cri import CriClient, CriError
+from ipward_lab.containerd import containerd_config
+from ipward_lab.images import PAUSE_IMAGE, ImageError, build_pause, build_pause_image
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 NETNS_DIR = Path("/var/run/netns")
@@ -82,9 +81,9 @@ class MachineLock:
             self._file = None
 
 
-_machine_lock = MachineLock(MACHINE_LOCK)
+machine_lock = MachineLock(MACHINE_LOCK)
 K8S_NAMESPACE = "k8s.io"  # containerd namespace of the CRI plugin
-IMAGE_NAME = "ipward.test/pause:lab"
+IMAGE_NAME = PAUSE_IMAGE
 CNI_VERSION = "1.0.0"  # Debian's bridge 1.1.1 refuses 1.1.0
 
 REQUIRED = {
@@ -97,34 +96,6 @@ REQUIRED = {
     "ip": "iproute2",
     "umount": "mount",
 }
-
-PAUSE_C = r"""
-#include <signal.h>
-#include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-static void on_term(int sig) { (void)sig; _exit(0); }
-
-static void on_chld(int sig) {
-    (void)sig;
-    while (waitpid(-1, NULL, WNOHANG) > 0) {
-    }
-}
-
-int main(void) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_term;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    sa.sa_handler = on_chld;
-    sa.sa_flags = SA_NOCLDSTOP | SA_RESTART;
-    sigaction(SIGCHLD, &sa, NULL);
-    for (;;)
-        pause();
-}
-"""
 
 START_TIMEOUT = 30.0
 CALL_TIMEOUT = 30.0
@@ -177,103 +148,6 @@ def _run(args: list[str], timeout: float = CALL_TIMEOUT, **kw: Any) -> str:
     return proc.stdout
 
 
-# -- the pause image ----------------------------------------------------------------------
-
-
-def build_pause(workdir: Path) -> Path:
-    """Compile the pause program, static, into `workdir/pause`."""
-    src = workdir / "pause.c"
-    out = workdir / "pause"
-    src.write_text(PAUSE_C)
-    try:
-        _run([_which("gcc"), "-static", "-Os", "-s", "-o", str(out), str(src)], timeout=120)
-    except LabError as e:
-        raise LabError(
-            f"cannot build the static pause program (needs gcc and libc6-dev): {e}"
-        ) from e
-    return out
-
-
-def _oci_arch() -> str:
-    machine = platform.machine()
-    return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
-
-
-def _tar_add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mode = mode
-    info.mtime = 0
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _tar_add_dir(tar: tarfile.TarFile, name: str) -> None:
-    info = tarfile.TarInfo(name)
-    info.type = tarfile.DIRTYPE
-    info.mode = 0o755
-    info.mtime = 0
-    tar.addfile(info)
-
-
-def build_pause_image(pause_binary: Path, out: Path, image_name: str = IMAGE_NAME) -> Path:
-    """A one-layer OCI image layout tarball holding `/pause` as its entrypoint."""
-    layer_buf = io.BytesIO()
-    with tarfile.open(fileobj=layer_buf, mode="w", format=tarfile.PAX_FORMAT) as layer:
-        for d in ("dev", "etc", "proc", "sys"):
-            _tar_add_dir(layer, d)
-        _tar_add_bytes(layer, "pause", pause_binary.read_bytes(), 0o755)
-    layer_tar = layer_buf.getvalue()
-    diff_id = "sha256:" + hashlib.sha256(layer_tar).hexdigest()
-    layer_gz = gzip.compress(layer_tar, mtime=0)
-
-    arch = _oci_arch()
-    config = json.dumps(
-        {
-            "architecture": arch,
-            "os": "linux",
-            "config": {"Entrypoint": ["/pause"], "Env": ["PATH=/"]},
-            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-        }
-    ).encode()
-    blobs: dict[str, bytes] = {}
-
-    def blob(data: bytes, media_type: str) -> dict[str, Any]:
-        digest = hashlib.sha256(data).hexdigest()
-        blobs[digest] = data
-        return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": len(data)}
-
-    manifest = json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": blob(config, "application/vnd.oci.image.config.v1+json"),
-            "layers": [blob(layer_gz, "application/vnd.oci.image.layer.v1.tar+gzip")],
-        }
-    ).encode()
-    manifest_desc = blob(manifest, "application/vnd.oci.image.manifest.v1+json")
-    manifest_desc["platform"] = {"architecture": arch, "os": "linux"}
-    manifest_desc["annotations"] = {
-        "io.containerd.image.name": image_name,
-        "org.opencontainers.image.ref.name": image_name.rpartition(":")[2],
-    }
-    index = json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.index.v1+json",
-            "manifests": [manifest_desc],
-        }
-    ).encode()
-
-    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        _tar_add_bytes(tar, "oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
-        _tar_add_bytes(tar, "index.json", index)
-        _tar_add_dir(tar, "blobs")
-        _tar_add_dir(tar, "blobs/sha256")
-        for digest, data in blobs.items():
-            _tar_add_bytes(tar, f"blobs/sha256/{digest}", data)
-    return out
-
-
 # -- configs ------------------------------------------------------------------------------
 
 
@@ -292,67 +166,6 @@ def network_config(name: str, bridge: str, ipam: Mapping[str, Any]) -> dict[str,
             }
         ],
     }
-
-
-def _toml_str(value: str) -> str:
-    return json.dumps(value)  # a TOML basic string is a JSON string for these paths
-
-
-def containerd_config(
-    root: Path,
-    state: Path,
-    address: Path,
-    runc_root: Path,
-    opt_dir: Path,
-    cni_bin: Path,
-    cni_conf: Path,
-    runc: str,
-    image: str = IMAGE_NAME,
-) -> str:
-    q = _toml_str
-    cri = 'plugins."io.containerd.grpc.v1.cri"'
-    return f"""version = 2
-root = {q(str(root))}
-state = {q(str(state))}
-disabled_plugins = [
-  "io.containerd.snapshotter.v1.aufs",
-  "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.snapshotter.v1.zfs",
-]
-
-[grpc]
-  address = {q(str(address))}
-
-[ttrpc]
-  address = {q(str(address) + ".ttrpc")}
-
-[plugins]
-  [plugins."io.containerd.internal.v1.opt"]
-    path = {q(str(opt_dir))}
-  [plugins."io.containerd.runtime.v1.linux"]
-    runtime_root = {q(str(runc_root) + "-v1")}
-  [{cri}]
-    sandbox_image = {q(image)}
-    disable_apparmor = true
-    restrict_oom_score_adj = true
-    stream_server_address = "127.0.0.1"
-    stream_server_port = "0"
-    netns_mounts_under_state_dir = true
-    [{cri}.containerd]
-      snapshotter = "overlayfs"
-      default_runtime_name = "runc"
-      [{cri}.containerd.runtimes.runc]
-        runtime_type = "io.containerd.runc.v2"
-        [{cri}.containerd.runtimes.runc.options]
-          SystemdCgroup = false
-          BinaryName = {q(runc)}
-          Root = {q(str(runc_root))}
-    [{cri}.cni]
-      bin_dir = {q(str(cni_bin))}
-      conf_dir = {q(str(cni_conf))}
-      max_conf_num = 1
-"""
 
 
 # -- what the machine looks like, to restore it ------------------------------------------
@@ -493,7 +306,7 @@ class ContainerdLab:
                 "a containerd lab needs: " + ", ".join(missing) + " (scripts/setup.sh installs"
                 " the packages)"
             )
-        _machine_lock.acquire()
+        machine_lock.acquire()
         self._holds_lock = True
         if not os.access(self.ipward_plugin, os.X_OK):
             raise LabError(f"the ipward plugin {self.ipward_plugin} is not executable")
@@ -509,7 +322,10 @@ class ContainerdLab:
             self._existed[path] = path.exists()
 
         self.workdir.mkdir(parents=True, exist_ok=True)
-        image = build_pause_image(build_pause(self.workdir), self.workdir / "pause-oci.tar")
+        try:
+            image = build_pause_image(build_pause(self.workdir), self.workdir / "pause-oci.tar")
+        except ImageError as e:
+            raise LabError(str(e)) from e
 
         self.cni_bin.mkdir()
         for plugin in ("bridge", "loopback"):
@@ -726,7 +542,7 @@ class ContainerdLab:
                 self.leftovers.append(f"{step.__name__}: {e!r}")
         if self._holds_lock:
             self._holds_lock = False
-            _machine_lock.release()
+            machine_lock.release()
 
     def _known_sandbox_ids(self) -> set[str]:
         ids = set(self.sandbox_ids)

@@ -71,10 +71,19 @@ class EtcdServer:
         name: str = "m0",
         extra_args: Sequence[str] = (),
         client_scheme: str = "http",
+        host: str = "127.0.0.1",
+        command_prefix: Sequence[str] = (),
+        detach: bool = False,
     ) -> None:
-        """`client_scheme` https needs --cert-file and --key-file among `extra_args`."""
+        """`client_scheme` https needs --cert-file and --key-file among `extra_args`.
+        `host` is the address it listens on; `command_prefix` goes before its command
+        line (e.g. `nsenter --net=FILE`); `detach` starts it in a session of its own, so
+        it outlives the process that started it (the cluster lab)."""
         self.name = name
         self.client_scheme = client_scheme
+        self.host = host
+        self.command_prefix = list(command_prefix)
+        self.detach = detach
         self.dir = Path(data_root) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = self.dir / "data"
@@ -82,6 +91,7 @@ class EtcdServer:
         self.extra_args = list(extra_args)
         self.cluster_token = uuid.uuid4().hex
         self.proc: subprocess.Popen[bytes] | None = None
+        self.args: list[str] = []  # its command line, once started
         self.client_port = self.peer_port = self.metrics_port = 0  # see choose_ports
 
     def choose_ports(self) -> None:
@@ -95,7 +105,7 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def url(self) -> str:
@@ -104,7 +114,7 @@ class EtcdServer:
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
     def start(self) -> None:
         """Start the process without waiting; see wait_ready."""
@@ -112,6 +122,7 @@ class EtcdServer:
         assert self.client_port, "no ports chosen"
         client = f"{self.client_scheme}://{self.endpoint}"
         args = [
+            *self.command_prefix,
             ETCD,
             f"--name={self.name}",
             f"--data-dir={self.data_dir}",
@@ -119,7 +130,7 @@ class EtcdServer:
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={self.peer_url}",
             f"--initial-advertise-peer-urls={self.peer_url}",
-            f"--listen-metrics-urls=http://127.0.0.1:{self.metrics_port}",
+            f"--listen-metrics-urls=http://{self.host}:{self.metrics_port}",
             f"--initial-cluster={self.initial_cluster}",
             f"--initial-cluster-token={self.cluster_token}",
             "--initial-cluster-state=new",
@@ -127,14 +138,19 @@ class EtcdServer:
             "--log-outputs=stderr",
             *self.extra_args,
         ]
+        self.args = args
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=self.detach,
             )
 
     def healthy(self) -> bool:
         """The member answers /health with a leader (so it can serve requests)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/health"
+        url = f"http://{self.host}:{self.metrics_port}/health"
         try:
             with urllib.request.urlopen(url, timeout=1) as r:
                 return bool(json.load(r).get("health") == "true")

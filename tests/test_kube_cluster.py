@@ -1,0 +1,166 @@
+"""ipward under real kubelets: a cluster of 3 nodes on this machine (`ipward cluster`,
+`ipward_lab.kubecluster`), ipward installed from its own image and `deploy/`, pods made
+by a real Deployment controller, scheduler and kubelets. Marked `kube`: not in the
+default test command (`pytest -m kube` runs it); skipped without the Kubernetes binaries.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ipward_lab import kubecluster
+from ipward_lab.kubecluster import Cluster
+
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
+
+IPWARD = str(Path(sys.executable).parent / "ipward")
+REPLICAS = 9
+RUNNING_TIMEOUT = 180.0
+
+SPREAD = {
+    "apiVersion": "apps/v1",
+    "kind": "Deployment",
+    "metadata": {"name": "spread", "namespace": "default"},
+    "spec": {
+        "replicas": REPLICAS,
+        "selector": {"matchLabels": {"app": "spread"}},
+        "template": {
+            "metadata": {"labels": {"app": "spread"}},
+            "spec": {
+                "terminationGracePeriodSeconds": 5,
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "DoNotSchedule",
+                        "labelSelector": {"matchLabels": {"app": "spread"}},
+                    }
+                ],
+                "containers": [
+                    {"name": "sleep", "image": "ipward.test/sleep:lab", "imagePullPolicy": "Never"}
+                ],
+            },
+        },
+    },
+}
+
+
+def test_down_after_a_crash_of_up_removes_what_it_made() -> None:
+    """`up` killed (SIGKILL) once a node's kubelet is started: `down` finds all it made
+    from the journal, and the machine keeps nothing of it."""
+    reason = kubecluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    # Short: the nodes' socket paths under it must fit a Unix socket's.
+    state = Path(tempfile.mkdtemp(prefix="ipwc-", dir="/tmp")) / "crashed"
+    up_log = state.parent / "up.log"
+    with open(up_log, "wb") as log:
+        up = subprocess.Popen(
+            [IPWARD, "cluster", "up", "--nodes", "1", "--state", str(state)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    lab = Cluster(state)
+    try:
+        try:
+            kubecluster.wait_for(
+                "the kubelet started",
+                lambda: (
+                    any(e.get("name") == "n1-kubelet" for e in lab.journal.entries())
+                    or up.poll() is not None
+                ),
+                120.0,
+                0.1,
+            )
+        finally:
+            up.kill()
+            up.wait()
+        assert up.returncode == -9, up_log.read_text()
+        lab = Cluster.load(state)  # cluster.json is written before anything is made
+        ns_ids = kubecluster.namespace_ids(lab)
+        assert len(ns_ids) == 4, "fabric, control plane, the node's network and mount namespaces"
+        down = subprocess.run(
+            [IPWARD, "cluster", "down", "--state", str(state)], capture_output=True, text=True
+        )
+        assert down.returncode == 0, down.stderr
+        assert kubecluster.leftovers(state, lab.info["id"], ns_ids) == []
+    finally:
+        lab.down(lambda text: None)  # whatever the test left (nothing when it passed)
+        shutil.rmtree(state.parent, ignore_errors=True)
+
+
+def running_pods(lab: Cluster, selector: str) -> list[dict[str, Any]]:
+    pods = lab.kubectl_json("get", "pods", "-l", selector)["items"]
+    return [p for p in pods if p["status"].get("phase") == "Running" and p["status"].get("podIP")]
+
+
+def test_deployment_spread_over_nodes_gets_addresses_from_ipward(kube_cluster: Cluster) -> None:
+    lab = kube_cluster
+    started = time.monotonic()
+    lab.kubectl("apply", "-f", "-", input=json.dumps(SPREAD))
+    pods = kubecluster.wait_for(
+        f"{REPLICAS} pods Running",
+        lambda: (found := running_pods(lab, "app=spread")) and len(found) == REPLICAS and found,
+        RUNNING_TIMEOUT,
+        1.0,
+    )
+    nodes = {p["spec"]["nodeName"] for p in pods}
+    assert nodes == {n.name for n in lab.nodes}, "the spread constraint puts pods on every node"
+    addresses = [p["status"]["podIP"] for p in pods]
+    assert len(set(addresses)) == REPLICAS, f"duplicate addresses: {sorted(addresses)}"
+
+    # Every pod's address is ipward's record of its sandbox, on its node's pool.
+    records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+    by_pod = {(r["pod"]["namespace"], r["pod"]["name"]): r for r in records}
+    for pod in pods:
+        record = by_pod.get(("default", pod["metadata"]["name"]))
+        assert record is not None, f"no ipward record for {pod['metadata']['name']}"
+        assert record["ip"] == pod["status"]["podIP"]
+        assert record["node"] == pod["spec"]["nodeName"]
+        assert record["pod"]["uid"] == pod["metadata"]["uid"]
+    # ...and what every node's runtime says each sandbox has.
+    runtime = {s.uid: s.ip for n in lab.nodes for s in lab.sandboxes(n) if s.namespace == "default"}
+    assert {p["metadata"]["uid"]: p["status"]["podIP"] for p in pods}.items() <= runtime.items()
+
+    # From one pod on each node to one pod on every node, across the fabric.
+    first_on = {}
+    for pod in pods:
+        first_on.setdefault(pod["spec"]["nodeName"], pod)
+    failed = []
+    for source in first_on.values():
+        for target in first_on.values():
+            out = lab.in_pod_netns(
+                lab.node(source["spec"]["nodeName"]),
+                source["metadata"]["uid"],
+                "ping", "-c", "1", "-W", "3", target["status"]["podIP"],
+            )  # fmt: skip
+            if out.returncode != 0:
+                failed.append(f"{source['spec']['nodeName']} -> {target['status']['podIP']}")
+    assert not failed, f"pings failed: {failed}"
+
+    check = lab.ipward_run("check", check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    print(
+        f"[cluster] up {lab.info['up_seconds']}s, deploy {lab.info['deploy_seconds']}s,"
+        f" {REPLICAS} pods Running and checked in {time.monotonic() - started:.1f}s",
+        file=sys.stderr,
+    )
+
+
+def test_down_leaves_the_machine_as_before(kube_cluster: Cluster) -> None:
+    lab = kube_cluster
+    ns_ids = kubecluster.namespace_ids(lab)
+    assert len(ns_ids) == 2 + 2 * len(lab.nodes)
+    left = lab.down(lambda text: None)
+    assert left == []
+    assert kubecluster.leftovers(lab.state, lab.info["id"], ns_ids) == []
+    assert kubecluster.machine_snapshot() == lab.machine_before  # type: ignore[attr-defined]
