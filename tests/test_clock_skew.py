@@ -334,9 +334,10 @@ def test_the_view_measures_offsets_and_keeps_first_sightings_across_a_whole_read
     etcd_url: str,
 ) -> None:
     """The controller's view: a registration's offset, loose from the first whole read,
-    tight from its next put's event; a record first seen at the view's first read;
-    both kept by a whole read (its timer) that finds them unchanged; a registration put
-    again notes no change (its node's records are not judged again for it)."""
+    tight from its next put's event; a record of the first read has no first sighting
+    (nothing to compare with), one put later is first seen when its event came; a whole
+    read (its timer) that finds them unchanged keeps all of it; a registration put again
+    notes no change (its node's records are not judged again for it)."""
     wall, mono = Manual(10_000.0), Manual(50.0)
     with open_backend(etcd_url) as store:
         view = StoreView(
@@ -344,22 +345,24 @@ def test_the_view_measures_offsets_and_keeps_first_sightings_across_a_whole_read
         )
         try:
             put_registration(store, clock=wall.now - HOUR)
-            put_record(store)
+            put_record(store, "10.0.0.2")
             view.sync()
             view.take_changes()
             loose = view.clock_offsets()[NODE]
             assert loose.low == -HOUR and loose.high is not None and loose.high > loose.low
-            (record,) = view.held()
-            assert record.seen == 50.0
+            assert [h.seen for h in view.held()] == [None]
             wall.now, mono.now = wall.now + 30, mono.now + 30
             put_registration(store, clock=wall.now - HOUR)
+            put_record(store, "10.0.0.3")
             view.sync()
             assert view.clock_offsets()[NODE] == clocks.Offset(-HOUR, -HOUR)
             assert not view.take_changes().nodes
+            first_seen = {h.ip: h.seen for h in view.held()}
+            assert first_seen == {"10.0.0.2": None, "10.0.0.3": 80.0}
             mono.now += 600  # the view's timer: read whole
             view.sync()
             assert view.clock_offsets()[NODE] == clocks.Offset(-HOUR, -HOUR)
-            assert [h.seen for h in view.held()] == [50.0]
+            assert {h.ip: h.seen for h in view.held()} == first_seen
         finally:
             view.close()
 
@@ -369,5 +372,5 @@ def put_registration(store: Store, clock: float) -> None:
     store.txn([], [Put(keys.node_key(NODE), value)])
 
 
-def put_record(store: Store) -> None:
-    store.txn([], [Put(keys.ip_key("p", "10.0.0.2"), held(1.0).record.encode())])
+def put_record(store: Store, ip: str) -> None:
+    store.txn([], [Put(keys.ip_key("p", ip), held(1.0).record.encode())])

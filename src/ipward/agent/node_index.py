@@ -12,9 +12,10 @@ read whole again and followed from there, the next try after 1 s, doubling up to
 Until it is read, a pass is refused (`StoreUnreachable`, as a failed read was), never
 served from a copy nobody follows.
 
-Each entry carries when the copy first saw its revision (`Held.seen`, monotonic: the
-first read's time for what was there then), kept across whole reads while the revision
-is the same: the ADD grace holds across a step of the node's clock (`ipward.gc.clocks`)."""
+Each entry carries when the copy first saw its revision (`Held.seen`, monotonic; None
+for what the first read found, which has no earlier look to compare with), kept across
+whole reads while the revision is the same: the ADD grace holds across a step of the
+node's clock (`ipward.gc.clocks`)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ class NodeIndex:
                 return None
             self._watch = watch
             before, self._held = self._held, {}
-            seen = time.monotonic()
+            seen = time.monotonic() if self._read.is_set() else None
             for kv in kvs:
                 was = before.get(kv.key)
                 self._put(kv, was.seen if was and was.mod_revision == kv.mod_revision else seen)

@@ -27,10 +27,11 @@ noted, says "everything" instead.
 
 Clocks, for the ADD grace (`ipward.gc.clocks`): each record carries when the view first
 saw its revision (`Held.seen`, the controller's monotonic clock when the watch thread
-received its event; records present at the start count as seen then), and each
-registration the offset of its node's clock measured from it (`offsets`: tight from an
-event, loose from a whole read). A whole read keeps both for what it finds unchanged (the
-same revision), so only a new term starts them over. A node's clock certainly more than
+received its event, or a whole read's time for a record new to it; None for the records
+of the first read, which has no earlier look to compare with), and each registration the
+offset of its node's clock measured from it (`offsets`: tight from an event, loose from a
+whole read). A whole read keeps both for what it finds unchanged (the same revision), so
+only a new term starts them over. A node's clock certainly more than
 `CLOCK_SKEW_BOUND` off is logged once (again when its offset moves) and counted.
 
 Memory: records are kept decoded (`gc.Held`, slotted), blocks as their KeyValue and
@@ -189,6 +190,7 @@ class StoreView:
         self.affinity: dict[str, str] = {}  # affinity key -> the node it names
         # Within a whole read: what the view held before, kept where unchanged.
         self._before: tuple[dict[str, Held], dict[str, tuple[int, Offset]]] | None = None
+        self._looked = False  # read whole before, since the start or `forget`
         self._reread_due = 0.0
         self._pending_reread: tuple[str, str] | None = (START, "")
         self._watch: Watch | None = None
@@ -249,6 +251,7 @@ class StoreView:
         if self.revision or self._watch is not None or self._before is not None:
             self._stop_following()
             self._before = None
+            self._looked = False
             self._clear()
             self._inbox = _Inbox(self.max_pending)
             self._pending_reread = (START, "")
@@ -292,6 +295,7 @@ class StoreView:
         while kvs:  # each raw key let go once applied: the peak is one copy, not two
             self._put(kvs.pop(), stamp, fresh=False)
         self._before = None
+        self._looked = True
         self.revision = revision
         self._pending_reread = None
         self._reread_due = self.monotonic() + self.reread_every
@@ -376,7 +380,8 @@ class StoreView:
                 else:
                     pool, ip = keys.ip_parts(key)
                     address = AddressRecord.decode(kv.value)
-                    held = Held(pool, ip, kv.mod_revision, address, seen=stamp.mono)
+                    seen = stamp.mono if self._looked else None
+                    held = Held(pool, ip, kv.mod_revision, address, seen=seen)
                 self.records[key] = held
                 self._pool_keys(held.pool).records[held.record.block] += 1
             elif prefix == keys.BLOCKS:

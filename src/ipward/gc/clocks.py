@@ -19,8 +19,13 @@ takes the ADD to have committed at the latest time it can prove, on its own wall
 * when the judge first saw the record's revision (`Held.seen`, on its monotonic clock):
   the judges that follow a watch (the controller's view, the agent's node index) note
   it, and the ADD came before. It holds across clock steps of the judge and of the
-  writer; records present at a judge's first read count as seen then, so a judge that
-  just started frees nothing for one grace.
+  writer while the judge runs. The records of a judge's first read have none: the
+  offsets it measures then are on its clock as it is, so a step of either clock before
+  is already in them, but for a writer's step in the seconds before it publishes its
+  clock again (what `ipward gc` is exposed to as well); counting them as seen at that
+  read would stop a judge that just started, or took the lead, from freeing anything
+  for a grace and then until its sources' `as_of` passed its start (a minute more with
+  `k8s://`'s defaults).
 
 The offset is also what is reported: one certainly beyond `CLOCK_SKEW_BOUND` is logged,
 counted by the controller and shown by `ipward status` (`Offset.skewed`).
