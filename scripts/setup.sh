@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(etcd-server etcd-client containernetworking-plugins iproute2 iputils-ping python3-venv
-  containerd runc gcc libc6-dev)
+  containerd runc gcc libc6-dev faketime)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -57,14 +57,16 @@ class World:
     unlisted: set[str] = field(default_factory=set)
     cluster_down: bool = False
     as_of_offset: float = 60.0
-    mono: float = 0.0  # the controller's monotonic clock (its view's re-read timer)
+    # The controller's monotonic clock (its view's re-read timer, when it first saw a
+    # record) moves with `now`, and by `mono` on its own.
+    mono: float = 0.0
 
     def __post_init__(self) -> None:
         self.spec = PoolSpec.from_dict(
             {"name": "p", "ranges": [[{"subnet": "10.0.0.0/20"}]], "cooldown": 0}
         )
         create_pool(self.store, self.spec)
-        self.store.txn([], [Put(keys.node_key(n), rec.encode({"node": n})) for n in NODES])
+        self.store.txn([], [self._registration(n) for n in NODES])
 
     def ledger(self, node: str) -> Ledger:
         return Ledger(self.store, node, clock=lambda: self.now)
@@ -80,8 +82,19 @@ class World:
         self.allocated.discard(i)
 
     def register(self, node: str, registered: bool) -> None:
-        op = Put(keys.node_key(node), rec.encode({"node": node}))
-        self.store.txn([], [op if registered else Delete(keys.node_key(node))])
+        op = self._registration(node) if registered else Delete(keys.node_key(node))
+        self.store.txn([], [op])
+
+    def _registration(self, node: str) -> Put:
+        """As its agent puts it, its clock the world's."""
+        value = rec.NodeRegistration(node, 1, self.now, self.now, 60.0).encode()
+        return Put(keys.node_key(node), value)
+
+    def clock(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now + self.mono
 
     def publish(self) -> None:
         pods = [
@@ -137,7 +150,8 @@ def controller(store: Store, world: World) -> Iterator[Controller]:
         ready_delay=3600,
         liveness=SimFileSource(str(world.state)),
         add_grace=GRACE,
-        monotonic=lambda: world.mono,
+        clock=world.clock,
+        monotonic=world.monotonic,
     )
     yield ctl
     ctl.view.close()
@@ -223,7 +237,14 @@ def test_the_incremental_pass_finds_and_frees_what_a_full_look_does(
         view = controller.view
         view.sync()
         full = gc.look_at(
-            view.held(), [], frozenset(view.registered), source, controller.collection.grace
+            view.held(),
+            [],
+            frozenset(view.registered),
+            source,
+            controller.collection.grace,
+            view.clock_offsets(),
+            view.clock,
+            view.monotonic,
         )
         answered = isinstance(full.evidence.cluster, ClusterView) or any(
             isinstance(a, NodeView) for a in full.evidence.nodes.values()
@@ -334,7 +355,13 @@ def test_more_changes_than_the_view_notes_make_the_next_pass_judge_everything(
 ) -> None:
     """The view notes changed records up to its bound (`max_pending`); past it, it says
     "everything" and the next look judges every record, not the few it noted."""
-    view = StoreView(store, Metrics("bounded", lambda: True), max_pending=5)
+    view = StoreView(
+        store,
+        Metrics("bounded", lambda: True),
+        max_pending=5,
+        clock=world.clock,
+        monotonic=world.monotonic,
+    )
     ledger = Ledger(store, "bounded")
     collection = Collection(view, ledger, Metrics("bounded-gc", lambda: True), "test", GRACE)
     source = SimFileSource(str(world.state))

@@ -6,33 +6,57 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from ipward.core import keys, log
-from ipward.core import records as rec
-from ipward.core.policy import KEEPALIVES_PER_TTL
+from ipward.core.policy import CLOCK_STEP, KEEPALIVES_PER_TTL, REGISTRATION_REFRESH
 from ipward.core.pool import PoolSpec
-from ipward.core.records import MARKED, BlockRecord
+from ipward.core.records import MARKED, BlockRecord, NodeRegistration
 from ipward.ipam import blocks
 from ipward.store import Store, StoreError
-from ipward.store.base import Put
+from ipward.store.base import KeyValue, Put, absent, at_revision
 
 RETRY = 1.0  # seconds to a failed keepalive's next try (at most its period)
 
 
 class NodeDuties:
-    """What the agent owes the cluster besides answering plugins: keep `nodes/<node>`
-    alive under a lease (the controller serves registered nodes), renewed every TTL/3,
+    """What the agent owes the cluster besides answering plugins: hold `nodes/<node>`
+    under a lease (the controller serves registered nodes), renewed every TTL/3, put
+    again with the agent's wall clock every `refresh` seconds and at once when that
+    clock steps (judges measure the node's clock offset from it: `ipward.gc.clocks`);
     and answer the hand-back handshake for this node's marked blocks (docs/design.md 5.3) every
     `interval`. Keepalives at TTL/3 rather than every `interval` are what a cluster of
-    5,000 nodes asks of etcd: 1,500 a second, not 5,000."""
+    5,000 nodes asks of etcd: 1,500 a second, not 5,000.
 
-    def __init__(self, store: Store, node: str, interval: float, ttl: int) -> None:
+    One agent holds a node: the registration is put only where the key is absent, ours
+    (under our lease), or without a lease (no agent's), each by a compare on what was
+    read. A second agent for the node (a DaemonSet's surge, a node name given twice)
+    waits, saying who holds it, and registers once that registration is gone; so its
+    stop, which revokes its own lease, never deletes the first one's. An agent whose
+    registration is gone (its lease expired over a store outage, the key deleted) puts
+    it back: at the next keepalive for a lease, at the next refresh for a key."""
+
+    def __init__(
+        self,
+        store: Store,
+        node: str,
+        interval: float,
+        ttl: int,
+        refresh: float = REGISTRATION_REFRESH,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.store = store
         self.node = node
         self.interval = interval
         self.ttl = ttl
-        self.lease = 0
-        self._keepalive_due = self._answer_due = 0.0  # monotonic seconds
+        self.refresh = refresh
+        self.clock = clock  # wall: what the registration publishes
+        self.since = clock()
+        self.lease = 0  # ours, once granted; the registration is under it while we hold it
+        self.holder_lease = 0  # another agent's registration's, while we wait for it
+        self._keepalive_due = self._answer_due = self._refresh_due = 0.0  # monotonic seconds
+        self._put_base: float | None = None  # wall minus monotonic at our last put
+        self._holding = False  # whether our last look found the registration ours
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="duties", daemon=True)
 
@@ -41,10 +65,11 @@ class NodeDuties:
 
     def stop(self) -> None:
         self.stopping.set()
-        self._thread.join(timeout=self.interval + 5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=self.interval + 5)
         if self.lease:
             try:
-                self.store.lease_revoke(self.lease)
+                self.store.lease_revoke(self.lease)  # deletes only a registration of ours
             except StoreError as e:
                 log.warning("could not deregister the node", node=self.node, error=str(e))
 
@@ -58,22 +83,86 @@ class NodeDuties:
         try:
             if now >= self._keepalive_due:
                 self._keepalive_due = now + self.ttl / KEEPALIVES_PER_TTL
-                self.register()
+                self.keep(now)
+            elif self._holding and (now >= self._refresh_due or self._clock_stepped(now)):
+                self.hold(now)
             if now >= self._answer_due:
                 self._answer_due = now + self.interval
                 self.answer_handshakes()
         except StoreError as e:
             log.warning("node duties: store unreachable", node=self.node, error=str(e))
             self._keepalive_due = min(self._keepalive_due, now + RETRY)
-        return min(self._keepalive_due, self._answer_due)
+        wake = min(self._keepalive_due, self._answer_due)
+        return min(wake, self._refresh_due) if self._holding else wake
 
-    def register(self) -> None:
-        if self.lease and self.store.lease_keepalive(self.lease) > 0:
-            return
-        self.lease = self.store.lease_grant(self.ttl)
-        value = rec.NodeRegistration(self.node, os.getpid(), time.time()).encode()
-        self.store.txn([], [Put(keys.node_key(self.node), value, lease=self.lease)])
-        log.info("node registered", node=self.node, lease=self.lease, ttl=self.ttl)
+    def keep(self, now: float) -> None:
+        """Renew our lease; where it is gone, or the registration is not ours, or it is
+        due again (refresh, a clock step), look at it and put it (`hold`)."""
+        if self.lease and self.store.lease_keepalive(self.lease) <= 0:
+            log.warning(
+                "node registration lapsed (its lease expired); registering again",
+                node=self.node,
+                lease=self.lease,
+            )
+            self.lease = 0
+            self._holding = False
+        if not self._holding or now >= self._refresh_due or self._clock_stepped(now):
+            self.hold(now)
+
+    def hold(self, now: float) -> bool:
+        """Put the registration, with the agent's wall clock, unless another agent holds
+        the node; whether it is ours now. Compared on what was read: a registration
+        made meanwhile by another agent is never overwritten."""
+        key = keys.node_key(self.node)
+        kv = self.store.get(key)
+        if kv is not None and kv.lease and kv.lease != self.lease:
+            self._wait_for(kv)
+            return False
+        if kv is None and self._holding:
+            log.warning("node registration found deleted; registering again", node=self.node)
+        if not self.lease:
+            self.lease = self.store.lease_grant(self.ttl)
+        wall = self.clock()
+        value = NodeRegistration(self.node, os.getpid(), self.since, wall, self.refresh)
+        compare = absent(key) if kv is None else at_revision(key, kv.mod_revision)
+        if not self.store.txn([compare], [Put(key, value.encode(), lease=self.lease)]).succeeded:
+            return False  # changed since read: looked at again at the next keepalive
+        if not self._holding:
+            log.info("node registered", node=self.node, lease=self.lease, ttl=self.ttl)
+        self._holding = True
+        self.holder_lease = 0
+        self._refresh_due = now + self.refresh
+        self._put_base = wall - now
+        return True
+
+    def _wait_for(self, kv: KeyValue) -> None:
+        """Another agent's registration holds the node: wait for it to go (logged once
+        per holder). A lease of ours has nothing to hold: let it go."""
+        if kv.lease != self.holder_lease:
+            who: dict[str, object]
+            try:
+                holder = NodeRegistration.decode(kv.value)
+                who = {"holder_pid": holder.pid, "holder_since": holder.since}
+            except ValueError as e:
+                who = {"holder_value": f"unreadable: {e}"}
+            log.warning(
+                "node held by another agent; waiting for its registration to go",
+                node=self.node,
+                holder_lease=kv.lease,
+                **who,
+                pid=os.getpid(),
+            )
+        self.holder_lease = kv.lease
+        self._holding = False
+        if self.lease:
+            lease, self.lease = self.lease, 0
+            self.store.lease_revoke(lease)
+
+    def _clock_stepped(self, now: float) -> bool:
+        """Whether the wall clock moved against the monotonic one since our last put
+        (a step, set by hand or by a time sync): the registration says so at once."""
+        base = self._put_base
+        return base is not None and abs(self.clock() - now - base) > CLOCK_STEP
 
     def answer_handshakes(self) -> list[tuple[str, str]]:
         """Answer every marked block of this node; returns (block, answer) pairs."""

@@ -10,11 +10,17 @@ the record itself before anything is freed (`reconcile.confirmed`).
 When the watch ends (a compacted history, a broken stream, the store down), the copy is
 read whole again and followed from there, the next try after 1 s, doubling up to 30 s.
 Until it is read, a pass is refused (`StoreUnreachable`, as a failed read was), never
-served from a copy nobody follows."""
+served from a copy nobody follows.
+
+Each entry carries when the copy first saw its revision (`Held.seen`, monotonic; None
+for what the first read found, which has no earlier look to compare with), kept across
+whole reads while the revision is the same: the ADD grace holds across a step of the
+node's clock (`ipward.gc.clocks`)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 from ipward.core import keys, log
 from ipward.core.records import AddressRecord
@@ -107,34 +113,38 @@ class NodeIndex:
                 watch.cancel()
                 return None
             self._watch = watch
-            self._held.clear()
+            before, self._held = self._held, {}
+            seen = time.monotonic() if self._read.is_set() else None
             for kv in kvs:
-                self._put(kv)
+                was = before.get(kv.key)
+                self._put(kv, was.seen if was and was.mod_revision == kv.mod_revision else seen)
             self.revision = revision
             self._why_not = None
         self._read.set()
         return watch
 
     def _apply(self, batch: list[Event]) -> None:
+        seen = time.monotonic()
         with self._lock:
             for event in batch:
                 if event.kind == DELETE:
                     self._held.pop(event.kv.key, None)
                 else:
-                    self._put(event.kv)
+                    self._put(event.kv, seen)
             self.revision = batch[-1].kv.mod_revision
 
-    def _put(self, kv: KeyValue) -> None:
-        held = entry_held(kv, self.node)
+    def _put(self, kv: KeyValue, seen: float | None) -> None:
+        held = entry_held(kv, self.node, seen)
         if held is None:
             self._held.pop(kv.key, None)
         else:
             self._held[kv.key] = held
 
 
-def entry_held(kv: KeyValue, node: str) -> Held | None:
+def entry_held(kv: KeyValue, node: str, seen: float | None) -> Held | None:
     """The record a `nodeips/<node>/` entry copies, as reconciliation judges it (with the
-    entry's revision); None when it holds no sandbox of `node` or does not decode."""
+    entry's revision, first seen at monotonic `seen`); None when it holds no sandbox of
+    `node` or does not decode."""
     _, pool, ip = keys.node_ip_parts(kv.key)
     try:
         record = AddressRecord.decode(kv.value)
@@ -143,4 +153,4 @@ def entry_held(kv: KeyValue, node: str) -> Held | None:
         return None
     if record.is_detached or record.node != node:
         return None
-    return Held(pool, ip, kv.mod_revision, record)
+    return Held(pool, ip, kv.mod_revision, record, seen)

@@ -15,6 +15,7 @@ from ipward.cluster.liveness import (
 from ipward.core import keys, log
 from ipward.core.records import AddressRecord
 from ipward.gc import rules as gc
+from ipward.gc.clocks import OWN_CLOCK
 from ipward.store import StoreError
 
 TYPE_CHECKING = False
@@ -101,7 +102,11 @@ class Reconciler:
         node = self.agent.node
         started = time.perf_counter()
         held = self.index.held()  # records first, then the runtime
-        evidence = gc.gather(self.source, [node], grace=self.grace, ask_cluster=False)
+        # The node's records are its agent's: written on this clock (a step of it is
+        # covered by when the copy first saw each record).
+        evidence = gc.gather(
+            self.source, [node], grace=self.grace, ask_cluster=False, offsets={node: OWN_CLOCK}
+        )
         view = evidence.nodes[node]
         if not isinstance(view, NodeView):
             self.agent.metrics.reconcile_skipped.inc()

@@ -22,7 +22,7 @@ from ipward.cni.wire import CALL_TIMEOUT
 from ipward.core import log
 from ipward.core.errors import InvalidConfig
 from ipward.core.names import check_node_name
-from ipward.core.policy import ADD_GRACE, DUTY_INTERVAL, NODE_TTL
+from ipward.core.policy import ADD_GRACE, DUTY_INTERVAL, NODE_TTL, REGISTRATION_REFRESH
 from ipward.store import Store, StoreError
 
 DEFAULT_METRICS = "127.0.0.1:9310"
@@ -42,6 +42,7 @@ def run_agent(
     stuck_seconds: float = CALL_TIMEOUT,
     duty_interval: float = DUTY_INTERVAL,
     node_ttl: int = NODE_TTL,
+    registration_refresh: float = REGISTRATION_REFRESH,
     liveness: str | None = None,
     add_grace: float = ADD_GRACE,
     reconcile_interval: float = 60.0,
@@ -76,7 +77,7 @@ def run_agent(
         )
         http = _start_http(agent, metrics_address, directory)
         agent.start()
-        duties = NodeDuties(store, node, duty_interval, node_ttl)
+        duties = NodeDuties(store, node, duty_interval, node_ttl, registration_refresh)
         duties.start()
         reconciler = None
         if source is not None:
@@ -272,6 +273,14 @@ def _parse_gid(text: str | None) -> int | None:
     help="Lease TTL of the node's registration (etcd raises it to at least 2).",
 )
 @click.option(
+    "--registration-refresh",
+    type=click.FloatRange(1),
+    default=REGISTRATION_REFRESH,
+    show_default=True,
+    help="Seconds between puts of the node's registration with this agent's clock (judges"
+    " measure the node's clock offset from it; a registration found deleted is put back).",
+)
+@click.option(
     "--liveness",
     help="Where the runtime lists this node's sandboxes, for reconciliation:"
     " cri:///run/containerd/containerd.sock, or sim:///PATH (the labs' simulated"
@@ -309,6 +318,7 @@ def agent_command(
     drain_seconds: float,
     duty_interval: float,
     node_ttl: int,
+    registration_refresh: float,
     liveness: str | None,
     cluster: str | None,
     add_grace: float,
@@ -329,6 +339,7 @@ def agent_command(
         drain_seconds=drain_seconds,
         duty_interval=duty_interval,
         node_ttl=node_ttl,
+        registration_refresh=registration_refresh,
         liveness=liveness,
         add_grace=add_grace,
         reconcile_interval=reconcile_interval,

@@ -234,7 +234,8 @@ def _judged_gone(
         return "its record holds no sandbox"  # detached: its reservation keeps it
     source = open_listed_source(liveness, node, timeout)
     try:
-        look = gc_rules.look_at(held, [], gc_rules.registered_nodes(c.store), source, grace)
+        registered, offsets = gc_rules.registrations(c.store)
+        look = gc_rules.look_at(held, [], registered, source, grace, offsets)
         verdict = look.verdicts[0]
         if verdict.reason is None:
             raise InvalidConfig(

@@ -24,7 +24,9 @@ from ipward.cmd.context import (
 from ipward.cmd.daemon import add_grace_option, redact
 from ipward.cmd.pools import bar, pools_in_use
 from ipward.core import keys
+from ipward.core.policy import CLOCK_SKEW_BOUND
 from ipward.core.records import LeaderRecord
+from ipward.gc import clocks
 from ipward.gc import rules as gc_rules
 from ipward.ipam import transfer
 from ipward.store import refuse_damaged, schema
@@ -202,23 +204,28 @@ def gc_command(
 @click.command("status")
 @pass_ctx
 def status_command(c: Context) -> None:
-    """Store, revision, the controller leading, the nodes with a live agent, pools and
-    how full they are."""
+    """Store, revision, the controller leading, the nodes with a live agent (and those
+    whose clock is off this machine's), pools and how full they are."""
     pools: list[dict[str, Any]] = [
         {"name": spec.name, "used": used, "capacity": spec.attachments_capacity()}
         for spec, used in pools_in_use(c)
     ]
     leader_kv = c.store.get(keys.LEADER_KEY)
     leader = LeaderRecord.decode(leader_kv.value) if leader_kv is not None else None
-    nodes = sorted(
-        name for kv in c.store.range(keys.NODES)[0] if (name := keys.registered_node(kv.key))
-    )
+    registrations = c.store.range(keys.NODES)[0]
+    offsets = clocks.measure_all(registrations, time.time())
+    nodes = sorted(name for kv in registrations if (name := keys.registered_node(kv.key)))
+    skewed = {node: offset for node, offset in sorted(offsets.items()) if offset.skewed}
     data = {
         "store": redact(c.store_url),
         "revision": c.store.revision(),
         "schema": schema.VERSION,  # open_store refuses any other
         "leader": {"id": leader.ident, "since": leader.since} if leader else None,
         "nodes": nodes,
+        # Each node's clock minus this machine's, as its registration shows it: at least
+        # `min`, at most `max` (None: its agent does not say how often it writes it).
+        "clocks": {n: {"offset_min": o.low, "offset_max": o.high} for n, o in offsets.items()},
+        "clocks_skewed": list(skewed),
         "pools": pools,
     }
     since = f" (since {age(time.time() - leader.since)} ago)" if leader else ""
@@ -229,6 +236,11 @@ def status_command(c: Context) -> None:
         f"leader    {leader.ident + since if leader else '(no controller leads)'}",
         f"nodes     {len(nodes):,} with a live agent",
     ]
+    for node, offset in skewed.items():
+        lines.append(
+            f"clock     {node} {offset.describe()} (more than {CLOCK_SKEW_BOUND:g}s off;"
+            " record ages are corrected for it)"
+        )
     for p in pools:
         lines.append(
             f"pool      {p['name']:<16} {bar(p['used'], p['capacity'])}"

@@ -10,7 +10,8 @@ compare-and-delete on that revision.
 
 What a record's verdict depends on: the record; its node's runtime view (its sandbox's
 entry, or which way the runtime failed); the cluster view (its pod by UID, whether its
-node is listed) and its node's registration; and time, through the ADD grace and a
+node is listed) and its node's registration; and time, through the ADD grace (with its
+node's clock offset and when the view first saw the record, `ipward.gc.clocks`) and a
 terminal pod's grace. `judge` says which verdicts are `settled`: kept, and kept for as
 long as the record and those subjects stay the same, however time passes (a later
 `as_of` only ends graces; an earlier one only starts them, which keeps). Everything else
@@ -178,7 +179,15 @@ class Collection:
         else:
             dirty = self._records_changed(changes)
         nodes = sorted(self._by_node)
-        evidence = gc.gather(source, nodes, grace=self.grace, registered=registered)
+        evidence = gc.gather(
+            source,
+            nodes,
+            grace=self.grace,
+            registered=registered,
+            offsets=view.clock_offsets(),
+            clock=view.clock,
+            monotonic=view.monotonic,
+        )
         if not everything:
             changed = self._liveness_changed(evidence)
             dirty = set(view.records) if changed is None else dirty | changed

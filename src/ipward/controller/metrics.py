@@ -1,5 +1,6 @@
 """The controller's metrics, on a registry of its own (served by `ipward.cmd.daemon`'s HTTP
-endpoint): leadership, handshakes, blocks by state, warm deficits, garbage collection."""
+endpoint): leadership, handshakes, blocks by state, warm deficits, garbage collection,
+nodes' clocks."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ipward.core.policy import CLOCK_SKEW_BOUND
 from ipward.gc import rules as gc
 
 REREAD_REASONS = ("start", "compacted", "timer", "broken")  # `view`'s, named there
@@ -33,6 +35,7 @@ class _Snapshot(Collector):
         self.leading = leading
         self.blocks: dict[tuple[str, str, str], int] = {}
         self.deficits: dict[tuple[str, str, str], int] = {}
+        self.clock_offsets: dict[str, float] = {}  # node -> seconds, the skewed ones only
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         blocks_family = GaugeMetricFamily(
@@ -47,13 +50,29 @@ class _Snapshot(Collector):
             " after the last pass (left over when the pool has no block to give).",
             labels=["pool", "node", "family"],
         )
+        skewed_family = GaugeMetricFamily(
+            "ipward_clock_skewed_nodes",
+            f"Registered nodes whose clock is certainly more than {CLOCK_SKEW_BOUND:g} s off"
+            " the leader's, as measured from their registrations.",
+        )
+        offset_family = GaugeMetricFamily(
+            "ipward_node_clock_offset_seconds",
+            "A skewed node's clock minus the leader's (only the nodes counted in"
+            " ipward_clock_skewed_nodes).",
+            labels=["node"],
+        )
         if self.leading():
             for labels, n in sorted(self.blocks.items()):
                 blocks_family.add_metric(list(labels), n)
             for labels, n in sorted(self.deficits.items()):
                 deficit_family.add_metric(list(labels), n)
+            skewed_family.add_metric([], len(self.clock_offsets))
+            for node, seconds in sorted(self.clock_offsets.items()):
+                offset_family.add_metric([node], seconds)
         yield blocks_family
         yield deficit_family
+        yield skewed_family
+        yield offset_family
 
 
 # The metrics: name -> help (the README lists them).

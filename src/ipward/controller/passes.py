@@ -107,7 +107,9 @@ class Controller:
         view_reread: float = DEFAULT_REREAD_EVERY,
     ) -> None:
         self.store = store
-        self.view = StoreView(store, metrics, reread_every=view_reread, monotonic=monotonic)
+        self.view = StoreView(
+            store, metrics, reread_every=view_reread, clock=clock, monotonic=monotonic
+        )
         self.liveness = liveness
         self.gc_interval = gc_interval
         self.gc_due = 0.0  # monotonic time of the next garbage-collection pass

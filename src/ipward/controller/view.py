@@ -25,6 +25,15 @@ every allocation record and registration an applied event changed (a record's ke
 what it held before), until they are taken; a whole read, or more than `max_pending`
 noted, says "everything" instead.
 
+Clocks, for the ADD grace (`ipward.gc.clocks`): each record carries when the view first
+saw its revision (`Held.seen`, the controller's monotonic clock when the watch thread
+received its event, or a whole read's time for a record new to it; None for the records
+of the first read, which has no earlier look to compare with), and each registration the
+offset of its node's clock measured from it (`offsets`: tight from an event, loose from a
+whole read). A whole read keeps both for what it finds unchanged (the same revision), so
+only a new term starts them over. A node's clock certainly more than
+`CLOCK_SKEW_BOUND` off is logged once (again when its offset moves) and counted.
+
 Memory: records are kept decoded (`gc.Held`, slotted), blocks as their KeyValue and
 decoded record (the compare needs the revision), the rest as names; no raw record bytes.
 """
@@ -35,11 +44,13 @@ import queue
 import threading
 import time
 from collections import Counter as Tally
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ipward.controller.metrics import REREAD_REASONS
 from ipward.core import keys, log
+from ipward.core.policy import CLOCK_SKEW_BOUND
 from ipward.core.records import AddressRecord, BlockRecord, FillRecord, ReservationRecord
+from ipward.gc.clocks import Offset, measure
 from ipward.gc.rules import Held, Reservation
 from ipward.store.base import DELETE, Compacted, Event, KeyValue
 
@@ -94,6 +105,20 @@ class Changes:
         self.nodes = nodes
 
 
+class Stamp(NamedTuple):
+    """When the view got something, on the controller's clocks (wall, monotonic)."""
+
+    wall: float
+    mono: float
+
+
+class _Batch(NamedTuple):
+    """One batch of events as the watch thread received it, and when."""
+
+    stamp: Stamp
+    events: list[Event]
+
+
 class _Ended:
     """The watch thread's last item: why it stopped."""
 
@@ -110,26 +135,26 @@ class _Inbox:
 
     def __init__(self, max_pending: int) -> None:
         self.max_pending = max_pending
-        self._items: queue.SimpleQueue[list[Event] | _Ended] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[_Batch | _Ended] = queue.SimpleQueue()
         self._pending = 0  # events queued and not taken yet
         self._lock = threading.Lock()
 
-    def put(self, batch: list[Event]) -> bool:
+    def put(self, batch: _Batch) -> bool:
         """Queue a batch; True when too many events are waiting (stop receiving)."""
         self._items.put(batch)
         with self._lock:
-            self._pending += len(batch)
+            self._pending += len(batch.events)
             return self._pending > self.max_pending
 
     def end(self, reason: str, detail: str) -> None:
         self._items.put(_Ended(reason, detail))
 
-    def take(self, timeout: float) -> list[Event] | _Ended:
+    def take(self, timeout: float) -> _Batch | _Ended:
         """The next item, waiting at most `timeout` (queue.Empty after that)."""
         item = self._items.get(timeout=timeout)
         if not isinstance(item, _Ended):
             with self._lock:
-                self._pending -= len(item)
+                self._pending -= len(item.events)
         return item
 
 
@@ -144,6 +169,7 @@ class StoreView:
         reread_every: float = DEFAULT_REREAD_EVERY,
         catch_up_timeout: float = DEFAULT_CATCH_UP_TIMEOUT,
         max_pending: int = DEFAULT_MAX_PENDING,
+        clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
@@ -151,6 +177,7 @@ class StoreView:
         self.reread_every = reread_every
         self.catch_up_timeout = catch_up_timeout
         self.max_pending = max_pending
+        self.clock = clock
         self.monotonic = monotonic
         self.revision = 0  # the store revision the view is at (0: not read yet)
         self.pools: dict[str, KeyValue] = {}  # pool name -> its spec's KeyValue
@@ -158,7 +185,12 @@ class StoreView:
         self.records: dict[str, Held] = {}  # `ips/` key -> the record as held
         self.reservations: dict[str, Reservation] = {}
         self.registered: set[str] = set()  # nodes holding a registration
+        # node -> its clock's offset, measured from its registration at the revision
+        self.offsets: dict[str, tuple[int, Offset]] = {}
         self.affinity: dict[str, str] = {}  # affinity key -> the node it names
+        # Within a whole read: what the view held before, kept where unchanged.
+        self._before: tuple[dict[str, Held], dict[str, tuple[int, Offset]]] | None = None
+        self._looked = False  # read whole before, since the start or `forget`
         self._reread_due = 0.0
         self._pending_reread: tuple[str, str] | None = (START, "")
         self._watch: Watch | None = None
@@ -177,7 +209,14 @@ class StoreView:
             self._reread(*self._pending_reread)
         else:
             self._catch_up()
+        self.metrics.snapshot.clock_offsets = {
+            node: offset.estimate for node, (_, offset) in self.offsets.items() if offset.skewed
+        }
         return self.revision
+
+    def clock_offsets(self) -> dict[str, Offset]:
+        """Each registered node's clock offset, where its registration tells it."""
+        return {node: offset for node, (_, offset) in self.offsets.items()}
 
     def block_nodes(self) -> set[str]:
         """Nodes some block is assigned to (by the affinity index)."""
@@ -209,8 +248,10 @@ class StoreView:
 
     def forget(self) -> None:
         """Let go of everything (a standby holds nothing); the next sync reads whole."""
-        if self.revision or self._watch is not None:
+        if self.revision or self._watch is not None or self._before is not None:
             self._stop_following()
+            self._before = None
+            self._looked = False
             self._clear()
             self._inbox = _Inbox(self.max_pending)
             self._pending_reread = (START, "")
@@ -236,19 +277,25 @@ class StoreView:
                     continue
                 self._reread(item.reason, item.detail)
                 return
-            self._apply(item)
-            self.revision = max(self.revision, item[-1].kv.mod_revision)
+            self._apply(item.events, item.stamp)
+            self.revision = max(self.revision, item.events[-1].kv.mod_revision)
 
     def _reread(self, reason: str, detail: str) -> None:
         self._stop_following()
         self._pending_reread = (reason, detail)  # again next sync, should this read fail
         self.metrics.view_rereads.labels(reason=reason).inc()
         log.info("controller view: reading the store whole", reason=reason, detail=detail)
+        if self._before is None:  # else a read that failed left it: still what was seen
+            self._before = (self.records, self.offsets)
+            self.records, self.offsets = {}, {}
         self._clear()
         kvs, revision = self.store.snapshot(PREFIXES)
+        stamp = self._stamp()
         kvs.reverse()
         while kvs:  # each raw key let go once applied: the peak is one copy, not two
-            self._put(kvs.pop())
+            self._put(kvs.pop(), stamp, fresh=False)
+        self._before = None
+        self._looked = True
         self.revision = revision
         self._pending_reread = None
         self._reread_due = self.monotonic() + self.reread_every
@@ -262,6 +309,7 @@ class StoreView:
         self.records.clear()
         self.reservations.clear()
         self.registered.clear()
+        self.offsets.clear()
         self.affinity.clear()
         self._changes_start_over(everything=True)
 
@@ -288,7 +336,7 @@ class StoreView:
             for batch in watch.batches():
                 if self._watch is not watch:
                     return  # replaced: its inbox is no one's any more
-                if inbox.put(batch):
+                if inbox.put(_Batch(self._stamp(), batch)):
                     watch.cancel()
                     inbox.end(_LAGGED, f"over {inbox.max_pending} events ahead of the passes")
                     return
@@ -303,25 +351,39 @@ class StoreView:
 
     # -- applying changes
 
-    def _apply(self, events: Iterable[Event]) -> None:
+    def _stamp(self) -> Stamp:
+        return Stamp(self.clock(), self.monotonic())
+
+    def _apply(self, events: Iterable[Event], stamp: Stamp) -> None:
         for event in events:
             if event.kind == DELETE:
                 self._delete(event.kv.key)
             else:
-                self._put(event.kv)
+                self._put(event.kv, stamp, fresh=True)
 
-    def _put(self, kv: KeyValue) -> None:
+    def _put(self, kv: KeyValue, stamp: Stamp, *, fresh: bool) -> None:
+        """Apply a key as put, got at `stamp`; `fresh`: from an event, got as it was put
+        (not in a whole read)."""
         key = kv.key
         prefix = keys.prefix_of(key)
         if prefix not in PREFIXES:
             return
+        if prefix == keys.NODES:
+            self._register(kv, stamp, fresh)
+            return
         self._delete(key)  # what the key held before
         try:
             if prefix == keys.ADDRESSES:  # noted by `_delete` above
-                pool, ip = keys.ip_parts(key)
-                held = Held(pool, ip, kv.mod_revision, AddressRecord.decode(kv.value))
+                before = self._before[0].get(key) if self._before is not None else None
+                if before is not None and before.mod_revision == kv.mod_revision:
+                    held = before  # unchanged: as decoded, and first seen, then
+                else:
+                    pool, ip = keys.ip_parts(key)
+                    address = AddressRecord.decode(kv.value)
+                    seen = stamp.mono if self._looked else None
+                    held = Held(pool, ip, kv.mod_revision, address, seen=seen)
                 self.records[key] = held
-                self._pool_keys(pool).records[held.record.block] += 1
+                self._pool_keys(held.pool).records[held.record.block] += 1
             elif prefix == keys.BLOCKS:
                 pool = keys.state_pool(key) or ""
                 block = BlockRecord.decode(kv.value)
@@ -337,11 +399,41 @@ class StoreView:
             elif prefix == keys.STICKY:
                 record = ReservationRecord.decode(kv.value)
                 self.reservations[key] = Reservation(key, kv.mod_revision, record)
-            elif (registered := keys.registered_node(key)) is not None:
-                self.registered.add(registered)
-                self._note_node(registered)
         except ValueError as e:
             log.error("record unreadable; left out of the controller's view", key=key, error=str(e))
+
+    def _register(self, kv: KeyValue, stamp: Stamp, fresh: bool) -> None:
+        """A registration put: its node is registered (noted when it was not: a put
+        again, with the agent's clock, changes no verdict), with its clock's offset."""
+        node = keys.registered_node(kv.key)
+        if node is None:
+            return
+        if node not in self.registered:
+            self.registered.add(node)
+            self._note_node(node)
+        before = self._before[1].get(node) if self._before is not None else self.offsets.get(node)
+        if before is not None and before[0] == kv.mod_revision:
+            self.offsets[node] = before  # unchanged since measured
+            return
+        offset = measure(kv, stamp.wall, fresh=fresh)
+        if offset is None:
+            self.offsets.pop(node, None)
+            return
+        self.offsets[node] = (kv.mod_revision, offset)
+        was = before[1] if before is not None else None
+        if offset.skewed and (
+            was is None or not was.skewed or abs(offset.estimate - was.estimate) > CLOCK_SKEW_BOUND
+        ):
+            log.warning(
+                "node's clock is off the controller's: its records' ages are corrected for"
+                " it (fix its time sync)",
+                node=node,
+                offset=round(offset.estimate, 3),
+                clock=offset.describe(),
+                bound=CLOCK_SKEW_BOUND,
+            )
+        elif was is not None and was.skewed and not offset.skewed:
+            log.info("node's clock is back within bound", node=node, clock=offset.describe())
 
     def _delete(self, key: str) -> None:
         prefix = keys.prefix_of(key)
@@ -369,6 +461,7 @@ class StoreView:
             self.reservations.pop(key, None)
         elif prefix == keys.NODES and (registered := keys.registered_node(key)) is not None:
             self.registered.discard(registered)
+            self.offsets.pop(registered, None)
             self._note_node(registered)
 
     def _noting(self) -> bool:

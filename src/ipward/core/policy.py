@@ -25,6 +25,16 @@ MAX_RELEASABLE_BLOCK = 128
 KEEPALIVES_PER_TTL = 3
 # Seconds an agent's registration lives unrenewed.
 NODE_TTL = 10
+# Seconds between puts of an agent's registration with its wall clock: judges measure
+# each node's clock offset from it (a record's age is judged on the judge's clock), and
+# an agent finding its registration gone puts it back then.
+REGISTRATION_REFRESH = 60.0
+# Seconds the wall clock may move against the monotonic one between two looks of the
+# agent before it counts as a step: the registration is put again at once.
+CLOCK_STEP = 1.0
+# Seconds a node's clock may be off a judge's before it is reported (log, metric,
+# `ipward status`); any offset is corrected for, this only says when it is worth a word.
+CLOCK_SKEW_BOUND = 5.0
 # Seconds between an agent's looks for its marked blocks: 3 reads at about one block a
 # node, which 5,000 nodes make 3,000 a second on etcd (15,000 at 1 s). A hand-back is
 # housekeeping: an answer up to this late delays only the block's return to the pool.

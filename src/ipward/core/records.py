@@ -595,17 +595,56 @@ class Sticky:
 
 class NodeRegistration:
     """`nodes/<node>`, under the agent's lease: the node has a live agent. `pid` and
-    `since` are for an operator reading the key; the key's presence is the fact."""
+    `since` are for an operator reading the key; the key's presence is the fact. `clock`
+    is the agent's wall clock when it put the key, put again every `refresh` seconds:
+    a judge reading it measures the node's clock offset (`ipward.gc.clocks`). A
+    registration written before `clock` existed has only `since`, which was the clock at
+    its put too, and no `refresh`."""
 
-    __slots__ = ("node", "pid", "since")
+    __slots__ = ("clock", "node", "pid", "refresh", "since")
 
-    def __init__(self, node: str, pid: int, since: float) -> None:
+    def __init__(
+        self, node: str, pid: int, since: float, clock: float, refresh: float | None
+    ) -> None:
         self.node = node
         self.pid = pid
         self.since = since
+        self.clock = clock
+        self.refresh = refresh
 
     def encode(self) -> bytes:
-        return encode({"node": self.node, "pid": self.pid, "since": self.since})
+        return encode(
+            {
+                "node": self.node,
+                "pid": self.pid,
+                "since": _stamp(self.since),
+                "clock": _stamp(self.clock),
+                "refresh": self.refresh,
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> NodeRegistration:
+        d = decode(raw)
+        since, clock, refresh = (_number(d.get(k)) for k in ("since", "clock", "refresh"))
+        if since is None:
+            raise ValueError("registration without 'since'")
+        pid = d.get("pid")
+        return cls(
+            str(d.get("node", "")),
+            pid if isinstance(pid, int) and not isinstance(pid, bool) else 0,
+            since,
+            since if clock is None else clock,
+            refresh if refresh is not None and refresh > 0 else None,
+        )
+
+
+def _number(value: object) -> float | None:
+    """`value` if a finite number (not a bool, not NaN or infinite), else None. (`math`
+    is not imported: the plugin's start path.)"""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    return float(value) if value == value and abs(value) != float("inf") else None
 
 
 class LeaderRecord:

@@ -6,10 +6,13 @@ sandbox ID, ifname; created_at = when its ADD committed):
 
 1. Records are read first, with their revisions; liveness after. A record created
    after the read is not judged; one changed after it fails the compare-and-delete.
-2. Evidence must be fresh: a view counts only when `view.as_of - created_at >= grace`
-   (the ADD grace). That covers an ADD in flight (its sandbox is listed only once the
-   runtime's RunPodSandbox returns) and any source that lags: a view older than that
-   says nothing about the record, so it is kept.
+2. Evidence must be fresh: a view counts only when `view.as_of - added >= grace` (the
+   ADD grace), `added` being the latest time on the judge's clock the ADD may have
+   committed: `created_at` corrected by the writer's measured clock offset, or when
+   the judge first saw the record, whichever is later (`ipward.gc.clocks`). That covers
+   an ADD in flight (its sandbox is listed only once the runtime's RunPodSandbox
+   returns), any source that lags (a view older than that says nothing about the
+   record, so it is kept) and clocks that disagree or step.
 3. The runtime of the record's node answered:
    - lists the sandbox ready: alive, kept, whatever else says;
    - does not list it at all: candidate, `sandbox-gone`;
@@ -42,6 +45,7 @@ sandbox ID, ifname; created_at = when its ADD committed):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -57,10 +61,11 @@ from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged
 from ipward.core.names import node_name_problem
 from ipward.core.records import AddressRecord, PodInfo, ReservationRecord
+from ipward.gc.clocks import Clock, Offset, measure_all
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
     from ipward.ipam.ledger import Ledger
     from ipward.store.base import Compare, KeyValue, Store
@@ -80,12 +85,14 @@ RETIRE_REASONS = (SET_DELETED, ORDINAL_OUT, TTL_EXPIRED)
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """One allocation record as read, with the revision a free must compare."""
+    """One allocation record as read, with the revision a free must compare, and when
+    (monotonic) a judge following a watch first saw that revision (None: one read)."""
 
     pool: str
     ip: str
     mod_revision: int
     record: AddressRecord
+    seen: float | None = field(default=None, compare=False)
 
     @property
     def ref(self) -> str:
@@ -168,11 +175,13 @@ def held_records(kvs: Iterable[KeyValue]) -> list[Held]:
     return held
 
 
-def registered_nodes(store: Store) -> frozenset[str]:
-    """Nodes whose agent holds a live registration (`nodes/<node>` under a lease)."""
-    return frozenset(
-        name for kv in store.range(keys.NODES)[0] if (name := keys.registered_node(kv.key))
-    )
+def registrations(store: Store) -> tuple[frozenset[str], dict[str, Offset]]:
+    """Nodes whose agent holds a live registration (`nodes/<node>` under a lease), and
+    the clock offset each shows (`clocks.measure_all`)."""
+    kvs = store.range(keys.NODES)[0]
+    read_at = time.time()
+    names = frozenset(name for kv in kvs if (name := keys.registered_node(kv.key)))
+    return names, measure_all(kvs, read_at)
 
 
 @dataclass
@@ -183,6 +192,14 @@ class Evidence:
     nodes: dict[str, NodeView | str] = field(default_factory=dict)
     cluster: ClusterView | str = "not asked"
     registered: frozenset[str] = frozenset()  # nodes holding a live lease
+    clock: Clock | None = None  # the judge's clocks after the reads (None: `created_at` as is)
+
+    def added_at(self, held: Held) -> tuple[float, str]:
+        """When the record's ADD may have committed at the latest, on the judge's wall
+        clock, and a note when that is not its `created_at` (`clocks.Clock.added_at`)."""
+        if self.clock is None:
+            return held.created_at, ""
+        return self.clock.added_at(held.node, held.created_at, held.seen)
 
 
 def gather(
@@ -192,10 +209,14 @@ def gather(
     grace: float,
     registered: frozenset[str] = frozenset(),
     ask_cluster: bool = True,
+    offsets: Mapping[str, Offset] | None = None,
+    clock: Callable[[], float] = time.time,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> Evidence:
     """Read liveness for `nodes` (after the records were read). A node whose runtime
     lists two ready sandboxes for one pod UID gets no view: that runtime is not
-    trusted (docs/design.md 5.5)."""
+    trusted (docs/design.md 5.5). `offsets`: the writers' clocks, measured (`clocks`); the
+    judge's own (`clock`, `monotonic`) are read after liveness."""
     evidence = Evidence(grace=grace, registered=registered)
     if source is None:
         evidence.cluster = "no liveness source configured"
@@ -218,22 +239,26 @@ def gather(
             evidence.cluster = source.cluster_view()
         except LivenessUnavailable as e:
             evidence.cluster = str(e)
+    evidence.clock = Clock(clock(), monotonic(), offsets or {})
     return evidence
 
 
 def judge(held: Held, evidence: Evidence) -> Verdict:
     """The rules of this module's docstring for one record."""
-    created, grace = held.created_at, evidence.grace
+    grace = evidence.grace
+    added, clock_note = evidence.added_at(held)
+    clock_note = f"; {clock_note}" if clock_note else ""
     sandbox_id = held.container
     runtime = evidence.nodes.get(held.node, "not asked")
     stopped = False
     if isinstance(runtime, NodeView):
-        age = runtime.as_of - created
+        age = runtime.as_of - added
         if age < grace:
             return Verdict(
                 held,
                 None,
-                f"runtime view of {held.node} only {age:.1f}s after the ADD (grace {grace:g}s)",
+                f"runtime view of {held.node} only {age:.1f}s after the ADD (grace"
+                f" {grace:g}s{clock_note})",
             )
         sandbox = runtime.sandboxes.get(sandbox_id)
         if sandbox is None:
@@ -241,7 +266,7 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
                 held,
                 SANDBOX_GONE,
                 f"runtime of {held.node} lists no sandbox {sandbox_id[:12]} (read"
-                f" {age:.0f}s after the ADD)",
+                f" {age:.0f}s after the ADD{clock_note})",
             )
         if sandbox.ready:
             return Verdict(held, None, f"sandbox {sandbox_id[:12]} ready on {held.node}", True)
@@ -250,9 +275,13 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
     if not isinstance(cluster, ClusterView):
         why = runtime if isinstance(runtime, str) else "sandbox stopped"
         return Verdict(held, None, f"no evidence: runtime: {why}; cluster: {cluster}", True)
-    age = cluster.as_of - created
+    age = cluster.as_of - added
     if age < grace:
-        return Verdict(held, None, f"cluster view only {age:.1f}s after the ADD (grace {grace:g}s)")
+        return Verdict(
+            held,
+            None,
+            f"cluster view only {age:.1f}s after the ADD (grace {grace:g}s{clock_note})",
+        )
     if (
         not stopped
         and held.node not in evidence.registered
@@ -276,7 +305,7 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
             held,
             POD_GONE,
             f"cluster has no pod with UID {uid} ({pod_info.namespace}/"
-            f"{pod_info.name}; read {age:.0f}s after the ADD)",
+            f"{pod_info.name}; read {age:.0f}s after the ADD{clock_note})",
         )
     if pod.terminal and pod.finished_at is not None:
         since = cluster.as_of - pod.finished_at
@@ -396,7 +425,9 @@ class Look:
 
 
 def look(store: Store, source: LivenessSource | None, grace: float) -> Look:
-    return look_at(snapshot(store), reservations(store), registered_nodes(store), source, grace)
+    held, reserved = snapshot(store), reservations(store)
+    registered, offsets = registrations(store)
+    return look_at(held, reserved, registered, source, grace, offsets)
 
 
 def look_at(
@@ -405,11 +436,22 @@ def look_at(
     registered: frozenset[str],
     source: LivenessSource | None,
     grace: float,
+    offsets: Mapping[str, Offset] | None = None,
+    clock: Callable[[], float] = time.time,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> Look:
-    """`look` on records, reservations and registrations already read (rule 1: all of
-    them before liveness, which is read here)."""
+    """`look` on records, reservations and registrations (with the clock offsets they
+    show) already read (rule 1: all of them before liveness, which is read here)."""
     nodes = sorted({h.node for h in held})
-    evidence = gather(source, nodes, grace=grace, registered=registered)
+    evidence = gather(
+        source,
+        nodes,
+        grace=grace,
+        registered=registered,
+        offsets=offsets,
+        clock=clock,
+        monotonic=monotonic,
+    )
     return Look(
         held,
         reserved,

@@ -42,6 +42,7 @@ from ipward.agent.node_index import entry_held
 from ipward.cluster.liveness import open_source
 from ipward.core import keys
 from ipward.core.policy import ADD_GRACE, DUTY_INTERVAL, KEEPALIVES_PER_TTL, NODE_TTL
+from ipward.gc.clocks import OWN_CLOCK
 from ipward.gc.rules import gather, judge
 from ipward.ipam.check import check
 from ipward.store import open_store
@@ -210,14 +211,17 @@ def pass_work_ms(url: str, node: str, state: str, times: int) -> float:
     percent between stages here)."""
     with open_store(url) as store:
         entries = store.range(keys.node_ips_prefix(node))[0]
-    held = [h for kv in entries if (h := entry_held(kv, node)) is not None]
+    seen = time.monotonic()
+    held = [h for kv in entries if (h := entry_held(kv, node, seen)) is not None]
     source = open_source(f"sim://{state}", node)
     seconds = []
     try:
         for _ in range(times):
             time.sleep(RECONCILE_EVERY)
             began = time.perf_counter()
-            evidence = gather(source, [node], grace=ADD_GRACE, ask_cluster=False)
+            evidence = gather(
+                source, [node], grace=ADD_GRACE, ask_cluster=False, offsets={node: OWN_CLOCK}
+            )
             for h in held:
                 judge(h, evidence)
             seconds.append(time.perf_counter() - began)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ipward.core import keys
 from ipward.core import records as rec
+from ipward.core.policy import REGISTRATION_REFRESH
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
 from ipward.ipam.ledger import Ledger
@@ -149,7 +150,7 @@ class ScaleCluster:
         ops = [
             Put(
                 keys.node_key(node),
-                rec.NodeRegistration(node, os.getpid(), now).encode(),
+                rec.NodeRegistration(node, os.getpid(), now, now, REGISTRATION_REFRESH).encode(),
                 lease=lease,
             )
             for node, lease in zip(nodes, leases, strict=True)
