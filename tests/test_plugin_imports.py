@@ -200,27 +200,6 @@ def test_a_launcher_without_isolation_flags_is_found(tmp_path: Path, sqlite_url:
     assert {"site", "os"} <= found - IN_PROCESS
 
 
-def test_sqlite_without_functools_leaves_the_real_one(tmp_path: Path) -> None:
-    """The store imports `_sqlite3` with a stand-in for `functools` (its lru_cache only):
-    `functools` is then not imported, a later `import functools` gets the real module,
-    and the statement cache the stand-in built works past its size (evictions)."""
-    program = f"""
-import sys
-sys.path.insert(0, {str(SRC)!r})
-from ipward.store.sqlite import SqliteStore
-assert "functools" not in sys.modules, "functools imported"
-store = SqliteStore({str(tmp_path / "s.db")!r})
-for n in range(300):  # distinct statements: more than the cache's 128
-    assert store._conn.execute(f"SELECT {{n}}").fetchone() == (n,)
-import functools
-assert functools.reduce(lambda a, b: a + b, [1, 2, 3]) == 6
-assert hasattr(functools, "partial") and functools.lru_cache(2)(abs)(-3) == 3
-print("ok")
-"""
-    done = subprocess.run([HOST_PYTHON, "-I", "-S", "-c", program], capture_output=True, timeout=60)
-    assert done.stdout == b"ok\n", done.stderr.decode()
-
-
 def test_install_writes_the_bytecode_the_launcher_loads(tmp_path: Path, sqlite_url: str) -> None:
     """`install-cni` compiles the package for the launcher's interpreter, so no exec
     compiles (a module without fresh bytecode costs its compile on every exec where
