@@ -238,8 +238,7 @@ def public_plugin(directory: Path) -> Path:
     """A copy of the plugin another user can run: its package readable by all, wherever
     this checkout lives (a clone in a 0700 directory would make the import fail)."""
     import ipward
-    from ipward.cmd.install import LAUNCHER
-    from ipward.cni.codepack import PACK_NAME, pack_path
+    from ipward.core.startpath import LAUNCHER, PACK_NAME, pack_path
 
     lib = directory / "lib"
     # Not the code pack: its entries name this checkout's files (the copy imports its own).

@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import IPWARD
-from ipward.cmd.install import write_launcher
 from ipward.core.keys import node_key
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
+from ipward.core.startpath import write_launcher
 from ipward.ipam.check import check
 from ipward.ipam.ledger import Ledger
 from ipward.store import schema

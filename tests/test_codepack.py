@@ -1,4 +1,4 @@
-"""The launcher's code pack (`ipward.cni.codepack`): an installed plugin imports its
+"""The launcher's code pack (`ipward.core.startpath`): an installed plugin imports its
 modules from the pack; a module changed since the install is imported from its source;
 a pack that cannot be used (missing, damaged, of another interpreter) changes nothing
 but the speed. Each case on a copy of the package installed as `ipward install-cni`
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import pytest
 
 from conftest import REPO
-from ipward.cni.codepack import pack_path
+from ipward.core.startpath import pack_path
 
 HOST_PYTHON = "/usr/bin/python3"
 # The launcher's lines, then which loader each module on the ADD path came from, and
@@ -25,8 +25,8 @@ HOST_PYTHON = "/usr/bin/python3"
 REPORT = """
 import sys
 sys.path.insert(0, {path!r})
-from ipward.cni.codepack import install
-install({pack!r})
+from ipward.core.startpath import install_pack
+install_pack({pack!r})
 import ipward.cni.verbs, ipward.store.sqlite
 loaders = {{
     n: type(m.__spec__.loader).__name__
@@ -39,7 +39,8 @@ lines = {{  # where each function of verbs starts, for tracebacks
     for n, f in vars(verbs).items() if getattr(f, "__module__", "") == verbs.__name__
     and hasattr(f, "__code__")
 }}
-print(repr((loaders, {{n: v for n, v in marks.items() if v is not None}}, verbs.__doc__, lines)))
+marks = {{n: v for n, v in marks.items() if v is not None}}
+print(repr((loaders, marks, verbs.__doc__, lines, "functools" in sys.modules)))
 sys.stdout.flush()
 from ipward.cni.plugin import main
 main()
@@ -54,7 +55,7 @@ def installed(tmp_path: Path) -> Path:
     shutil.copytree(REPO / "src" / "ipward", tmp_path / "pkg" / "ipward", ignore=skip)
     program = (
         "import sys;from pathlib import Path;sys.path.insert(0,sys.argv[1]);"
-        "from ipward.cmd.install import write_launcher;print(write_launcher(Path(sys.argv[2])))"
+        "from ipward.core.startpath import write_launcher;print(write_launcher(Path(sys.argv[2])))"
     )
     target = tmp_path / "bin" / "ipward"
     argv = [HOST_PYTHON, "-I", "-S", "-B", "-c", program, str(tmp_path / "pkg"), str(target)]
@@ -69,11 +70,12 @@ class Added(NamedTuple):
     marks: dict[str, int]  # MARK per module that has one
     verbs_doc: str | None  # `ipward.cni.verbs`' docstring
     verbs_lines: dict[str, int]  # first line of each function of `ipward.cni.verbs`
+    functools: bool  # whether `functools` was imported by then (the store was)
     answer: dict  # the CNI answer
 
 
-def add(package: Path, store: Path) -> Added:
-    """One in-process ADD through the launcher's lines."""
+def add(package: Path, store: Path, python: str = HOST_PYTHON) -> Added:
+    """One in-process ADD through the launcher's lines, run by `python`."""
     program = REPORT.format(path=str(package), pack=pack_path(str(package / "ipward")))
     config = {
         "cniVersion": "1.0.0",
@@ -87,7 +89,7 @@ def add(package: Path, store: Path) -> Added:
     env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_IFNAME": "eth0"}
     env.update(CNI_NETNS="/var/run/netns/test", CNI_PATH="/opt/cni/bin")
     done = subprocess.run(
-        [HOST_PYTHON, "-I", "-S", "-c", program],
+        [python, "-I", "-S", "-c", program],
         input=json.dumps(config).encode(),
         env=env,
         capture_output=True,
@@ -113,8 +115,8 @@ def test_the_installed_plugin_imports_its_modules_from_the_pack(
     assert added.loaders["ipward.store.sqlite"] == "CodePack"
     # the three imported before the pack is installed, the usual way
     assert {n for n, kind in added.loaders.items() if kind != "CodePack"} == {
-        "ipward.cni",
-        "ipward.cni.codepack",
+        "ipward.core",
+        "ipward.core.startpath",
     }
     # docstrings left out, line numbers the source's
     assert added.verbs_doc is None

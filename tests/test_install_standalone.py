@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 
 from conftest import PluginResult, exec_plugin, run_cli, wait_for
-from ipward.cmd import install, standalone_build
 from ipward.cni.wire import MAX_CONFIG
+from ipward.core import startpath
 from ipward.store import open_store
 from ipward_lab import fleet
 
 RANGES = {"ranges": [[{"subnet": "10.91.0.0/24"}]]}
 # Beyond the interpreter's own start, the standalone plugin may import these and nothing
 # else, on any path: the forwarding path's modules (written out: adding one is a decision,
-# made here and in standalone_build.STANDALONE_MODULES) and the C modules they use.
+# made here and in startpath.STANDALONE_MODULES) and the C modules they use.
 ALLOWED_IMPORTS = {
     "ipward",
     "ipward.cni",
@@ -38,7 +38,7 @@ ALLOWED_IMPORTS = {
     "ipward.cni.wire",
     "ipward.core",
     "ipward.core.errors",
-    "ipward.core.jsonc",
+    "ipward.core.startpath",
     "__future__",
     "_json",
     "_socket",
@@ -82,9 +82,12 @@ def shebang_argv(plugin: Path) -> list[str]:
     return [interpreter, argument, str(plugin)]
 
 
-def imports_of(plugin: Path, command: str, config: dict | bytes) -> set[str]:
+def imports_of(
+    plugin: Path, command: str, config: dict | bytes, python: str | None = None
+) -> set[str]:
     """The modules one exec imports beyond a bare interpreter's start (`-X importtime`,
-    added to the argv the kernel builds from the shebang)."""
+    added to the argv the kernel builds from the shebang; its interpreter replaced by
+    `python` if given)."""
 
     def imported(argv: list[str], stdin: bytes) -> set[str]:
         env = {"CNI_COMMAND": command, "CNI_CONTAINERID": "c9", "CNI_IFNAME": "eth0"}
@@ -94,6 +97,7 @@ def imports_of(plugin: Path, command: str, config: dict | bytes) -> set[str]:
         return {ln.rsplit("|", 1)[1].strip() for ln in lines if ln.startswith("import time:")}
 
     interpreter, argument, path = shebang_argv(plugin)
+    interpreter = python or interpreter
     stdin = config if isinstance(config, bytes) else json.dumps(config).encode()
     bare = imported([interpreter, "-X", "importtime", "-I", "-S", "-c", "pass"], b"")
     found = imported([interpreter, "-X", "importtime", argument, path], stdin)
@@ -164,7 +168,7 @@ def test_standalone_plugin_holds_and_imports_only_the_forwarding_path(
     its refused path, imports anything beyond them and the C modules they use."""
     with zipfile.ZipFile(standalone) as archive:
         names = set(archive.namelist())
-    modules = [f"ipward/{m}" for m in standalone_build.STANDALONE_MODULES] + ["__main__"]
+    modules = [f"ipward/{m}" for m in startpath.STANDALONE_MODULES] + ["__main__"]
     assert names == {f"{m}{ext}" for m in modules for ext in (".py", ".pyc")}
 
     config = agent_config(agent.socket)
@@ -178,7 +182,7 @@ def test_standalone_plugin_holds_and_imports_only_the_forwarding_path(
     for command, cfg in paths:
         extra = imports_of(standalone, command, cfg) - ALLOWED_IMPORTS
         assert not extra, f"{command} imported {sorted(extra)}"
-    # Malformed JSON: jsonc lets the `json` package word the error (standard library).
+    # Malformed JSON: `json_loads` lets the `json` package word the error (standard library).
     extra = imports_of(standalone, "ADD", b"{not json") - ALLOWED_IMPORTS
     assert "json" in extra
     assert {m for m in extra if m.split(".")[0] not in sys.stdlib_module_names} == set()
@@ -194,9 +198,7 @@ def test_shebang_fits_the_kernels_line_and_modules_parse_at_the_oldest_python(
     with zipfile.ZipFile(standalone) as archive:
         for name in archive.namelist():
             if name.endswith(".py"):
-                ast.parse(
-                    archive.read(name), name, feature_version=standalone_build.MIN_HOST_PYTHON
-                )
+                ast.parse(archive.read(name), name, feature_version=startpath.MIN_HOST_PYTHON)
 
 
 def test_a_host_python_of_another_version_runs_the_sources(
@@ -222,11 +224,11 @@ def test_a_host_python_of_another_version_runs_the_sources(
     assert loaded_from(foreign) == {".py"}
 
 
-def loaded_from(plugin: Path) -> set[str]:
-    """The suffixes of the files the plugin's modules were imported from."""
+def loaded_from(plugin: Path, python: str = "/usr/bin/python3") -> set[str]:
+    """The suffixes of the files the plugin's modules were imported from by `python`."""
     modules = [
         "ipward." + m.replace("/", ".")
-        for m in standalone_build.STANDALONE_MODULES
+        for m in startpath.STANDALONE_MODULES
         if not m.endswith("__init__")
     ]
     code = (
@@ -234,7 +236,7 @@ def loaded_from(plugin: Path) -> set[str]:
         " print(' '.join(m.__file__ for n, m in sys.modules.items() if n.startswith('ipward')))"
     )
     out = subprocess.run(
-        ["/usr/bin/python3", "-I", "-S", "-c", code], capture_output=True, text=True, check=True
+        [python, "-I", "-S", "-c", code], capture_output=True, text=True, check=True
     ).stdout
     return {"." + path.rsplit(".", 1)[1] for path in out.split()}
 
@@ -340,12 +342,12 @@ def test_a_host_python_that_can_run_it_is_accepted(
     root = host(tmp_path / "host", python, libraries)
     done = build(tmp_path / "bin", "--host-root", str(root))
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "bin" / "ipward").read_bytes() == standalone_build.standalone_plugin()
+    assert (tmp_path / "bin" / "ipward").read_bytes() == startpath.standalone_plugin()
 
 
 def test_this_machines_python_passes_the_check_it_runs_the_plugin_with() -> None:
     """The default host root is /: the interpreter the tests exec the plugin with."""
-    assert standalone_build.host_python_problem(Path("/")) is None
+    assert startpath.host_python_problem(Path("/")) is None
 
 
 # -- reinstall while the runtime execs --------------------------------------------------
@@ -355,8 +357,8 @@ def test_an_exec_during_a_reinstall_never_sees_a_partial_file(tmp_path: Path) ->
     """A runtime execs the plugin while an upgrade rewrites it again and again: every
     exec runs a whole plugin (the old or the new one), and no rewrite fails."""
     target = tmp_path / "bin" / "ipward"
-    plugin_bytes = standalone_build.standalone_plugin()
-    install.write_executable(target, plugin_bytes)
+    plugin_bytes = startpath.standalone_plugin()
+    startpath.write_executable(target, plugin_bytes)
     execs: list[PluginResult] = []
     rewrites: list[int] = []
     failures: list[BaseException] = []
@@ -365,7 +367,7 @@ def test_an_exec_during_a_reinstall_never_sees_a_partial_file(tmp_path: Path) ->
     def reinstall() -> None:
         try:
             while not stop.is_set():
-                install.write_executable(target, plugin_bytes)
+                startpath.write_executable(target, plugin_bytes)
                 rewrites.append(1)
         except BaseException as e:
             failures.append(e)

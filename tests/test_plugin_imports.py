@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from ipward.cmd.install import LAUNCHER, write_executable, write_launcher
-from ipward.cni.codepack import pack_path
 from ipward.core.pool import PoolSpec
+from ipward.core.startpath import LAUNCHER, pack_path, write_executable, write_launcher
 from ipward.ipam.pools import create_pool
 from ipward.store import open_store
 from test_install_standalone import ALLOWED_IMPORTS as STANDALONE_IMPORTS
@@ -36,7 +35,6 @@ IN_PROCESS = {
     "ipward",
     "ipward.cni",
     "ipward.cni.cniio",
-    "ipward.cni.codepack",
     "ipward.cni.config",
     "ipward.cni.plugin",
     "ipward.cni.selection",
@@ -45,13 +43,13 @@ IN_PROCESS = {
     "ipward.core",
     "ipward.core.addr",
     "ipward.core.errors",
-    "ipward.core.jsonc",
     "ipward.core.keys",
     "ipward.core.log",
     "ipward.core.names",
     "ipward.core.policy",
     "ipward.core.pool",
     "ipward.core.records",
+    "ipward.core.startpath",
     "ipward.core.testpoints",
     "ipward.ipam",
     "ipward.ipam.allocating",
@@ -81,8 +79,8 @@ CLAIMING = {"ipward.ipam.claims"}
 FREEING = {"ipward.ipam.freeing"}
 STICKY = {"ipward.ipam.sticky", *FREEING}
 # The thin path: the config is parsed for ipam.agentSocket and the call forwarded; the
-# standalone plugin is that path with an entry of its own, the launcher with its code pack.
-FORWARDING = (STANDALONE_IMPORTS - {"ipward.cni.standalone"}) | {"ipward.cni.codepack"}
+# standalone plugin is that path with an entry of its own.
+FORWARDING = STANDALONE_IMPORTS - {"ipward.cni.standalone"}
 
 
 def imported(
@@ -202,27 +200,6 @@ def test_a_launcher_without_isolation_flags_is_found(tmp_path: Path, sqlite_url:
     assert {"site", "os"} <= found - IN_PROCESS
 
 
-def test_sqlite_without_functools_leaves_the_real_one(tmp_path: Path) -> None:
-    """The store imports `_sqlite3` with a stand-in for `functools` (its lru_cache only):
-    `functools` is then not imported, a later `import functools` gets the real module,
-    and the statement cache the stand-in built works past its size (evictions)."""
-    program = f"""
-import sys
-sys.path.insert(0, {str(SRC)!r})
-from ipward.store.sqlite import SqliteStore
-assert "functools" not in sys.modules, "functools imported"
-store = SqliteStore({str(tmp_path / "s.db")!r})
-for n in range(300):  # distinct statements: more than the cache's 128
-    assert store._conn.execute(f"SELECT {{n}}").fetchone() == (n,)
-import functools
-assert functools.reduce(lambda a, b: a + b, [1, 2, 3]) == 6
-assert hasattr(functools, "partial") and functools.lru_cache(2)(abs)(-3) == 3
-print("ok")
-"""
-    done = subprocess.run([HOST_PYTHON, "-I", "-S", "-c", program], capture_output=True, timeout=60)
-    assert done.stdout == b"ok\n", done.stderr.decode()
-
-
 def test_install_writes_the_bytecode_the_launcher_loads(tmp_path: Path, sqlite_url: str) -> None:
     """`install-cni` compiles the package for the launcher's interpreter, so no exec
     compiles (a module without fresh bytecode costs its compile on every exec where
@@ -234,7 +211,7 @@ def test_install_writes_the_bytecode_the_launcher_loads(tmp_path: Path, sqlite_u
     target = tmp_path / "bin" / "ipward"
     program = (
         "import sys;from pathlib import Path;sys.path.insert(0,sys.argv[1]);"
-        "from ipward.cmd.install import write_launcher;print(write_launcher(Path(sys.argv[2])))"
+        "from ipward.core.startpath import write_launcher;print(write_launcher(Path(sys.argv[2])))"
     )
     argv = [HOST_PYTHON, "-I", "-S", "-B", "-c", program, str(tmp_path / "pkg"), str(target)]
     done = subprocess.run(argv, capture_output=True, timeout=300)

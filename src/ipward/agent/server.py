@@ -57,7 +57,7 @@ from ipward.agent.metrics import Metrics
 from ipward.cluster.pods import PodDirectory
 from ipward.cni import verbs, wire
 from ipward.cni.wire import CALL_TIMEOUT
-from ipward.core import jsonc, log
+from ipward.core import log
 from ipward.core.errors import (
     DecodeFailure,
     InputTooLarge,
@@ -65,6 +65,7 @@ from ipward.core.errors import (
     IpwardError,
     TryAgainLater,
 )
+from ipward.core.startpath import json_loads
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store
 
@@ -85,7 +86,7 @@ _COMMAND_LABELS = frozenset(verbs.COMMANDS)
 
 def _code_of(out: str) -> str:
     try:
-        code = jsonc.loads(out).get("code")
+        code = json_loads(out).get("code")
     except Exception:  # an answer that is not an error object: count it as internal
         code = None
     return str(code) if isinstance(code, int) else str(verbs.INTERNAL_ERROR)
@@ -93,7 +94,7 @@ def _code_of(out: str) -> str:
 
 def _network_of(stdin: bytes) -> str | None:
     try:
-        name = jsonc.loads(stdin).get("name")
+        name = json_loads(stdin).get("name")
     except Exception:  # only for the log line
         return None
     return name if isinstance(name, str) else None

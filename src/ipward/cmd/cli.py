@@ -92,18 +92,18 @@ def cli(ctx: click.Context, store: str, as_json: bool) -> None:
 )
 def install_cni(bin_dir: str, name: str, standalone: bool, host_root: str) -> None:
     """Install the plugin executable into a CNI bin dir."""
-    from ipward.cmd import install, standalone_build
+    from ipward.core import startpath
 
     target = Path(bin_dir) / name
     if not standalone:
-        problem = install.write_launcher(target)
+        problem = startpath.write_launcher(target)
         if problem:
             click.echo(f"warning: {problem}", err=True)
     else:
-        problem = standalone_build.host_python_problem(Path(host_root))
+        problem = startpath.host_python_problem(Path(host_root))
         if problem:
             raise click.BadParameter(problem, param_hint="--host-root")
-        install.write_executable(target, standalone_build.standalone_plugin())
+        startpath.write_executable(target, startpath.standalone_plugin())
     click.echo(f"installed {target}")
 
 

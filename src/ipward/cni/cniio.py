@@ -7,8 +7,8 @@ answers the same input the same way. Standard library only, nothing costly to im
 from __future__ import annotations
 
 from ipward.cni.wire import MAX_CONFIG
-from ipward.core import jsonc
 from ipward.core.errors import DecodeFailure, InputTooLarge, IpwardError
+from ipward.core.startpath import json_dumps, json_loads
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -28,13 +28,13 @@ def check_size(stdin: bytes) -> None:
 def decode(stdin: bytes) -> Any:
     """The parsed configuration (None for an empty stdin); DecodeFailure if not JSON."""
     try:
-        return jsonc.loads(stdin) if stdin.strip() else None
+        return json_loads(stdin) if stdin.strip() else None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise DecodeFailure(f"network configuration on stdin is not JSON: {e}") from None
 
 
 def dump(obj: dict) -> str:
-    return jsonc.dumps(obj) + "\n"
+    return json_dumps(obj) + "\n"
 
 
 def version_output(raw: object) -> str:
@@ -48,7 +48,7 @@ def _error_version(stdin: bytes) -> str:
     version = None
     if len(stdin) <= MAX_CONFIG:
         try:
-            version = jsonc.loads(stdin).get("cniVersion")
+            version = json_loads(stdin).get("cniVersion")
         except Exception:  # whatever the input: an error answer must still go out
             version = None
     return version if version in SUPPORTED_VERSIONS else SUPPORTED_VERSIONS[-1]

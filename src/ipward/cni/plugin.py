@@ -1,7 +1,7 @@
 """The executable's entry point (`ipward install-cni` writes a launcher calling `main`).
 
 Cluster mode: the network config names the node agent's socket in `ipam.agentSocket`,
-and nowhere else counts. The config is parsed (`jsonc`, CPython's C scanner) and only
+and nowhere else counts. The config is parsed (`startpath.json_loads`, CPython's C scanner) and only
 that field of the `ipam` section is read: a key of that name anywhere else, such as in
 `args.cni`, which Multus fills from pod annotations, is only data. The call is then sent
 (`ipward.cni.wire`) and the agent's answer printed as is, but only to an agent the plugin
@@ -9,7 +9,7 @@ can trust: the socket file must be owned by root or by the plugin's own user, an
 must the process listening on it (SO_PEERCRED, read after connecting and before a byte
 is sent). Anything else is refused with code 5 and nothing is sent. This path imports
 only `_socket`, `posix` (the C module under `os`, whose Python layer alone costs
-~0.8 ms), `jsonc` and `wire`, so it costs little over the interpreter's own start.
+~0.8 ms), `core.startpath` and `wire`, so it costs little over the interpreter's own start.
 
 Everything else runs `ipward.cni.verbs` in-process on SQLite (single-node mode), which also
 answers VERSION (it needs no agent) and a configuration over `wire.MAX_CONFIG` (107),
@@ -22,7 +22,7 @@ import posix
 import sys
 
 from ipward.cni.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, agent_socket
-from ipward.core import jsonc
+from ipward.core.startpath import json_loads
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def configured_socket(stdin: bytes, command: bytes | None) -> str | None:
     if len(stdin) > MAX_CONFIG or command == b"VERSION":
         return None
     try:
-        return agent_socket(jsonc.loads(stdin))
+        return agent_socket(json_loads(stdin))
     except Exception:  # not JSON: answered without an agent (code 6)
         return None
 

@@ -1,5 +1,5 @@
 """The standalone plugin's entry point: `ipward install-cni --standalone` packs it, with
-the forwarding path and nothing else (`standalone_build.STANDALONE_MODULES`), into one executable
+the forwarding path and nothing else (`startpath.STANDALONE_MODULES`), into one executable
 for a host that has Python's standard library and no ipward (a Kubernetes node, where
 the agent runs in a container).
 

@@ -8,7 +8,7 @@ printed on stdout.
 
 This module is the plugin's start path: what it imports at the top is paid on every pod
 start, so it is standard library only and nothing heavier than `sqlite3` (JSON goes
-through `jsonc`, see there).
+through `core.startpath`, see there).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ipward.core import jsonc
+from ipward.core.startpath import json_dumps
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 _threshold = LEVELS["warning"]
@@ -38,7 +38,7 @@ def event(level: str, msg: str, **fields: object) -> None:
     line = {"ts": round(time.time(), 3), "level": level, "component": _component, "msg": msg}
     line.update(fields)
     try:
-        text = jsonc.dumps({k: v if isinstance(v, _PLAIN) else str(v) for k, v in line.items()})
+        text = json_dumps({k: v if isinstance(v, _PLAIN) else str(v) for k, v in line.items()})
         _sink.write(text + "\n")
         _sink.flush()
     except (OSError, ValueError):

@@ -25,8 +25,8 @@ each exec, and one file costs less to import than ten.
 
 from __future__ import annotations
 
-from ipward.core import jsonc
 from ipward.core.keys import attach_key, sticky_key
+from ipward.core.startpath import json_dumps, json_loads
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -40,11 +40,11 @@ REFUSED = "refused"  # the agent needs it
 
 
 def encode(obj: dict) -> bytes:
-    return jsonc.dumps(obj, sort_keys=True).encode()
+    return json_dumps(obj, sort_keys=True).encode()
 
 
 def decode(raw: bytes) -> dict:
-    value = jsonc.loads(raw)
+    value = json_loads(raw)
     if not isinstance(value, dict):
         raise ValueError("record is not an object")
     return value

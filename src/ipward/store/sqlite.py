@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import _thread
 import posix
-import sys
 import time
 
+from ipward.core.startpath import load_sqlite3
 from ipward.store.base import (
     DELETE,
     PUT,
@@ -44,40 +44,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
 
-def _import_sqlite() -> None:
-    """Import the C module `_sqlite3`, not the `sqlite3` package: the package adds
-    `datetime`, `collections.abc` and its date adapters (unused here), ~1.5 ms per plugin
-    exec. `_sqlite3` itself imports `functools` (and with it `collections`, `operator`,
-    `types`, `_collections_abc`: ~1.5 ms more) only for `functools.lru_cache`, with which
-    it builds each connection's statement cache. When nothing has imported `functools`
-    yet (the plugin), `_sqlite3` is given that same cache, the C `_lru_cache_wrapper`
-    that `lru_cache` returns, through a stand-in module taken out of `sys.modules` again
-    at once: a later `import functools` gets the real one."""
-    if "functools" in sys.modules or sys.version_info[:2] != (3, 11):
-        # Loaded already, or a Python whose `_sqlite3` may use `functools` otherwise
-        # (the stand-in is made for 3.11's, the interpreter of the hosts we ship for):
-        # the module-level import below loads the real one.
-        return
-    import _functools
-
-    def lru_cache(maxsize: int) -> object:
-        def decorate(function: object) -> object:
-            return _functools._lru_cache_wrapper(function, max(maxsize, 0), False, tuple)
-
-        return decorate
-
-    stand_in = type(sys)("functools")
-    stand_in.lru_cache = lru_cache  # type: ignore[attr-defined]
-    sys.modules["functools"] = stand_in
-    try:
-        import _sqlite3  # noqa: F401
-    finally:
-        if sys.modules.get("functools") is stand_in:
-            del sys.modules["functools"]
-
-
-_import_sqlite()
-import _sqlite3  # noqa: E402  (after the stand-in above)
+load_sqlite3()  # `_sqlite3` without `functools` on the plugin's path (see there)
+import _sqlite3  # noqa: E402  (loaded above)
 
 # The tables, made in one transaction with the marks below when a file is new.
 _TABLES = (

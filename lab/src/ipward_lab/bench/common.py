@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ipward.core.startpath import PLUGIN_PYTHON
 from ipward_lab.etcdlab import ETCD
 from ipward_lab.fleet import Agent, FleetError
 
-PLUGIN_PYTHON = "/usr/bin/python3"
 HOST_LOCAL = "/usr/lib/cni/host-local"
 CNI_BIN_DIR = "/usr/lib/cni"
 NODE = "bench-node"

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ipward.cmd.install import write_launcher
 from ipward.core.pool import PoolSpec
+from ipward.core.startpath import write_launcher
 from ipward.ipam.pools import create_pool
 from ipward.store import open_store
 from ipward_lab.bench.common import (
@@ -31,7 +31,7 @@ TARGET_EXEC_OVER_PYTHON_MS = 5.0  # plugin ADD median - bare interpreter median
 EXEC_POOL = "benchexec"
 # The floor of any Python plugin on SQLite, the reference next to the plugin's own
 # share: the bare interpreter importing `_sqlite3` (with the plugin's stand-in for
-# `functools`, `store/sqlite.py`), one fsynced WAL transaction of one read and one
+# `functools`, `core/startpath.py`), one fsynced WAL transaction of one read and one
 # write, an answer on stdout. Nothing of ipward.
 SQLITE_FLOOR = """\
 import sys, _functools, posix
