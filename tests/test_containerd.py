@@ -28,7 +28,7 @@ import grpc
 import pytest
 
 import containerd_lab
-from conftest import exec_plugin, run_cli
+from conftest import exec_plugin, run_cli, wait_for
 from containerd_lab import ContainerdLab, LabError, machine_state
 from ipward.cluster import cri
 from ipward.cluster.cri import CriClient, CriError, CriSource
@@ -390,6 +390,52 @@ def test_pods_through_the_node_agent_which_reconciles_with_containerd(
     finally:
         for sandbox in lab.cri().list_pod_sandboxes():  # while the agent still answers DEL
             lab.remove_pod(sandbox.id)
+        agent.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@net
+def test_a_del_refused_while_the_agent_was_down_is_finished_by_the_agent_once_back(
+    lab: ContainerdLab, tmp_path: Path
+) -> None:
+    """Finding (a real cluster): a pod deleted while its node's agent was down had its
+    CNI DEL refused; containerd stopped the sandbox but kept its network namespace, the
+    address still on its veth, and no kubelet retries the teardown of a deleted pod.
+    The agent, once back, has the runtime finish the teardown of a sandbox it lists
+    stopped on two passes: the DEL comes, the namespace goes, the address is freed."""
+    agent_store = f"sqlite://{tmp_path}/agent.db"
+    created = run_cli(
+        "pool", "create", "pods", "--range", "10.79.0.0/24,gateway=10.79.0.1", store=agent_store
+    )
+    assert created.returncode == 0, created.stderr
+    run_dir = Path(tempfile.mkdtemp(prefix="ipw-"))
+    options = ("--liveness", f"cri://{lab.address}", "--reconcile-interval", "0.3")
+
+    def start_agent() -> fleet.Agent:
+        return fleet.Agent("agent-node", agent_store, run_dir / "agent.sock", tmp_path, options)
+
+    agent = start_agent().wait_ready()
+    try:
+        network = {"type": "ipward", "agentSocket": str(agent.socket), "pool": "pods"}
+        lab.write_network(network, bridge=f"ipwd{lab.tag}")
+        sandbox = lab.run_pod("orphan-0", "infra")
+        ip = lab.cri().pod_sandbox_status(sandbox).ip
+        assert set(allocations(agent_store, "pods")) == {ip}
+        agent.kill()
+        with pytest.raises(CriError, match="unreachable"):  # the DEL refused: agent down
+            lab.cri().stop_pod_sandbox(sandbox, timeout=containerd_lab.CALL_TIMEOUT)
+        assert Path(lab.sandbox_netns(sandbox)).exists()  # its address still on its veth
+        assert set(allocations(agent_store, "pods")) == {ip}
+        agent = start_agent().wait_ready()
+        wait_for(lambda: not allocations(agent_store, "pods"), "the address freed by the DEL")
+        assert agent.metric("ipward_agent_teardowns_finished_total") == 1
+        (freed,) = agent.logged("freed")
+        assert freed["ips"] == [f"pods/{ip}"] and freed["reason"] == "CNI DEL", freed
+        assert not Path(lab.sandbox_netns(sandbox)).exists()
+        ipward_check(agent_store)
+    finally:
+        for listed in lab.cri().list_pod_sandboxes():  # while the agent still answers DEL
+            lab.remove_pod(listed.id)
         agent.kill()
         shutil.rmtree(run_dir, ignore_errors=True)
 

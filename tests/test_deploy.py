@@ -321,6 +321,10 @@ def test_rbac_grants_exactly_what_the_agent_and_the_controller_call(
         docs, "Deployment", "ipward-controller", "controller", kube_server.kubeconfig
     )
     options = (*extra, "--gc-interval", "1", "--add-grace", "0")
+    # n1's agent runs (a node whose agent is down waits for it), without the API: the
+    # requests counted below are the controller's.
+    run_dir = Path(tempfile.mkdtemp(prefix="ipw-rbac-"))
+    n1 = fleet.Agent("n1", sqlite_url, run_dir / "agent.sock", tmp_path).wait_ready()
     controller = fleet.Controller("c1", sqlite_url, tmp_path, extra=options)
     try:
         wait_for(
@@ -329,6 +333,8 @@ def test_rbac_grants_exactly_what_the_agent_and_the_controller_call(
         )
     finally:
         controller.stop()
+        n1.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
     # The other live reads before a free (a gone node, a retired StatefulSet identity)
     # need records of other nodes and sticky reservations: asked here through the source
     # the controller's own option opens.

@@ -137,6 +137,43 @@ def test_a_controller_on_the_api_alone_counts_no_runtime_errors(
     assert source_errors(scene.ctl, "cluster") == cluster_errors  # (its first list: a start)
 
 
+def test_pods_deleted_while_their_nodes_agent_is_down_wait_for_it(
+    k8s_world: World, kube_server: KubeApi
+) -> None:
+    """Finding (a real cluster): pods deleted while their node's agent was down kept
+    their addresses in stopped sandboxes' network namespaces (their DELs refused, no
+    kubelet retrying them), and the controller freed those addresses as pod-gone
+    meanwhile. A node the cluster lists whose agent is not registered now waits: nothing
+    of it is freed on the cluster's word until its agent is back (which finishes the
+    teardowns: tests/test_containerd.py), then the gone pods' and no other. A pod gone
+    on a node whose agent runs, deleted at the same time, is freed meanwhile: the
+    controller did judge the deletions."""
+    w = k8s_world
+    w.pool("--range", "10.71.0.0/24")
+    w.node("n1", liveness=False)  # only the controller collects here
+    w.node("n2", liveness=False)
+    w.controller("c1")
+    pods = {
+        f"web-{i}": w.sim.create_pod(NS, f"web-{i}", node="n1" if i < 3 else "n2") for i in range(4)
+    }
+    addresses = {name: w.running(f"{NS}/{name}") for name in pods}
+    w.sim.drop_del_rate = 1.0
+    w.agents["n1"].stop()  # its registration revoked: the node's agent is down
+    for name in ("web-0", "web-1", "web-3"):
+        w.sim.delete_pod(f"{NS}/{name}")
+    for name in ("web-0", "web-1", "web-3"):
+        w.gone(f"{NS}/{name}")
+    canary = addresses["web-3"]  # on n2, whose agent runs
+    wait_for(lambda: canary not in w.records(), "the pod gone on n2 freed")
+    waiting = {addresses["web-0"], addresses["web-1"]}
+    assert waiting | {addresses["web-2"]} <= set(w.records()), w.freed_logs()
+    w.agent("n1", liveness=False)
+    wait_for(lambda: not waiting & set(w.records()), "n1's gone pods freed, its agent back")
+    assert addresses["web-2"] in w.records()
+    assert freed(w) == waiting | {canary}, w.freed_logs()
+    w.assert_invariants()
+
+
 def test_server_down_frees_nothing_then_back_relists_and_frees(
     k8s_world: World, kube_server: KubeApi
 ) -> None:

@@ -67,6 +67,12 @@ class Metrics:
             " trusted: unreachable, or listing two ready sandboxes for one pod.",
             registry=self.registry,
         )
+        self.teardowns_finished = Counter(
+            "ipward_agent_teardowns_finished",
+            "Stopped sandboxes whose teardown the agent had its runtime finish (their DEL"
+            " refused while it was down is retried by no kubelet for a deleted pod).",
+            registry=self.registry,
+        )
         self.reconcile_passes = Counter(
             "ipward_agent_reconcile_passes",
             "Reconciliation passes completed with a runtime view.",

@@ -10,7 +10,9 @@ from dataclasses import replace
 from ipward.agent.node_index import NodeIndex
 from ipward.cluster.liveness import (
     LivenessSource,
+    LivenessUnavailable,
     NodeView,
+    NotCovered,
 )
 from ipward.core import keys, log
 from ipward.core.records import AddressRecord
@@ -45,7 +47,13 @@ class Reconciler:
     `ipward.gc`'s; only `sandbox-gone` applies here, the runtime being the one source
     asked). A runtime that cannot be read, or that lists two ready sandboxes for one pod,
     frees nothing; the next try comes sooner (1 s, doubling up to `interval`). The node's
-    records come from its index's copy (`index`), which the reconciler starts and stops."""
+    records come from its index's copy (`index`), which the reconciler starts and stops.
+
+    And it has the runtime finish the teardown of every sandbox listed stopped on two
+    passes in a row, once (`finish_teardowns`): a DEL refused while the agent was down
+    leaves a stopped sandbox whose network namespace still holds its address, and no
+    kubelet retries the teardown of a deleted pod; finishing it sends the DEL, which
+    frees the address in the order a teardown does (the namespace goes first)."""
 
     def __init__(
         self,
@@ -60,6 +68,9 @@ class Reconciler:
         self.grace = grace
         self.interval = interval
         self.index = NodeIndex(agent.store, agent.node, agent.metrics)
+        self._stopped: set[str] = set()  # sandboxes listed stopped by the last pass
+        self._finished: set[str] = set()  # those whose teardown the runtime was asked to finish
+        self._can_finish = True  # the source can act (a runtime, not a file of views)
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
 
@@ -112,6 +123,7 @@ class Reconciler:
             self.agent.metrics.reconcile_skipped.inc()
             log.warning("reconcile: nothing freed, runtime not usable", node=node, reason=view)
             return None
+        self.finish_teardowns(view)
         freed = []
         for h in held:
             verdict = gc.judge(h, evidence)
@@ -133,3 +145,35 @@ class Reconciler:
             ms=round((time.perf_counter() - started) * 1000, 3),
         )
         return freed
+
+    def finish_teardowns(self, view: NodeView) -> None:
+        """Ask the runtime, once each, to finish the teardown of the sandboxes it lists
+        stopped on this pass and the last (one pass leaves the kubelet its own teardown
+        in flight); its DEL comes back through the agent."""
+        stopped = {sid for sid, sandbox in view.sandboxes.items() if not sandbox.ready}
+        due = sorted((stopped & self._stopped) - self._finished)
+        self._stopped = stopped
+        self._finished &= stopped  # a sandbox removed is forgotten
+        for sandbox in due if self._can_finish else ():
+            try:
+                self.source.finish_teardown(view.node, sandbox)
+            except NotCovered:
+                self._can_finish = False  # a source that only reads: nothing to ask
+                return
+            except LivenessUnavailable as e:
+                log.warning(
+                    "runtime refused to finish a stopped sandbox's teardown; asked again next pass",
+                    node=view.node,
+                    sandbox=sandbox,
+                    error=str(e),
+                )
+                continue
+            self._finished.add(sandbox)
+            self.agent.metrics.teardowns_finished.inc()
+            log.info(
+                "had the runtime finish a stopped sandbox's teardown",
+                node=view.node,
+                sandbox=sandbox,
+                reason="listed stopped on two passes: a DEL it refused while the agent was"
+                " down is retried by no kubelet for a deleted pod",
+            )

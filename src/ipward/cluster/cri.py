@@ -527,5 +527,12 @@ class CriSource(LivenessSource):
     def cluster_view(self) -> ClusterView:
         raise NotCovered(f"CRI socket {self.socket_path} sees one node's runtime, no cluster")
 
+    def finish_teardown(self, node: str, sandbox: str) -> None:
+        """StopPodSandbox again: on a stopped sandbox the runtime only tears down what is
+        left (its network namespace, with the CNI DEL); a no-op when nothing is."""
+        if node != self.node:
+            raise NotCovered(f"CRI socket {self.socket_path} is node {self.node}'s, not {node}'s")
+        self.client.stop_pod_sandbox(sandbox)
+
     def close(self) -> None:
         self.client.close()

@@ -257,6 +257,12 @@ class LivenessSource(ABC):
         once (a source that reads them together answers all from one read)."""
         return views_or_why(nodes, self.node_view)
 
+    def finish_teardown(self, node: str, sandbox: str) -> None:
+        """Have `node`'s runtime finish the teardown of a stopped sandbox (its network:
+        the CNI DEL, which frees its addresses). Raises NotCovered where the source only
+        reads, LivenessUnavailable when the runtime refuses or cannot be reached."""
+        raise NotCovered(f"{type(self).__name__} reads the runtime; it cannot act on it")
+
     def wait_listed(self, timeout: float) -> None:  # noqa: B027 (most sources read live)
         """For a one-shot command (`ipward gc`, `release --liveness`), which asks once
         and cannot wait for a next pass: wait until the source answers from complete

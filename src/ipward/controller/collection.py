@@ -184,6 +184,7 @@ class Collection:
             nodes,
             grace=self.grace,
             registered=registered,
+            agents=True,  # a controller serves agents: cluster mode
             offsets=view.clock_offsets(),
             clock=view.clock,
             monotonic=view.monotonic,

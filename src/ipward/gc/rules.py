@@ -21,6 +21,13 @@ sandbox ID, ifname; created_at = when its ADD committed):
 4. Otherwise (or for a stopped sandbox), the cluster answered:
    - the record's node is not registered (its lease expired) and the cluster does not
      list it: candidate, `node-gone`;
+   - in cluster mode (`Evidence.agents`: the controller; `ipward gc` when some node is
+     registered), the record's node is listed but its agent is not registered, and its
+     runtime did not answer: kept. A sandbox whose DEL its agent refused while down may
+     still hold the address in its network namespace (the runtime stopped it and its
+     teardown failed there; the kubelet retries no teardown of a deleted pod): its
+     agent, once back, has the runtime finish it, and the DEL frees the address
+     (`agent/reconcile.py`); until then the cluster's word frees nothing there;
    - no pod with the record's UID: candidate, `pod-gone` (a pod with the same name and
      another UID is another pod; a sticky reservation, when there is one, keeps it). A
      static pod's record holds its own UID, which the cluster lists only as the
@@ -193,6 +200,7 @@ class Evidence:
     cluster: ClusterView | str = "not asked"
     registered: frozenset[str] = frozenset()  # nodes holding a live lease
     clock: Clock | None = None  # the judge's clocks after the reads (None: `created_at` as is)
+    agents: bool = False  # cluster mode: a listed node without a live agent waits (rule 4)
 
     def added_at(self, held: Held) -> tuple[float, str]:
         """When the record's ADD may have committed at the latest, on the judge's wall
@@ -208,6 +216,7 @@ def gather(
     *,
     grace: float,
     registered: frozenset[str] = frozenset(),
+    agents: bool = False,
     ask_cluster: bool = True,
     offsets: Mapping[str, Offset] | None = None,
     clock: Callable[[], float] = time.time,
@@ -216,8 +225,9 @@ def gather(
     """Read liveness for `nodes` (after the records were read). A node whose runtime
     lists two ready sandboxes for one pod UID gets no view: that runtime is not
     trusted (docs/design.md 5.5). `offsets`: the writers' clocks, measured (`clocks`); the
-    judge's own (`clock`, `monotonic`) are read after liveness."""
-    evidence = Evidence(grace=grace, registered=registered)
+    judge's own (`clock`, `monotonic`) are read after liveness. `agents`: cluster mode
+    (rule 4)."""
+    evidence = Evidence(grace=grace, registered=registered, agents=agents)
     if source is None:
         evidence.cluster = "no liveness source configured"
         for node in nodes:
@@ -292,6 +302,15 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
             held,
             NODE_GONE,
             f"node {held.node}: lease expired and the cluster no longer lists it",
+        )
+    if evidence.agents and not stopped and held.node not in evidence.registered:
+        return Verdict(
+            held,
+            None,
+            f"node {held.node}'s agent is down: its sandboxes' teardowns wait for it (it"
+            " frees what its runtime shows gone once back; node-gone once the cluster"
+            " no longer lists the node)",
+            True,
         )
     pod_info = held.pod
     uid = pod_info.uid
@@ -441,13 +460,16 @@ def look_at(
     monotonic: Callable[[], float] = time.monotonic,
 ) -> Look:
     """`look` on records, reservations and registrations (with the clock offsets they
-    show) already read (rule 1: all of them before liveness, which is read here)."""
+    show) already read (rule 1: all of them before liveness, which is read here). A
+    store where some node is registered is in cluster mode (rule 4); with none (single-
+    node mode, or every agent down), the cluster's word is taken as is."""
     nodes = sorted({h.node for h in held})
     evidence = gather(
         source,
         nodes,
         grace=grace,
         registered=registered,
+        agents=bool(registered),
         offsets=offsets,
         clock=clock,
         monotonic=monotonic,
