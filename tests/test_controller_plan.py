@@ -173,6 +173,22 @@ def test_an_unregistered_nodes_blocks_count_for_nobody() -> None:
     assert plan.block_counts(state) == {("p", "n9", ACTIVE): 1}
 
 
+def test_the_warm_target_is_kept_for_the_nodes_a_pool_serves_and_an_inline_pools_users() -> None:
+    """Finding (a real cluster, each node's network declaring its own range inline, as
+    with host-local): the controller gave every node warm blocks of every node's pool,
+    which only the declaring node ever allocates from: each node's /24 split three ways.
+    An inline pool is warmed on the nodes holding a block of it; a pool naming nodes
+    (`--node`) on those; any other pool on every registered node."""
+    registered = {"n1", "n2", "n3"}
+    state = state_of({A: active("n1")})
+    assert plan.warmed(state, registered) == registered
+    state.spec.source = "cni-config"
+    assert plan.warmed(state, registered) == {"n1"}
+    assert [a.node for a in plan.warm_round(state, plan.warmed(state, registered), set())] == ["n1"]
+    state.spec.source, state.spec.nodes = "cli", ["n2", "n9"]
+    assert plan.warmed(state, registered) == {"n2"}
+
+
 def test_an_unreadable_block_key_of_another_node_holds_up_no_warm_block() -> None:
     """As before the split: a block key whose CIDR does not parse (bad data) fails the
     pool's pass only where the pass reads its CIDR (prune, at its end), not before the
@@ -404,3 +420,19 @@ def test_a_new_term_does_not_act_on_the_gone_nodes_an_earlier_term_found(
         Ledger(store, "gone").free(on_gone)  # the block is empty now
         controller.run_pass()
     assert [rec.decode(kv.value)["state"] for kv in store.range("blocks/p/")[0]] == [ACTIVE]
+
+
+def test_a_running_controller_warms_an_inline_pool_only_on_the_node_using_it(
+    sqlite_url: str, sqlite_store: Store
+) -> None:
+    """The finding above through a pass on a real store: n1's network declares its own
+    range inline (the pool is stored by its first ADD); n2 and n3 are registered too and
+    get no block of it, so n1 keeps the whole range."""
+    inline = PoolSpec("pods-n1", [[{"subnet": "10.44.1.0/24"}]], source="cni-config")
+    Ledger(sqlite_store, "n1").allocate([inline], Attachment("pods-n1", "c", "eth0"), PodInfo())
+    for node in ("n1", "n2", "n3"):
+        sqlite_store.txn([], [Put(keys.node_key(node), rec.encode({"node": node}))])
+    with leading_controller(sqlite_url, sqlite_store) as controller:
+        controller.run_pass()
+    owners = {BlockRecord.decode(kv.value).node for kv in sqlite_store.range(keys.BLOCKS)[0]}
+    assert owners == {"n1"}

@@ -28,7 +28,9 @@ applies (`ipward.controller.executor`: the one place it writes, fenced), in phas
     process's memory, so a handshake started and taken back between two passes, or
     across a change of leader, may go uncounted).
   * per registered node and family: free = sum over its active blocks of usable
-    addresses minus records. While free < warm: assign a block (one per node short
+    addresses minus records. While free < warm (for the nodes the pool warms,
+    `plan.warmed`: those it serves; of an inline pool, those already using it): assign
+    a block (one per node short
     of its target per round, so a pool running out is shared). An active block of the
     node with no record, empty on every pass for at least the pool's release_delay
     (remembered in memory per block: a new leader starts counting again, which only
@@ -220,7 +222,7 @@ class Controller:
                 continue
             passed.add(name)
             counts.update(plan.block_counts(state))
-            deficits.update(plan.deficits(state, registered))
+            deficits.update(plan.deficits(state, plan.warmed(state, registered)))
         # Forget pools gone or being deleted; keep what a failed pool knew.
         self.memory = {p: m for p, m in self.memory.items() if p in passed or p in failed}
         self.layouts = {p: x for p, x in self.layouts.items() if p in passed}
@@ -259,7 +261,8 @@ class Controller:
             apply(state, plan.ask_back_from_gone_nodes(state, gone, now))
             since = plan.empty_since(state, registered, memory.empty_since, mono)
             passed: set[tuple[str, int]] = set()
-            while assignments := plan.warm_round(state, registered, passed):
+            warmed = plan.warmed(state, registered)
+            while assignments := plan.warm_round(state, warmed, passed):
                 passed.update((a.node, a.family) for a in apply(state, assignments))
             apply(state, plan.surplus(state, registered, since, now, mono))
             apply(state, plan.prune(state))

@@ -311,6 +311,21 @@ def empty_since(
 # -- phase 2: the warm target -------------------------------------------------------------
 
 
+def warmed(state: PoolState, registered: Set[str]) -> set[str]:
+    """The registered nodes whose free count is kept at the pool's warm target: those it
+    serves (`--node`, when it names any); of a pool a network config declares (inline
+    ranges), only those that hold a block of it. Such a pool is used by the nodes whose
+    config declares it, often one (a node's own range, as with host-local), and a block
+    given to a node that never allocates from it would only take the pool's room (found
+    on a real cluster: every node's /24 split between three nodes). A node takes its
+    first block itself, at its first ADD."""
+    spec = state.spec
+    nodes = {n for n in registered if not spec.nodes or n in spec.nodes}
+    if spec.source == "cli":
+        return nodes
+    return nodes & {block.node for block in state.blocks.values()}
+
+
 def warm_round(
     state: PoolState, registered: Set[str], passed: Set[NodeFamily]
 ) -> list[AssignBlock]:
@@ -434,4 +449,5 @@ __all__ = [
     "remember",
     "surplus",
     "warm_round",
+    "warmed",
 ]
