@@ -88,6 +88,18 @@ def pool_guard(reads: Reads, spec: PoolSpec) -> Guard:
             if spec.declaration() == stored.declaration():
                 return compares, []
             return compares, [Put(key, spec.encode())]  # routes, cooldown...
+        if any(old.to_dict() == spec.layout.to_dict() for old in stored.retired):
+            # Changed back; or nodes declaring different ranges under one network name
+            # (per-node ranges, as with host-local), which flips it at every ADD.
+            log.warning(
+                "network's ranges changed back to an earlier version's",
+                pool=spec.name,
+                version=stored.version + 1,
+                retired=len(stored.retired) + 1,
+                reason="if nodes declare different ranges for one network, give each"
+                " node's network its own name, or name one pool made with 'ipward pool"
+                " create' in every node's config",
+            )
         spec.retired.append(stored.layout)  # records may hold its addresses
         spec.layout.version = stored.version + 1
     from ipward.ipam.pools import coverage_guard  # only when a pool is stored or changed
