@@ -165,6 +165,21 @@ def cni_flow(plugin: Path, url: str, cfg: dict) -> None:
     assert_check_clean(url)
 
 
+def test_an_empty_socket_directory_made_for_the_agent_is_made_0750(
+    sqlite_url, start_agent, tmp_path
+):
+    """Finding (a real cluster): the DaemonSet's hostPath `DirectoryOrCreate` makes
+    /run/ipward 0755, and every agent start warned it was more open than 0750. An empty
+    directory of the agent's own user is the agent's to set; one in use is left as is."""
+    socket_dir = tmp_path / "run" / "ipward"
+    socket_dir.mkdir(parents=True, mode=0o755)
+    socket_dir.chmod(0o755)
+    agent = start_agent(sqlite_url, socket_dir / "agent.sock")
+    assert socket_dir.stat().st_mode & 0o777 == 0o750
+    assert not [e for e in agent.logs() if e["msg"].startswith("socket directory is more open")]
+    assert agent.logged("made an empty socket directory 0750")
+
+
 def test_sqlite_flow_serves_its_own_store_and_node(plugin, sqlite_url, start_agent, tmp_path):
     agent = start_agent(sqlite_url)
     socket_dir = agent.socket.parent

@@ -55,24 +55,36 @@ def peer_groups(conn: socket.socket) -> tuple[int, ...]:
 
 
 def _prepare_directory(directory: str, allow_gid: int | None) -> None:
+    """The socket's directory, made 0750 (group `allow_gid`) when missing, or when it is
+    empty and ours: made for the agent by someone else with their defaults (a
+    DaemonSet's hostPath `DirectoryOrCreate` is 0755). One in use is never changed: a
+    warning says when it is more open than 0750."""
     try:
         st = os.stat(directory)
     except FileNotFoundError:
         os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
-        os.chmod(directory, DIR_MODE)  # makedirs' mode is filtered by the umask
-        if allow_gid is not None:
-            os.chown(directory, -1, allow_gid)
+        _own(directory, allow_gid)
         log.info("created socket directory", path=directory, mode=oct(DIR_MODE))
         return
     if not stat.S_ISDIR(st.st_mode):
         raise AgentError(f"{directory} is not a directory")
     mode = stat.S_IMODE(st.st_mode)
+    if mode & ~DIR_MODE and st.st_uid == os.getuid() and not os.listdir(directory):
+        _own(directory, allow_gid)
+        log.info("made an empty socket directory 0750", path=directory, mode_was=oct(mode))
+        return
     if mode & ~DIR_MODE:
         log.warning(
             "socket directory is more open than 0750; left as it is",
             path=directory,
             mode=oct(mode),
         )
+
+
+def _own(directory: str, allow_gid: int | None) -> None:
+    os.chmod(directory, DIR_MODE)  # makedirs' mode is filtered by the umask
+    if allow_gid is not None:
+        os.chown(directory, -1, allow_gid)
 
 
 def _answers(path: str) -> bool:
