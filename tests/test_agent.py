@@ -1003,6 +1003,7 @@ def test_refusals_and_garbage_need_no_worker(plugin, sqlite_url, start_agent, op
     """With the only worker held by a slow ADD, a refused peer and a malformed request
     are still answered (by the I/O thread) before that ADD ends."""
     slow = {"IPWARD_TEST_PAUSES": "allocate=8"}
+    launcher = public_plugin(open_dir)  # first: the agent makes an empty directory 0750
     agent = start_agent(
         sqlite_url,
         open_dir / "agent.sock",
@@ -1017,7 +1018,7 @@ def test_refusals_and_garbage_need_no_worker(plugin, sqlite_url, start_agent, op
     holder.start()
     wait_for(lambda: agent.metric("ipward_agent_in_flight") == 1, "the ADD in the worker")
     nobody = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    refused = exec_as(nobody, public_plugin(open_dir), "ADD", cfg, "theirs")
+    refused = exec_as(nobody, launcher, "ADD", cfg, "theirs")
     assert refused.json["code"] == 5, refused
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(30)

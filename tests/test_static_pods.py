@@ -27,10 +27,11 @@ from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller
 from ipward.controller.view import StoreView
 from ipward.core import keys
-from ipward.core.records import Attachment, PodInfo
+from ipward.core.records import Attachment, NodeRegistration, PodInfo
 from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, open_store
+from ipward.store.base import Put
 from ipward_lab import fleet
 from ipward_lab.simcluster import SimFileSource, write_sim_state
 
@@ -144,7 +145,11 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 
 def allocate(store: Store, node: str, pod: PodInfo) -> str:
-    """A record of `pod` on `node`, made an hour ago (long past the ADD grace): its key."""
+    """A record of `pod` on `node`, made an hour ago (long past the ADD grace), its node
+    registered as by its agent (a node whose agent is down waits for it): its key."""
+    now = time.time()
+    registration = NodeRegistration(node, 1, now, now, 60.0).encode()
+    store.txn([], [Put(keys.node_key(node), registration)])
     ledger = Ledger(store, node, clock=lambda: time.time() - 3600)
     ledger.allocate([ledger.get_pool("pods")], Attachment("net", "sb-static", "eth0"), pod)
     (kv,) = store.range(keys.ADDRESSES)[0]
