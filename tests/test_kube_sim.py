@@ -301,7 +301,7 @@ def test_a_pod_the_server_has_under_that_name_is_replaced(lab: Lab) -> None:
 
 
 def test_soak_through_k8s_on_the_test_server_every_fault(tmp_path: Path) -> None:
-    """100 s of churn with agents (--cluster) and controllers (--liveness) on k8s://,
+    """60 s of churn with agents (--cluster) and controllers (--liveness) on k8s://,
     every fault a SQLite run can make, the API server's four included: no violation,
     convergence, an empty pool after teardown."""
     run = soak(tmp_path, "--api", "test", *CI_RUN)

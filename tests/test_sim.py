@@ -39,8 +39,8 @@ def possible(backend: str, api: str = "none") -> set[str]:
     return {k for k in FAULTS if fault_unavailable(k, backend, api) is None}
 
 
-# The CI soak's size: 100 s, every fault the run can make.
-CI_RUN = ("--nodes", "3", "--pods", "24", "--duration", "100", "--seed", "7", "--faults", "all")
+# The CI soak's size: 60 s, every fault the run can make.
+CI_RUN = ("--nodes", "3", "--pods", "24", "--duration", "60", "--seed", "7", "--faults", "all")
 
 
 def test_soak_three_member_etcd_every_fault(tmp_path: Path) -> None:
