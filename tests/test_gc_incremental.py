@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ipward.cluster.election import Election
 from ipward.cluster.liveness import ClusterView, NodeView
 from ipward.controller.collection import Collection
+from ipward.controller.election import Election
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller
 from ipward.controller.view import StoreView
