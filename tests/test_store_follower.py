@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,16 +19,6 @@ from ipward.store.follower import BackgroundFollower, ChangeLog, Stamp, SyncedFo
 from ipward_lab.etcdlab import EtcdServer
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(params=["sqlite", "etcd"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    url = f"sqlite://{tmp_path}/s.db"
-    if request.param == "etcd":
-        url = request.getfixturevalue("etcd").url
-    with open_backend(url) as s:
-        s.txn([], [Delete(kv.key) for kv in s.range("")[0]])  # the module's etcd: start empty
-        yield s
 
 
 class Keys:
@@ -103,28 +91,28 @@ class Manual:
 
 
 def test_a_background_follower_follows_its_prefix_and_reads_whole_when_its_watch_breaks(
-    store: Store,
+    either_store: Store,
 ) -> None:
-    put(store, "a/kept", "a/changed", "b/other")
+    put(either_store, "a/kept", "a/changed", "b/other")
     copy, reads = Keys(), []
     follower = BackgroundFollower(
-        store, "a/", copy, name="test copy", counted=reads.append, log_fields={}
+        either_store, "a/", copy, name="test copy", counted=reads.append, log_fields={}
     )
     assert follower.not_followed == "not read yet"
     follower.start()
     try:
         assert follower.wait_read(30)
-        assert copy.contents() == stored(store, "a/")
+        assert copy.contents() == stored(either_store, "a/")
         assert copy.seen("a/kept") is None  # the first read: nothing earlier to compare with
-        put(store, "a/new")
-        put(store, "b/other2")
-        wait_for(lambda: copy.contents() == stored(store, "a/"), "the copy to follow a put")
+        put(either_store, "a/new")
+        put(either_store, "b/other2")
+        wait_for(lambda: copy.contents() == stored(either_store, "a/"), "the copy to follow a put")
         assert copy.seen("a/new") is not None  # first seen when its event came
         assert follower._watch is not None
         follower._watch.cancel()  # the stream ends under it, as a lost connection would
-        put(store, "a/changed", value=b"again")  # while nobody follows
+        put(either_store, "a/changed", value=b"again")  # while nobody follows
         wait_for(lambda: reads == ["start", "broken"], "a whole read again")
-        wait_for(lambda: copy.contents() == stored(store, "a/"), "the copy to hold it")
+        wait_for(lambda: copy.contents() == stored(either_store, "a/"), "the copy to hold it")
         assert follower.not_followed is None
         assert copy.seen("a/kept") is None  # the same revision: still the first read's
         assert copy.seen("a/changed") is not None  # first seen at that whole read
@@ -157,42 +145,42 @@ def synced(
 
 
 def test_a_synced_follower_holds_its_prefixes_at_the_stores_revision_after_each_sync(
-    store: Store,
+    either_store: Store,
 ) -> None:
     copy = Keys()
-    follower, reads = synced(store, copy)
+    follower, reads = synced(either_store, copy)
     rng = random.Random(1)
     try:
-        random_writes(store, rng, 10)
+        random_writes(either_store, rng, 10)
         follower.sync()
         before = copy.contents()
         for _ in range(6):
-            random_writes(store, rng, rng.randrange(1, 20))
-            assert follower.sync() >= store.revision()  # every revision, b/'s too
-            assert copy.contents() == stored(store, "a/", "c/")
+            random_writes(either_store, rng, rng.randrange(1, 20))
+            assert follower.sync() >= either_store.revision()  # every revision, b/'s too
+            assert copy.contents() == stored(either_store, "a/", "c/")
         assert copy.contents() != before
-        put(store, "b/only")  # a revision with nothing of its own
-        assert follower.sync() == store.revision()
+        put(either_store, "b/only")  # a revision with nothing of its own
+        assert follower.sync() == either_store.revision()
         assert reads == ["start"]
     finally:
         follower.close()
 
 
-def test_a_synced_follower_notes_first_sightings_on_its_clock(store: Store) -> None:
+def test_a_synced_follower_notes_first_sightings_on_its_clock(either_store: Store) -> None:
     copy, mono = Keys(), Manual(0.0)
-    follower, reads = synced(store, copy, monotonic=mono)
+    follower, reads = synced(either_store, copy, monotonic=mono)
     try:
-        put(store, "a/first")
+        put(either_store, "a/first")
         follower.sync()
         assert copy.seen("a/first") is None
         mono.now = 50.0  # the watch thread stamps what it receives from now on
-        put(store, "a/event")
+        put(either_store, "a/event")
         follower.sync()
         assert copy.seen("a/event") == 50.0
         assert follower._watch is not None
         follower._watch.cancel()  # broken: read whole at the next sync
         mono.now = 70.0
-        put(store, "a/while-broken")
+        put(either_store, "a/while-broken")
         follower.sync()
         assert reads == ["start", "broken"]
         assert copy.seen("a/while-broken") == 70.0  # new to it at that read
@@ -205,36 +193,41 @@ def test_a_synced_follower_notes_first_sightings_on_its_clock(store: Store) -> N
         follower.close()
 
 
-def test_a_synced_follower_resumes_a_watch_that_fell_behind(store: Store) -> None:
+def fall_behind(store: Store, follower: SyncedFollower, rng: random.Random) -> None:
+    """Read whole, then more writes than its inbox takes: the watch stops receiving."""
+    follower.sync()
+    random_writes(store, rng, 40)
+    wait_for(lambda: not follower.receiving, "the watch to stop, too far ahead")
+
+
+def test_a_synced_follower_resumes_a_watch_that_fell_behind(either_store: Store) -> None:
     copy = Keys()
-    follower, reads = synced(store, copy, max_pending=5)
+    follower, reads = synced(either_store, copy, max_pending=5)
     try:
-        follower.sync()
-        random_writes(store, random.Random(2), 40)
-        wait_for(lambda: not follower.receiving, "the watch to stop, too far ahead")
+        fall_behind(either_store, follower, random.Random(2))
         follower.sync()  # resumed from its revision: the history is there
-        assert copy.contents() == stored(store, "a/", "c/")
+        assert copy.contents() == stored(either_store, "a/", "c/")
         assert reads == ["start"]
     finally:
         follower.close()
 
 
 def test_changes_are_noted_once_taken_and_are_everything_after_a_whole_read_or_too_many(
-    store: Store,
+    either_store: Store,
 ) -> None:
     copy, mono = Keys(), Manual(0.0)
-    follower, _ = synced(store, copy, max_pending=3, monotonic=mono)
+    follower, _ = synced(either_store, copy, max_pending=3, monotonic=mono)
     copy.changes = follower.changes
     try:
-        put(store, "a/1", "a/2")
+        put(either_store, "a/1", "a/2")
         follower.sync()
-        put(store, "a/1", value=b"two")
+        put(either_store, "a/1", value=b"two")
         follower.sync()
         assert follower.changes.take().everything  # the first take: everything
-        put(store, "a/1", value=b"three")
-        store.txn([], [Delete("a/2")])
-        put(store, "a/1", value=b"four")
-        put(store, "b/1")
+        put(either_store, "a/1", value=b"three")
+        either_store.txn([], [Delete("a/2")])
+        put(either_store, "a/1", value=b"four")
+        put(either_store, "b/1")
         follower.sync()
         taken = follower.changes.take()
         assert not taken.everything
@@ -244,7 +237,7 @@ def test_changes_are_noted_once_taken_and_are_everything_after_a_whole_read_or_t
         mono.now = 600.0  # its timer: a whole read
         follower.sync()
         assert follower.changes.take().everything
-        put(store, "a/1", "a/2", "a/3", "a/4")  # more than its bound
+        put(either_store, "a/1", "a/2", "a/3", "a/4")  # more than its bound
         follower.sync()
         assert follower.changes.take().everything
         assert follower.changes.take().keys == {}
@@ -260,9 +253,7 @@ def test_a_compaction_under_a_lagging_watch_makes_a_synced_follower_read_whole(
         copy = Keys()
         follower, reads = synced(store, copy, max_pending=5)
         try:
-            follower.sync()
-            random_writes(store, random.Random(3), 40)
-            wait_for(lambda: not follower.receiving, "the watch to stop, too far ahead")
+            fall_behind(store, follower, random.Random(3))
             random_writes(store, random.Random(4), 5)  # only the store's history has them
             etcd.etcdctl("compaction", str(store.revision()))
             follower.sync()
