@@ -1,5 +1,6 @@
-"""Shared fixtures: a fresh SQLite store, the plugin installed into a temporary CNI bin
-dir, and a helper to exec it the way a runtime does."""
+"""Shared fixtures: a fresh SQLite store, an empty store on SQLite and on etcd
+(`either_store`), the plugin installed into a temporary CNI bin dir, and a helper to exec
+it the way a runtime does."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-from ipward.store import open_store
+from ipward.store import Store, open_backend, open_store
+from ipward.store.base import Delete
 from ipward_lab.etcdlab import EtcdServer, etcd_server
 
 # CI is a gate: the same examples every run. Local runs explore new ones.
@@ -34,6 +36,18 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     needing one per test defines its own `etcd`."""
     with etcd_server(tmp_path_factory.mktemp("etcd")) as server:
         yield server
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def either_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """A store without ipward's schema, empty: a SQLite file, then the module's etcd
+    (emptied: its tests share it)."""
+    url = f"sqlite://{tmp_path}/s.db"
+    if request.param == "etcd":
+        url = request.getfixturevalue("etcd").url
+    with open_backend(url) as s:
+        s.txn([], [Delete(kv.key) for kv in s.range("")[0]])
+        yield s
 
 
 @pytest.fixture

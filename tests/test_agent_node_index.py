@@ -134,8 +134,8 @@ def test_a_broken_watch_stream_makes_the_copy_read_whole(
     node_index, metrics = index
     rng = random.Random(2)
     churned(store, pool, node_index, rng, 10)
-    assert node_index._watch is not None
-    node_index._watch.cancel()  # the stream ends under the copy, as a lost connection would
+    assert node_index.follower._watch is not None
+    node_index.follower._watch.cancel()  # the stream ends under it, as a lost connection would
     churn(store, pool, rng, 20)  # written while nobody follows
     wait_for(lambda: reads(metrics, "broken") == 1, "the copy to be read whole again")
     wait_for(lambda: follows(store, node_index), "the copy to hold what was written meanwhile")

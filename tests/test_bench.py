@@ -318,7 +318,7 @@ def test_pool_fill_writes_what_ledgers_and_the_controller_write(tmp_path: Path) 
     and the controller's passes (warm target) between their ADDs, over two stages (the
     second carrying on from the store's block cursor), and `ipward check` finds nothing
     wrong with them."""
-    from ipward.cluster.election import Election
+    from ipward.controller.election import Election
     from ipward.controller.metrics import Metrics
     from ipward.controller.passes import Controller
     from ipward.ipam.pools import create_pool

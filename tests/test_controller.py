@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, wait_for
-from ipward.cluster.election import Election
+from ipward.controller.election import Election
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller
 from ipward.core import keys

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from ipward.cluster.election import Election
 from ipward.controller import plan
+from ipward.controller.election import Election
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller
 from ipward.controller.plan import (

@@ -207,8 +207,8 @@ def test_a_broken_watch_stream_makes_the_view_read_whole(store: Store) -> None:
     view, metrics = view_of(store)
     try:
         view.sync()
-        assert view._watch is not None
-        view._watch.cancel()  # the stream ends under the view, as a lost connection would
+        assert view.follower._watch is not None
+        view.follower._watch.cancel()  # the stream ends under the view, as a lost connection would
         random_writes(store, random.Random(5), 10)
         view.sync()
         assert rereads(metrics, "broken") == 1

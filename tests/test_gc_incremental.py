@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ipward.cluster.election import Election
 from ipward.cluster.liveness import ClusterView, NodeView
 from ipward.controller.collection import Collection
+from ipward.controller.election import Election
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller
 from ipward.controller.view import StoreView
@@ -289,7 +289,7 @@ def test_a_steady_pass_judges_only_what_changed(world: World, controller: Contro
     assert seen.judged == 3 and seen.records == 40
     assert [v.held.container for v in seen.candidates] == ["sb-2"]
     assert collection.look(source).judged == 1  # the candidate only
-    world.mono += controller.view.reread_every  # its timer: read whole at the next sync
+    world.mono += controller.view.follower.reread_every  # its timer: read whole at the next sync
     assert collection.look(source).judged == 40
 
 

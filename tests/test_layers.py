@@ -1,6 +1,6 @@
 """The layer contracts of pyproject.toml's [tool.importlinter], checked by `lint-imports`:
 the product (`ipward`) never imports the labs (`ipward_lab`), and its packages import
-only the layers below them (cmd, agent | controller, gc | cni, cluster, ipam, store,
+only the layers below them (cmd, agent | controller, gc | cni, cluster | ipam, store,
 core; `|`: siblings that never import each other). Shown to bite: the same check on a
 copy of the tree with one forbidden import added fails, naming it. And the store's key
 layout is spelled in `ipward.core.keys` only."""
@@ -85,10 +85,22 @@ def test_a_product_import_of_the_labs_breaks_the_contract(tmp_path: Path, leak: 
             "def pods():\n    from ipward.cluster import liveness\n\n    return liveness\n",
             "ipward.store.leak -> ipward.cluster",
         ),
-        # Across independent siblings: garbage collection importing the CNI verbs.
+        # Across independent siblings: garbage collection importing the CNI verbs; what
+        # the cluster is reaching for the ledger (the controller's election, which writes
+        # through the store, now lives in the controller).
         ("gc/leak.py", "from ipward.cni import verbs\n", "ipward.gc.leak -> ipward.cni"),
+        (
+            "cluster/leak.py",
+            "from ipward.ipam import ledger\n",
+            "ipward.cluster.leak -> ipward.ipam",
+        ),
     ],
-    ids=["core-imports-ipam", "store-imports-cluster-lazily", "gc-imports-cni"],
+    ids=[
+        "core-imports-ipam",
+        "store-imports-cluster-lazily",
+        "gc-imports-cni",
+        "cluster-imports-ipam",
+    ],
 )
 def test_an_import_against_the_layers_breaks_the_contract(
     tmp_path: Path, module: str, leak: str, names: str

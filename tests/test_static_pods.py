@@ -19,10 +19,10 @@ import pytest
 
 from conftest import KubeApi, exec_plugin, run_cli, wait_for
 from ipward.agent.directory import ClusterDirectory
-from ipward.cluster.election import Election
 from ipward.cluster.k8s.client import ApiError
 from ipward.cluster.liveness import MIRROR_ANNOTATION, Pod
 from ipward.controller.collection import Collection
+from ipward.controller.election import Election
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller
 from ipward.controller.view import StoreView

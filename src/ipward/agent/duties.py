@@ -9,19 +9,19 @@ import time
 from collections.abc import Callable
 
 from ipward.core import keys, log
-from ipward.core.policy import CLOCK_STEP, KEEPALIVES_PER_TTL, REGISTRATION_REFRESH
+from ipward.core.policy import CLOCK_STEP, REGISTRATION_REFRESH
 from ipward.core.pool import PoolSpec
 from ipward.core.records import MARKED, BlockRecord, NodeRegistration
 from ipward.ipam import blocks
 from ipward.store import Store, StoreError
 from ipward.store.base import KeyValue, Put, absent, at_revision
-
-RETRY = 1.0  # seconds to a failed keepalive's next try (at most its period)
+from ipward.store.session import LeaseSession
 
 
 class NodeDuties:
     """What the agent owes the cluster besides answering plugins: hold `nodes/<node>`
-    under a lease (the controller serves registered nodes), renewed every TTL/3, put
+    under a lease (the controller serves registered nodes), renewed every TTL/3
+    (`store/session.py`: a failed renewal tried again within a second), put
     again with the agent's wall clock every `refresh` seconds and at once when that
     clock steps (judges measure the node's clock offset from it: `ipward.gc.clocks`);
     and answer the hand-back handshake for this node's marked blocks (docs/design.md 5.3) every
@@ -52,13 +52,20 @@ class NodeDuties:
         self.refresh = refresh
         self.clock = clock  # wall: what the registration publishes
         self.since = clock()
-        self.lease = 0  # ours, once granted; the registration is under it while we hold it
+        # Our lease, once granted; the registration is under it while we hold it. Its
+        # keepalive is also when the registration is looked at (`keep`).
+        self.session = LeaseSession(store, ttl)
         self.holder_lease = 0  # another agent's registration's, while we wait for it
-        self._keepalive_due = self._answer_due = self._refresh_due = 0.0  # monotonic seconds
+        self._answer_due = self._refresh_due = 0.0  # monotonic seconds
         self._put_base: float | None = None  # wall minus monotonic at our last put
         self._holding = False  # whether our last look found the registration ours
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="duties", daemon=True)
+
+    @property
+    def lease(self) -> int:
+        """Ours (0: none yet, or let go)."""
+        return self.session.lease
 
     def start(self) -> None:
         self._thread.start()
@@ -67,11 +74,10 @@ class NodeDuties:
         self.stopping.set()
         if self._thread.ident is not None:  # started
             self._thread.join(timeout=self.interval + 5)
-        if self.lease:
-            try:
-                self.store.lease_revoke(self.lease)  # deletes only a registration of ours
-            except StoreError as e:
-                log.warning("could not deregister the node", node=self.node, error=str(e))
+        try:
+            self.session.revoke()  # deletes only a registration of ours
+        except StoreError as e:
+            log.warning("could not deregister the node", node=self.node, error=str(e))
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
@@ -81,8 +87,7 @@ class NodeDuties:
     def step(self, now: float) -> float:
         """Do what is due at `now` (monotonic seconds); when to wake next."""
         try:
-            if now >= self._keepalive_due:
-                self._keepalive_due = now + self.ttl / KEEPALIVES_PER_TTL
+            if now >= self.session.due:
                 self.keep(now)
             elif self._holding and (now >= self._refresh_due or self._clock_stepped(now)):
                 self.hold(now)
@@ -91,20 +96,20 @@ class NodeDuties:
                 self.answer_handshakes()
         except StoreError as e:
             log.warning("node duties: store unreachable", node=self.node, error=str(e))
-            self._keepalive_due = min(self._keepalive_due, now + RETRY)
-        wake = min(self._keepalive_due, self._answer_due)
+            self.session.retry(now)
+        wake = min(self.session.due, self._answer_due)
         return min(wake, self._refresh_due) if self._holding else wake
 
     def keep(self, now: float) -> None:
         """Renew our lease; where it is gone, or the registration is not ours, or it is
         due again (refresh, a clock step), look at it and put it (`hold`)."""
-        if self.lease and self.store.lease_keepalive(self.lease) <= 0:
+        lease = self.session.lease
+        if not self.session.keep(now) and lease:
             log.warning(
                 "node registration lapsed (its lease expired); registering again",
                 node=self.node,
-                lease=self.lease,
+                lease=lease,
             )
-            self.lease = 0
             self._holding = False
         if not self._holding or now >= self._refresh_due or self._clock_stepped(now):
             self.hold(now)
@@ -120,8 +125,8 @@ class NodeDuties:
             return False
         if kv is None and self._holding:
             log.warning("node registration found deleted; registering again", node=self.node)
-        if not self.lease:
-            self.lease = self.store.lease_grant(self.ttl)
+        if not self.session.lease:
+            self.session.grant(now)
         wall = self.clock()
         value = NodeRegistration(self.node, os.getpid(), self.since, wall, self.refresh)
         compare = absent(key) if kv is None else at_revision(key, kv.mod_revision)
@@ -154,9 +159,7 @@ class NodeDuties:
             )
         self.holder_lease = kv.lease
         self._holding = False
-        if self.lease:
-            lease, self.lease = self.lease, 0
-            self.store.lease_revoke(lease)
+        self.session.revoke()
 
     def _clock_stepped(self, now: float) -> bool:
         """Whether the wall clock moved against the monotonic one since our last put

@@ -7,131 +7,90 @@ A copy that is behind frees nothing wrongly: an entry it lacks yet is judged at 
 pass, and an entry it still holds after its record changed or went is confirmed against
 the record itself before anything is freed (`reconcile.confirmed`).
 
-When the watch ends (a compacted history, a broken stream, the store down), the copy is
-read whole again and followed from there, the next try after 1 s, doubling up to 30 s.
-Until it is read, a pass is refused (`StoreUnreachable`, as a failed read was), never
-served from a copy nobody follows.
+Following the prefix is `ipward.store.follower`'s (`BackgroundFollower`): when the
+watch ends (a compacted history, a broken stream, the store down), the copy is read
+whole again and followed from there, the next try after 1 s, doubling up to 30 s. Until
+it is read, a pass is refused (`StoreUnreachable`, as a failed read was), never served
+from a copy nobody follows. What is here is the copy's own shape: its node's records
+that hold a sandbox, under a lock.
 
-Each entry carries when the copy first saw its revision (`Held.seen`, monotonic; None
-for what the first read found, which has no earlier look to compare with), kept across
-whole reads while the revision is the same: the ADD grace holds across a step of the
-node's clock (`ipward.gc.clocks`)."""
+Each entry carries when the copy first saw its revision (`Held.seen`, the follower's
+rule: monotonic; None for what the first read found, which has no earlier look to
+compare with), kept across whole reads while the revision is the same: the ADD grace
+holds across a step of the node's clock (`ipward.gc.clocks`)."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 from ipward.core import keys, log
 from ipward.core.records import AddressRecord
 from ipward.gc.rules import Held
 from ipward.store import Store, StoreUnreachable
-from ipward.store.base import DELETE, Compacted, Event, KeyValue, Watch
+from ipward.store.base import DELETE, Event, KeyValue
+from ipward.store.follower import BackgroundFollower, Stamp
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.agent.metrics import Metrics
-
-RETRY_FIRST = 1.0
-RETRY_MOST = 30.0
-
-# Why the copy was read whole (metrics labels).
-START, COMPACTED, BROKEN = "start", "compacted", "broken"
 
 
 class NodeIndex:
     """See the module docstring. `held()` may be called from any thread."""
 
     def __init__(self, store: Store, node: str, metrics: Metrics) -> None:
-        self.store = store
         self.node = node
-        self.metrics = metrics
-        self.prefix = keys.node_ips_prefix(node)
-        self.revision = 0  # the store revision the copy is at (0: not read yet)
         self._held: dict[str, Held] = {}  # index key -> the record it copies, with a sandbox
-        self._why_not: str | None = "not read yet"  # why there is no copy to serve
         self._lock = threading.Lock()
-        self._read = threading.Event()  # set at the first whole read
-        self._stopping = threading.Event()
-        self._watch: Watch | None = None
-        self._thread = threading.Thread(target=self._follow, name="node-index", daemon=True)
+        self.follower = BackgroundFollower(
+            store,
+            keys.node_ips_prefix(node),
+            self,
+            name="node index",
+            counted=lambda reason: metrics.node_index_reads.labels(reason=reason).inc(),
+            log_fields={"node": node},
+        )
+
+    @property
+    def revision(self) -> int:
+        """The store revision the copy is at (0: not read yet)."""
+        return self.follower.revision
 
     def start(self) -> None:
-        self._thread.start()
+        self.follower.start()
 
     def stop(self) -> None:
-        self._stopping.set()
-        with self._lock:
-            if self._watch is not None:
-                self._watch.cancel()
-        self._thread.join(timeout=10)  # a read ends within the store's own timeout
+        self.follower.stop()
 
     def wait_read(self, timeout: float) -> bool:
         """Wait up to `timeout` for the first whole read; whether it was made."""
-        return self._read.wait(timeout)
+        return self.follower.wait_read(timeout)
 
     def held(self) -> list[Held]:
         """The node's records that hold a sandbox, as the copy has them; each carries its
         entry's revision."""
         with self._lock:
-            if self._why_not is not None:
-                raise StoreUnreachable(f"node index of {self.node}: {self._why_not}")
+            why_not = self.follower.not_followed
+            if why_not is not None:
+                raise StoreUnreachable(f"node index of {self.node}: {why_not}")
             return list(self._held.values())
 
-    def _follow(self) -> None:
-        reason, wait = START, RETRY_FIRST
-        while not self._stopping.is_set():
-            try:
-                watch = self._read_whole(reason)
-                if watch is None:
-                    return  # stopped meanwhile
-                wait = RETRY_FIRST
-                for batch in watch.batches():
-                    self._apply(batch)
-                reason, detail = BROKEN, "the watch stream ended"
-            except Compacted as e:
-                reason, detail = COMPACTED, str(e)
-            except Exception as e:  # a store error or a broken stream: read whole again
-                reason, detail = BROKEN, f"{type(e).__name__}: {e}"
-            if self._stopping.is_set():
-                return
-            with self._lock:
-                self._why_not = detail
-            log.warning(
-                "node index: reading it whole again", node=self.node, reason=reason, detail=detail
-            )
-            self._stopping.wait(wait)
-            wait = min(wait * 2, RETRY_MOST)
+    # -- what the follower hands it
 
-    def _read_whole(self, reason: str) -> Watch | None:
-        """Read the copy whole and start following it; None when stopped meanwhile."""
-        kvs, revision = self.store.range(self.prefix)
-        self.metrics.node_index_reads.labels(reason=reason).inc()
-        watch = self.store.watch(self.prefix, revision + 1)  # no event between the two lost
+    def load(self, kvs: list[KeyValue], stamp: Stamp, seen: float | None) -> None:
         with self._lock:
-            if self._stopping.is_set():
-                watch.cancel()
-                return None
-            self._watch = watch
             before, self._held = self._held, {}
-            seen = time.monotonic() if self._read.is_set() else None
             for kv in kvs:
                 was = before.get(kv.key)
                 self._put(kv, was.seen if was and was.mod_revision == kv.mod_revision else seen)
-            self.revision = revision
-            self._why_not = None
-        self._read.set()
-        return watch
 
-    def _apply(self, batch: list[Event]) -> None:
-        seen = time.monotonic()
+    def apply(self, events: list[Event], stamp: Stamp) -> None:
         with self._lock:
-            for event in batch:
+            for event in events:
                 if event.kind == DELETE:
                     self._held.pop(event.kv.key, None)
                 else:
-                    self._put(event.kv, seen)
-            self.revision = batch[-1].kv.mod_revision
+                    self._put(event.kv, stamp.mono)
 
     def _put(self, kv: KeyValue, seen: float | None) -> None:
         held = entry_held(kv, self.node, seen)

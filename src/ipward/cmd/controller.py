@@ -1,5 +1,5 @@
 """`ipward controller`: the command that runs one controller instance (`ipward.controller`:
-its passes; `ipward.cluster.election`: who leads) on the daemons' scaffold
+its passes; `ipward.controller.election`: who leads) on the daemons' scaffold
 (`ipward.cmd.daemon`)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ipward.cluster.election import Election
 from ipward.cluster.liveness import open_source
 from ipward.cmd import daemon
 from ipward.cmd.daemon import Signals, add_grace_option, redact
+from ipward.controller.election import Election
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller, ControllerError
 from ipward.controller.view import DEFAULT_REREAD_EVERY

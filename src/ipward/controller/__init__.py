@@ -1,4 +1,4 @@
-"""The cluster controller: one active at a time (`ipward.cluster.election`); keeps nodes
+"""The cluster controller: one active at a time (`ipward.controller.election`); keeps nodes
 warm with blocks, asks surplus blocks back through the hand-back, garbage-collects
 leaked records (`passes`); counts (`metrics`). `ipward controller`
 (`ipward.cmd.controller`) runs it."""

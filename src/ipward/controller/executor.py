@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import threading
     from collections.abc import Sequence
 
-    from ipward.cluster.election import Election
+    from ipward.controller.election import Election
     from ipward.controller.metrics import Metrics
     from ipward.store import Store
     from ipward.store.base import Compare

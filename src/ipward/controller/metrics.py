@@ -18,8 +18,7 @@ from prometheus_client.registry import Collector
 
 from ipward.core.policy import CLOCK_SKEW_BOUND
 from ipward.gc import rules as gc
-
-REREAD_REASONS = ("start", "compacted", "timer", "broken")  # `view`'s, named there
+from ipward.store.follower import READ_REASONS
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -137,7 +136,7 @@ class Metrics:
             self.gc_freed.labels(reason=reason)
         for source in LIVENESS_SOURCES:
             self.gc_source_errors.labels(source=source)
-        for reason in REREAD_REASONS:
+        for reason in READ_REASONS:
             self.view_rereads.labels(reason=reason)
         self.info.labels(id=ident).set(1)
         self.snapshot = _Snapshot(leading)

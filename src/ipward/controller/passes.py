@@ -63,10 +63,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ipward.cluster.election import Election
 from ipward.cluster.liveness import LivenessSource
 from ipward.controller import plan
 from ipward.controller.collection import Collection
+from ipward.controller.election import Election
 from ipward.controller.executor import Executor, NotLeader
 from ipward.controller.metrics import Metrics
 from ipward.controller.plan import Layouts, PoolMemory, PoolState

@@ -3,18 +3,18 @@ fills, allocation records, sticky reservations, registrations), read whole once 
 revision and then kept current from a watch, so a pass costs what changed since the
 last, not what exists.
 
-A watch thread only receives: it queues the store's event batches (whole revisions
-each), and the pass thread applies them in `sync`, up to at least the revision the store
-had when the pass began. So the view is only ever changed between passes, a pass reads
-one state the store had (the view's `revision`), and nothing is shared with the thread
-but the queue.
-
-Read whole again: at the start, when the watch reports compaction (its history is gone),
-when the stream breaks or does not reach the store's revision within `catch_up_timeout`,
-and every `reread_every` seconds as a safety net. A watch that gets more than
-`max_pending` events ahead of the passes (a standby, a long pass) stops receiving and is
-resumed from the view's revision at the next sync: the events wait in the store, not in
-memory (resuming past the store's history is a compaction, read whole).
+Following the store is `ipward.store.follower`'s (`SyncedFollower`): its watch thread
+only receives, and the pass thread applies the store's event batches (whole revisions
+each) in `sync`, up to at least the revision the store had when the pass began. So the
+view is only ever changed between passes, a pass reads one state the store had (the
+view's `revision`), and nothing is shared with the thread but its inbox. Read whole
+again: at the start, when the watch reports compaction, when the stream breaks or does
+not reach the store's revision within `catch_up_timeout`, and every `reread_every`
+seconds as a safety net. A watch that gets more than `max_pending` events ahead of the
+passes (a standby, a long pass) stops receiving and is resumed from the view's revision
+at the next sync: the events wait in the store, not in memory (resuming past the
+store's history is a compaction, read whole). What is here is the view's own shape of
+state: how a key read or changed lands in it.
 
 A view that is behind is safe: every write a pass decides compares the revisions it read
 (a record's compare-and-delete, a block's compare-and-swap), so a stale view can only
@@ -26,13 +26,13 @@ what it held before), until they are taken; a whole read, or more than `max_pend
 noted, says "everything" instead.
 
 Clocks, for the ADD grace (`ipward.gc.clocks`): each record carries when the view first
-saw its revision (`Held.seen`, the controller's monotonic clock when the watch thread
-received its event, or a whole read's time for a record new to it; None for the records
-of the first read, which has no earlier look to compare with), and each registration the
-offset of its node's clock measured from it (`offsets`: tight from an event, loose from a
-whole read). A whole read keeps both for what it finds unchanged (the same revision), so
-only a new term starts them over. A node's clock certainly more than
-`CLOCK_SKEW_BOUND` off is logged once (again when its offset moves) and counted.
+saw its revision (`Held.seen`, the follower's rule: the controller's monotonic clock when
+the watch thread received its event, or a whole read's time for a record new to it; None
+for the records of the first read, which has no earlier look to compare with), and each
+registration the offset of its node's clock measured from it (`offsets`: tight from an
+event, loose from a whole read). A whole read keeps both for what it finds unchanged
+(the same revision), so only a new term starts them over. A node's clock certainly more
+than `CLOCK_SKEW_BOUND` off is logged once (again when its offset moves) and counted.
 
 Memory: records are kept decoded (`gc.Held`, slotted), blocks as their KeyValue and
 decoded record (the compare needs the revision), the rest as names; no raw record bytes.
@@ -40,26 +40,24 @@ decoded record (the compare needs the revision), the rest as names; no raw recor
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections import Counter as Tally
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, cast
 
-from ipward.controller.metrics import REREAD_REASONS
 from ipward.core import keys, log
 from ipward.core.policy import CLOCK_SKEW_BOUND
 from ipward.core.records import AddressRecord, BlockRecord, FillRecord, ReservationRecord
 from ipward.gc.clocks import Offset, measure
 from ipward.gc.rules import Held, Reservation
-from ipward.store.base import DELETE, Compacted, Event, KeyValue
+from ipward.store.base import DELETE, Event, KeyValue
+from ipward.store.follower import SyncedFollower
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
     from ipward.controller.metrics import Metrics
     from ipward.store import Store
-    from ipward.store.base import Watch
+    from ipward.store.follower import Stamp
 
 # What the passes read.
 PREFIXES = (
@@ -71,9 +69,6 @@ PREFIXES = (
     keys.STICKY,
     keys.NODES,
 )
-# Why the view read the store whole (metrics labels; the README explains each).
-START, COMPACTED, TIMER, BROKEN = REREAD_REASONS
-_LAGGED = "lagged"  # the watch stopped receiving: resume from the view's revision
 
 DEFAULT_REREAD_EVERY = 600.0
 DEFAULT_CATCH_UP_TIMEOUT = 30.0
@@ -105,59 +100,6 @@ class Changes:
         self.nodes = nodes
 
 
-class Stamp(NamedTuple):
-    """When the view got something, on the controller's clocks (wall, monotonic)."""
-
-    wall: float
-    mono: float
-
-
-class _Batch(NamedTuple):
-    """One batch of events as the watch thread received it, and when."""
-
-    stamp: Stamp
-    events: list[Event]
-
-
-class _Ended:
-    """The watch thread's last item: why it stopped."""
-
-    __slots__ = ("detail", "reason")
-
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
-        self.detail = detail
-
-
-class _Inbox:
-    """What one watch delivered and the passes have not applied yet: its batches, then
-    why it ended. One per watch, so a replaced watch's thread cannot reach the next."""
-
-    def __init__(self, max_pending: int) -> None:
-        self.max_pending = max_pending
-        self._items: queue.SimpleQueue[_Batch | _Ended] = queue.SimpleQueue()
-        self._pending = 0  # events queued and not taken yet
-        self._lock = threading.Lock()
-
-    def put(self, batch: _Batch) -> bool:
-        """Queue a batch; True when too many events are waiting (stop receiving)."""
-        self._items.put(batch)
-        with self._lock:
-            self._pending += len(batch.events)
-            return self._pending > self.max_pending
-
-    def end(self, reason: str, detail: str) -> None:
-        self._items.put(_Ended(reason, detail))
-
-    def take(self, timeout: float) -> _Batch | _Ended:
-        """The next item, waiting at most `timeout` (queue.Empty after that)."""
-        item = self._items.get(timeout=timeout)
-        if not isinstance(item, _Ended):
-            with self._lock:
-                self._pending -= len(item.events)
-        return item
-
-
 class StoreView:
     """See the module docstring. Only the pass thread calls `sync` and reads the fields."""
 
@@ -172,14 +114,9 @@ class StoreView:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
         self.metrics = metrics
-        self.reread_every = reread_every
-        self.catch_up_timeout = catch_up_timeout
-        self.max_pending = max_pending
         self.clock = clock
         self.monotonic = monotonic
-        self.revision = 0  # the store revision the view is at (0: not read yet)
         self.pools: dict[str, KeyValue] = {}  # pool name -> its spec's KeyValue
         self.pool_keys: dict[str, PoolKeys] = {}
         self.records: dict[str, Held] = {}  # `ips/` key -> the record as held
@@ -190,29 +127,34 @@ class StoreView:
         self.affinity: dict[str, str] = {}  # affinity key -> the node it names
         # Within a whole read: what the view held before, kept where unchanged.
         self._before: tuple[dict[str, Held], dict[str, tuple[int, Offset]]] | None = None
-        self._looked = False  # read whole before, since the start or `forget`
-        self._reread_due = 0.0
-        self._pending_reread: tuple[str, str] | None = (START, "")
-        self._watch: Watch | None = None
-        self._receiver: threading.Thread | None = None
-        self._inbox = _Inbox(max_pending)
-        self._tracking = False  # noting changes (`take_changes` was called)
-        self._changes_start_over(everything=True)
+        self.follower = SyncedFollower(
+            store,
+            PREFIXES,
+            self,
+            name="controller view",
+            counted=lambda reason: metrics.view_rereads.labels(reason=reason).inc(),
+            lagging=metrics.view_lag.set,
+            reread_every=reread_every,
+            catch_up_timeout=catch_up_timeout,
+            max_pending=max_pending,
+            clock=clock,
+            monotonic=monotonic,
+        )
 
     # -- what the passes call
 
+    @property
+    def revision(self) -> int:
+        """The store revision the view is at (0: not read yet)."""
+        return self.follower.revision
+
     def sync(self) -> int:
         """Bring the view to at least the store's current revision; returns it."""
-        if self._pending_reread is None and self.monotonic() >= self._reread_due:
-            self._pending_reread = (TIMER, f"every {self.reread_every:g}s")
-        if self._pending_reread is not None:
-            self._reread(*self._pending_reread)
-        else:
-            self._catch_up()
+        revision = self.follower.sync()
         self.metrics.snapshot.clock_offsets = {
             node: offset.estimate for node, (_, offset) in self.offsets.items() if offset.skewed
         }
-        return self.revision
+        return revision
 
     def clock_offsets(self) -> dict[str, Offset]:
         """Each registered node's clock offset, where its registration tells it."""
@@ -229,10 +171,15 @@ class StoreView:
 
     def take_changes(self) -> Changes:
         """What changed since the last call (the first: everything), and start over."""
-        taken = Changes(self._changed_all, self._changed_records, self._changed_nodes)
-        self._tracking = True
-        self._changes_start_over(everything=False)
-        return taken
+        taken = self.follower.changes.take()
+        records: dict[str, Held | None] = {}
+        nodes: set[str] = set()
+        for key, before in taken.keys.items():
+            if key.startswith(keys.NODES):
+                nodes.add(keys.last(key))
+            else:
+                records[key] = cast("Held | None", before)
+        return Changes(taken.everything, records, nodes)
 
     def pool(self, name: str) -> PoolKeys:
         return self.pool_keys.get(name) or PoolKeys()
@@ -241,69 +188,36 @@ class StoreView:
     def receiving(self) -> bool:
         """Whether the watch thread is taking events (it stops on an error, or when too
         far ahead of the passes, until the next sync)."""
-        return self._receiver is not None and self._receiver.is_alive()
+        return self.follower.receiving
 
     def close(self) -> None:
-        self._stop_following()
+        self.follower.close()
 
     def forget(self) -> None:
         """Let go of everything (a standby holds nothing); the next sync reads whole."""
-        if self.revision or self._watch is not None or self._before is not None:
-            self._stop_following()
-            self._before = None
-            self._looked = False
-            self._clear()
-            self._inbox = _Inbox(self.max_pending)
-            self._pending_reread = (START, "")
+        self.follower.forget(self._clear)
 
-    # -- keeping current
+    # -- what the follower hands it
 
-    def _catch_up(self) -> None:
-        target = self.store.revision()
-        self.metrics.view_lag.set(max(0, target - self.revision))
-        deadline = self.monotonic() + self.catch_up_timeout
-        # Up to the target only: what comes after waits for the next pass (a busy store
-        # could otherwise keep a pass applying).
-        while self.revision < target:
-            try:
-                item = self._inbox.take(max(0.0, deadline - self.monotonic()))
-            except queue.Empty:
-                late = f"the watch did not reach revision {target} in time (at {self.revision})"
-                self._reread(BROKEN, late)
-                return
-            if isinstance(item, _Ended):
-                if item.reason == _LAGGED:
-                    self._follow()
-                    continue
-                self._reread(item.reason, item.detail)
-                return
-            self._apply(item.events, item.stamp)
-            self.revision = max(self.revision, item.events[-1].kv.mod_revision)
-
-    def _reread(self, reason: str, detail: str) -> None:
-        self._stop_following()
-        self._pending_reread = (reason, detail)  # again next sync, should this read fail
-        self.metrics.view_rereads.labels(reason=reason).inc()
-        log.info("controller view: reading the store whole", reason=reason, detail=detail)
-        if self._before is None:  # else a read that failed left it: still what was seen
-            self._before = (self.records, self.offsets)
-            self.records, self.offsets = {}, {}
+    def load(self, kvs: list[KeyValue], stamp: Stamp, seen: float | None) -> None:
+        self._before = (self.records, self.offsets)
+        self.records, self.offsets = {}, {}
         self._clear()
-        kvs, revision = self.store.snapshot(PREFIXES)
-        stamp = self._stamp()
-        kvs.reverse()
-        while kvs:  # each raw key let go once applied: the peak is one copy, not two
-            self._put(kvs.pop(), stamp, fresh=False)
-        self._before = None
-        self._looked = True
-        self.revision = revision
-        self._pending_reread = None
-        self._reread_due = self.monotonic() + self.reread_every
-        self.metrics.view_lag.set(0)
-        self._follow()
+        try:
+            kvs.reverse()
+            while kvs:  # each raw key let go once applied: the peak is one copy, not two
+                self._put(kvs.pop(), stamp, seen, fresh=False)
+        finally:
+            self._before = None
+
+    def apply(self, events: list[Event], stamp: Stamp) -> None:
+        for event in events:
+            if event.kind == DELETE:
+                self._delete(event.kv.key)
+            else:
+                self._put(event.kv, stamp, stamp.mono, fresh=True)
 
     def _clear(self) -> None:
-        self.revision = 0
         self.pools.clear()
         self.pool_keys.clear()
         self.records.clear()
@@ -311,63 +225,12 @@ class StoreView:
         self.registered.clear()
         self.offsets.clear()
         self.affinity.clear()
-        self._changes_start_over(everything=True)
 
-    def _follow(self) -> None:
-        """Watch every key from the view's revision on, in a thread of its own."""
-        self._stop_following()
-        self._inbox = _Inbox(self.max_pending)
-        watch = self.store.watch("", self.revision + 1)
-        self._watch = watch
-        self._receiver = threading.Thread(
-            target=self._receive, args=(watch, self._inbox), name="view-watch", daemon=True
-        )
-        self._receiver.start()
-
-    def _stop_following(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-        self._receiver = None  # ends on its own: its watch is cancelled
-
-    def _receive(self, watch: Watch, inbox: _Inbox) -> None:
-        """The watch thread: queue each batch; end with why it stopped."""
-        try:
-            for batch in watch.batches():
-                if self._watch is not watch:
-                    return  # replaced: its inbox is no one's any more
-                if inbox.put(_Batch(self._stamp(), batch)):
-                    watch.cancel()
-                    inbox.end(_LAGGED, f"over {inbox.max_pending} events ahead of the passes")
-                    return
-        except Compacted as e:
-            inbox.end(COMPACTED, str(e))
-            return
-        except Exception as e:  # a broken stream: read whole at the next sync
-            inbox.end(BROKEN, f"{type(e).__name__}: {e}")
-            return
-        if self._watch is watch:
-            inbox.end(BROKEN, "the watch stream ended")
-
-    # -- applying changes
-
-    def _stamp(self) -> Stamp:
-        return Stamp(self.clock(), self.monotonic())
-
-    def _apply(self, events: Iterable[Event], stamp: Stamp) -> None:
-        for event in events:
-            if event.kind == DELETE:
-                self._delete(event.kv.key)
-            else:
-                self._put(event.kv, stamp, fresh=True)
-
-    def _put(self, kv: KeyValue, stamp: Stamp, *, fresh: bool) -> None:
-        """Apply a key as put, got at `stamp`; `fresh`: from an event, got as it was put
-        (not in a whole read)."""
+    def _put(self, kv: KeyValue, stamp: Stamp, seen: float | None, *, fresh: bool) -> None:
+        """Apply a key as put, got at `stamp`, its revision first seen at `seen`; `fresh`:
+        from an event, got as it was put (not in a whole read)."""
         key = kv.key
         prefix = keys.prefix_of(key)
-        if prefix not in PREFIXES:
-            return
         if prefix == keys.NODES:
             self._register(kv, stamp, fresh)
             return
@@ -380,7 +243,6 @@ class StoreView:
                 else:
                     pool, ip = keys.ip_parts(key)
                     address = AddressRecord.decode(kv.value)
-                    seen = stamp.mono if self._looked else None
                     held = Held(pool, ip, kv.mod_revision, address, seen=seen)
                 self.records[key] = held
                 self._pool_keys(held.pool).records[held.record.block] += 1
@@ -464,28 +326,13 @@ class StoreView:
             self.offsets.pop(registered, None)
             self._note_node(registered)
 
-    def _noting(self) -> bool:
-        """Whether a change is to be noted: asked for, not within a whole read (the
-        revision is 0 until it ends), and not already "everything"."""
-        if not self._tracking or not self.revision or self._changed_all:
-            return False
-        if len(self._changed_records) + len(self._changed_nodes) < self.max_pending:
-            return True
-        self._changes_start_over(everything=True)  # bounded: past this many, all again
-        return False
-
-    def _changes_start_over(self, everything: bool) -> None:
-        self._changed_all = everything  # read whole (or too many changes) since the last take
-        self._changed_records: dict[str, Held | None] = {}  # key -> held before (None: absent)
-        self._changed_nodes: set[str] = set()  # registrations made or gone
-
     def _note_record(self, key: str) -> None:
-        if self._noting() and key not in self._changed_records:
-            self._changed_records[key] = self.records.get(key)
+        changes = self.follower.changes
+        if changes.noting:
+            changes.note(key, self.records.get(key))
 
     def _note_node(self, node: str) -> None:
-        if self._noting():
-            self._changed_nodes.add(node)
+        self.follower.changes.note(keys.node_key(node), None)
 
     def _pool_keys(self, pool: str) -> PoolKeys:
         found = self.pool_keys.get(pool)
@@ -494,4 +341,4 @@ class StoreView:
         return found
 
 
-__all__ = ["PREFIXES", "REREAD_REASONS", "Changes", "PoolKeys", "StoreView"]
+__all__ = ["PREFIXES", "Changes", "PoolKeys", "StoreView"]

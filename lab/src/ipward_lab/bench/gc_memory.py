@@ -104,7 +104,7 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
     liveness, every record judged), its parts alone (`snapshot`, `gather`, `judge`),
     and the controller's own `gc_pass` (also the sticky reservations; first pass, so
     nothing is confirmed). Every record must be judged alive."""
-    from ipward.cluster.election import Election
+    from ipward.controller.election import Election
     from ipward.controller.metrics import Metrics
     from ipward.controller.passes import Controller
     from ipward.core.policy import ADD_GRACE

@@ -1,10 +1,10 @@
 """Leader election for the controller: one instance acts at a time, and every write it
 makes is fenced by the leader key (`Election.fence()`: compares that hold only while it
-leads), so a deposed leader's late write fails instead of landing.
+leads), so a deposed leader's late write fails instead of landing (docs/design.md 5.8).
 
 The leader key (`controller/leader`) holds the instance's id and when it took over,
-under a lease the election thread keeps alive; a standby looks at the key every
-`poll` seconds and campaigns when it is gone."""
+under a lease the election thread keeps (`store/session.py`); a standby looks at the key
+every `poll` seconds and campaigns when it is gone."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import time
 from ipward.core import log
 from ipward.core import records as rec
 from ipward.core.keys import LEADER_KEY
-from ipward.core.policy import KEEPALIVES_PER_TTL
 from ipward.store import Store, StoreError, StoreUnreachable
 from ipward.store.base import VALUE, Compare, Delete, Put, absent
+from ipward.store.session import LeaseSession
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -44,11 +44,9 @@ class Election:
         self.on_change = on_change
         self.term = 0  # bumped at every acquisition: the pass starts its memory over
         self.store_ok_at = 0.0  # monotonic time the store last answered this thread
+        self.session = LeaseSession(store, ttl)  # the leader key's lease, while leading
         self._lock = threading.Lock()
         self._value: bytes | None = None
-        self._lease = 0
-        self._valid_until = 0.0
-        self._last_ok = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -62,7 +60,11 @@ class Election:
         """The compares every leader write carries, or None when this instance must not
         act: not leader, stopping, or past the moment its lease could have expired."""
         with self._lock:
-            if self._value is None or self._stop.is_set() or time.monotonic() >= self._valid_until:
+            if (
+                self._value is None
+                or self._stop.is_set()
+                or time.monotonic() >= self.session.valid_until
+            ):
                 return None
             return [Compare(LEADER_KEY, VALUE, "==", self._value)]
 
@@ -86,18 +88,18 @@ class Election:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            wait = self.poll
+            leading = self.value() is not None
             try:
-                if self.value() is None:
-                    self.campaign()
-                else:
+                if leading:
                     self.keep()
-                    wait = self.ttl / KEEPALIVES_PER_TTL
+                else:
+                    self.campaign()
             except Exception as e:  # never let the election thread die
                 log.error("election step failed; retrying", error=f"{type(e).__name__}: {e}")
-                if self.value() is not None and time.monotonic() - self._last_ok >= self.ttl:
+                if self.value() is not None and self._failing_for_a_ttl():
                     self.step_down(f"election steps failing for {self.ttl}s: {e}")
-            self._stop.wait(wait)
+            wait = self.session.due - time.monotonic() if leading else self.poll
+            self._stop.wait(max(0.0, wait))
 
     def campaign(self) -> None:
         """One try: create the leader key, with a new lease, if it is absent."""
@@ -105,8 +107,7 @@ class Election:
         self.store_ok_at = time.monotonic()
         if kv is not None or self._stop.is_set():
             return
-        started = time.monotonic()
-        lease = self.store.lease_grant(self.ttl)
+        lease = self.session.grant(time.monotonic())
         value = rec.LeaderRecord(self.ident, time.time()).encode()
         try:
             won = self.store.txn([absent(LEADER_KEY)], [Put(LEADER_KEY, value, lease=lease)])
@@ -116,29 +117,24 @@ class Election:
             kv = self.store.get(LEADER_KEY)
             ok = kv is not None and kv.value == value
         if not ok:
-            self._revoke(lease)
+            self._revoke()
             return
         with self._lock:
             self._value = value
-            self._lease = lease
-            self._valid_until = started + self.ttl
-            self._last_ok = started
             self.term += 1
         log.info("leadership acquired", id=self.ident, lease=lease, ttl=self.ttl)
         self.on_change(True)
 
     def keep(self) -> None:
         """One keepalive, and a look at the key: still ours, or step down."""
-        with self._lock:
-            value, lease = self._value, self._lease
+        value = self.value()
         if value is None:
             return
-        sent = time.monotonic()
         try:
-            left = self.store.lease_keepalive(lease)
+            left = self.session.keep(time.monotonic())
             kv = self.store.get(LEADER_KEY) if left > 0 else None
         except StoreError as e:
-            if time.monotonic() - self._last_ok >= self.ttl:
+            if self._failing_for_a_ttl():
                 self.step_down(f"keepalives failing for {self.ttl}s: {e}")
             else:
                 log.warning("lease keepalive failed; retrying", error=str(e))
@@ -146,20 +142,18 @@ class Election:
         self.store_ok_at = time.monotonic()
         if left <= 0:
             self.step_down("lease expired")
-            return
-        if kv is None or kv.value != value:
+        elif kv is None or kv.value != value:
             self.step_down("the leader key is no longer ours")
-            return
-        with self._lock:
-            if self._value == value:
-                self._valid_until = sent + min(left, self.ttl)
-                self._last_ok = sent
 
     def step_down(self, reason: str) -> None:
         """Stop acting at once; then wait as a candidate again. The lease is not revoked:
         it has expired, no longer holds the key, or the store does not answer; whatever
         it still holds goes when it expires."""
-        if self._forget() is not None:
+        with self._lock:  # let go with the value: a campaign after this grants anew
+            value, self._value = self._value, None
+            if value is not None:
+                self.session.release()
+        if value is not None:
             log.warning("leadership lost", id=self.ident, reason=reason)
             self.on_change(False)
 
@@ -167,7 +161,8 @@ class Election:
         """Step down on purpose (shutting down): delete the key if it is still ours, by
         compare-and-delete, and only then revoke the lease, which is then certainly ours
         and alive. The successor need not wait for the lease to expire."""
-        value, lease = self._forget() or (None, 0)
+        with self._lock:
+            value, self._value = self._value, None
         if value is None:
             return
         try:
@@ -176,25 +171,19 @@ class Election:
             log.warning("leader key not deleted; it goes with its lease", error=str(e))
             ours = None
         if ours is not None and ours.succeeded:
-            self._revoke(lease)
+            self._revoke()
+        else:
+            self.session.release()
         log.info("leadership released", id=self.ident, reason="shutting down")
         self.on_change(False)
 
-    def _forget(self) -> tuple[bytes, int] | None:
-        with self._lock:
-            if self._value is None:
-                return None
-            held = self._value, self._lease
-            self._value = None
-            self._lease = 0
-            self._valid_until = 0.0
-            return held
+    def _failing_for_a_ttl(self) -> bool:
+        """No keepalive answered for a whole TTL: the lease may be gone."""
+        return time.monotonic() - self.session.answered_at >= self.ttl
 
-    def _revoke(self, lease: int) -> None:
+    def _revoke(self) -> None:
+        lease = self.session.lease
         try:
-            self.store.lease_revoke(lease)
+            self.session.revoke()
         except StoreError as e:  # it expires by itself
             log.warning("lease revoke failed; it will expire", lease=lease, error=str(e))
-
-
-# -- metrics -----------------------------------------------------------------------------
