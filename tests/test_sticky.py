@@ -150,7 +150,7 @@ def test_a_takeover_from_another_node_waits_for_its_del_or_its_end(
     agent runs (registered), the address moves only once the sandbox's DEL there
     detaches it, or the node is gone (its registration expired)."""
     n1, n2 = Ledger(sqlite_store, "n1"), Ledger(sqlite_store, "n2")
-    registration = rec.NodeRegistration("n1", 1, 0.0).encode()
+    registration = rec.NodeRegistration("n1", 1, 0.0, 0.0, None).encode()
     sqlite_store.txn([], [Put(keys.node_key("n1"), registration)])
     first = ips(n1.allocate([pool], sandbox(1), rec.PodInfo("db", "db-0", "u1"), sticky=identity()))
     new_pod = rec.PodInfo("db", "db-0", "u2")
