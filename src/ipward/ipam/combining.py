@@ -2,7 +2,8 @@
 worker threads) queue up, and one of them commits a batch of them in one transaction
 (distinct addresses picked in memory, every compare kept), instead of all of them
 racing for the same queue head and block cursor. A batch that fails falls back to one
-transaction per request. Alone, a call is its own batch of one.
+transaction per request. Only a ledger whose calls may be concurrent combines (not the
+plugin's short-lived one: `Ledger`); a call alone is its own batch of one.
 """
 
 from __future__ import annotations

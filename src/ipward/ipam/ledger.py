@@ -11,8 +11,9 @@ garbage collection, the CLI, the labs). Its parts, one concept each, share one
   combining   concurrent ADDs of one process committed in one transaction
   sticky      reservations: make, take over, retire
   freeing     free an attachment or one record; detach; the CNI GC verb's side
-`freeing` and `sticky` are imported where used, `claims` once the fill block is used up:
-the plugin's ADD imports no part it does not use (docs/architecture.md, Plugin start path).
+`freeing` and `sticky` are imported where used, `claims` once the fill block is used up,
+`combining` by a ledger whose calls may be concurrent: the plugin's ADD imports no part
+it does not use (docs/architecture.md, Plugin start path).
 
 Every change is one store transaction whose compares pin what was read: the attachment
 index absent, the address record absent, the block still active at the revision read,
@@ -32,7 +33,6 @@ from ipward.core.policy import ADD_GRACE
 from ipward.ipam.allocating import allocate_one
 from ipward.ipam.allocation import Allocation, held_allocations
 from ipward.ipam.cache import StoreCache
-from ipward.ipam.combining import Combiner
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from ipward.core.pool import PoolSpec
     from ipward.core.records import AddressRecord, Attachment, PodInfo, Sticky
+    from ipward.ipam.combining import Combiner
     from ipward.store.base import Compare, Store
 
 __all__ = ["Allocation", "Ledger"]
@@ -74,12 +75,26 @@ class Turns:
 
 
 class Ledger:
-    def __init__(self, store: Store, node: str, clock: Callable[[], float] = time.time) -> None:
+    """`short_lived`: one call in the process's life (the plugin's), so none is
+    concurrent with another: it goes straight to its transaction, never through a
+    batch (`combining`, for the callers of a long-lived ledger: the agent's workers)."""
+
+    def __init__(
+        self,
+        store: Store,
+        node: str,
+        clock: Callable[[], float] = time.time,
+        short_lived: bool = False,
+    ) -> None:
         self.store = store
         self.node = node
         self.clock = clock
         self.cache = StoreCache(store, node, clock)
-        self._combiner = Combiner(self.cache)
+        self._combiner: Combiner | None = None
+        if not short_lived:
+            from ipward.ipam.combining import Combiner  # not the plugin's: ~0.2 ms
+
+            self._combiner = Combiner(self.cache)
         self._turns = Turns()
 
     # -- pools ------------------------------------------------------------------------
@@ -115,8 +130,8 @@ class Ledger:
         addresses, whatever the pools), else made in the allocating transaction.
 
         Calls of one attachment take turns (`Turns`); concurrent calls of others for
-        the same pools are combined (`combining`); requests with a requested address never
-        are (their refusals are their own)."""
+        the same pools are combined (`combining`) by a ledger that is not short-lived;
+        requests with a requested address never are (their refusals are their own)."""
         self._turns.take(attachment.key)
         try:
             if sticky is not None:
@@ -125,7 +140,7 @@ class Ledger:
                 return reservations.allocate_sticky(
                     self.cache, pools, attachment, pod, requested, sticky
                 )
-            if requested:
+            if requested or self._combiner is None:
                 return allocate_one(self.cache, pools, attachment, pod, requested)
             return self._combiner.allocate(pools, attachment, pod)
         finally:
