@@ -32,7 +32,7 @@ from ipward.core.errors import IpwardError, TryAgainLater
 from ipward.core.keys import LEADER_KEY
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo
-from ipward.ipam import blocks
+from ipward.ipam import blocks, free_queue
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Delete, Put, at_revision
@@ -481,7 +481,7 @@ def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
     assert block is not None
     frees = [f for ip in blocks.addresses(block) if (f := store.get(keys.free_key("p", ip)))]
     ops: list[Put | Delete] = []
-    for free in frees[: blocks.CLEANUP_CHUNK]:
+    for free in frees[: free_queue.CLEANUP_CHUNK]:
         ops += [Delete(free.key), Delete(rec.decode(free.value)["queue"])]
     assert store.txn([at_revision(kv.key, kv.mod_revision)], ops).succeeded
 

@@ -20,9 +20,9 @@ import pytest
 from conftest import exec_plugin, run_cli
 from ipward.core import keys, log
 from ipward.core import records as rec
+from ipward.ipam.allocation import record_writes
 from ipward.ipam.check import check, repair
 from ipward.ipam.ledger import Ledger
-from ipward.ipam.reads import record_writes
 from ipward.store import open_store
 from ipward.store.base import Put
 from ipward_lab.etcdlab import EtcdServer

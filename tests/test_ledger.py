@@ -358,7 +358,7 @@ def test_concurrent_callers_are_combined_and_get_distinct_addresses(sqlite_url, 
     spec = pool("10.1.0.0/20", cooldown=0)
     ledger.allocate([spec], att("first"), PodInfo())  # the block is claimed up front
     commits = []
-    real_txn = ledger.reads.txn
+    real_txn = ledger.cache.txn
 
     def counting(compares, ops):
         done = real_txn(compares, ops)
@@ -366,7 +366,7 @@ def test_concurrent_callers_are_combined_and_get_distinct_addresses(sqlite_url, 
             commits.append(sum(op.key.startswith("attach/") for op in ops))
         return done
 
-    ledger.reads.txn = counting
+    ledger.cache.txn = counting
     got: list[str] = []
     barrier = threading.Barrier(16)
 
@@ -678,12 +678,12 @@ def test_a_combined_batch_writes_an_attachment_once(sqlite_store, clock, monkeyp
 
     from conftest import wait_for
     from ipward.core import testpoints
+    from ipward.ipam.cache import StoreCache
     from ipward.ipam.combining import Combiner
-    from ipward.ipam.reads import Reads
 
-    reads = Reads(sqlite_store, "node-a", clock)
+    cache = StoreCache(sqlite_store, "node-a", clock)
     spec = pool()
-    combiner = Combiner(reads)
+    combiner = Combiner(cache)
     combiner.allocate([spec], att("warm"), PodInfo("ns", "warm", "u"))  # the block claimed
     monkeypatch.setitem(testpoints._GATES, "allocate", str(tmp_path))
     answers: dict[str, list[str]] = {}

@@ -141,7 +141,8 @@ def _ledger(config: IpamConfig) -> Ledger:
             " SQLite (sqlite:///PATH); other stores are reached through an agent"
         )
     try:
-        return Ledger(open_store(config.store_url, short_lived=True), config.node)
+        store = open_store(config.store_url, short_lived=True)
+        return Ledger(store, config.node, short_lived=True)
     except StoreUnreachable:
         raise  # a TryAgainLater (code 11) itself
     except StoreIncompatible as e:

@@ -5,11 +5,13 @@ classes, each with its encoding in one place (`encode` / `decode`: sorted compac
     attach/...     AttachmentIndex   the attachment's addresses, `<pool>/<ip>` each
     blocks/...     BlockRecord       owner node, hand-back state, fresh-address cursor
     sticky/...     ReservationRecord a sticky identity's addresses and its sandbox
-    free/...       FreeRecord        when an address was freed, and its queue entry
     fill/...       FillRecord        the block a node fills fresh addresses from
     blockcursor/.. CursorRecord      the next never-claimed block
     nodes/...      NodeRegistration  a live agent (under its lease)
     controller/..  LeaderRecord      the controller that leads (under its lease)
+
+The free queue's record (`free/`, `FreeRecord`) is the queue's, with everything else of
+it, in `ipam/free_queue.py`.
 
 Decoding is lenient where a reader always was (a field missing reads as its default)
 and strict where a record is useless without it (an address record's attachment). A
@@ -473,25 +475,6 @@ class ReservationRecord:
             bound if isinstance(bound, int | float) else None,
             detached if isinstance(detached, int | float) else None,
         )
-
-
-class FreeRecord:
-    """`free/<pool>/<ip>`: a freed address in its cooldown: when it was freed, and the
-    key of its entry in its node's free queue (`freeq/`, the same fact in time order)."""
-
-    __slots__ = ("freed_at", "queue")
-
-    def __init__(self, freed_at: float, queue: str) -> None:
-        self.freed_at = freed_at
-        self.queue = queue
-
-    def encode(self) -> bytes:
-        return encode({"released_at": self.freed_at, "queue": self.queue})
-
-    @classmethod
-    def decode(cls, raw: bytes) -> FreeRecord:
-        d = decode(raw)
-        return cls(float(d.get("released_at", 0)), str(d.get("queue", "")))
 
 
 class FillRecord:

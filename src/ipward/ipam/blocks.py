@@ -23,7 +23,8 @@ from ipward.core.addr import family_of
 from ipward.core.keys import cidr_of
 from ipward.core.policy import MAX_RELEASABLE_BLOCK
 from ipward.core.pool import PoolSpec
-from ipward.core.records import MARKED, READY, REFUSED, BlockRecord, FreeRecord
+from ipward.core.records import MARKED, READY, REFUSED, BlockRecord
+from ipward.ipam import free_queue
 from ipward.ipam.claims import claim_writes, claims
 from ipward.store.base import Delete, KeyValue, Put, Store, absent, at_revision
 
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
 
     from ipward.core.addr import Block
     from ipward.store.base import Compare
-
-CLEANUP_CHUNK = 40  # free entries deleted per transaction (two keys each; etcd caps ops)
 
 
 def addresses(block: Block) -> list[str]:
@@ -143,14 +142,8 @@ def complete_hand_back(
                 "ready block holds an allocation; not released", pool=spec.name, block=cidr, ip=ip
             )
             return False
-    frees = [f for f in (store.get(keys.free_key(spec.name, ip)) for ip in ips) if f]
-    for start in range(0, len(frees), CLEANUP_CHUNK):
-        chunk = frees[start : start + CLEANUP_CHUNK]
-        ops: list[Put | Delete] = []
-        for free in chunk:
-            ops += [Delete(free.key), Delete(FreeRecord.decode(free.value).queue)]
-        if not store.txn(fenced, ops).succeeded:
-            return False
+    if not free_queue.clear(store, spec.name, ips, fenced):
+        return False
     family = family_of(cidr)
     node = state.node
     done = store.txn(

@@ -61,9 +61,10 @@ from ipward.core.records import (
     BlockRecord,
     CursorRecord,
     FillRecord,
-    FreeRecord,
     ReservationRecord,
 )
+from ipward.ipam import free_queue
+from ipward.ipam.free_queue import FreeRecord
 from ipward.ipam.pools import stale_state
 from ipward.store.base import Delete, Put, absent, at_revision
 from ipward.store.schema import node_index_drift
@@ -220,7 +221,8 @@ def check(store: Store) -> tuple[list[Problem], dict]:
     allocated, sticky_of = _records(records, pools, index_refs, problems)
     problems += _node_index(records, by_prefix[keys.NODE_ADDRESSES], index_refs)
     frees = by_prefix[keys.FREE]
-    _free_queues(frees, by_prefix[keys.FREE_QUEUES], allocated, problems)
+    queue = by_prefix[keys.FREE_QUEUES]
+    problems += [Problem(*drift) for drift in free_queue.drift(frees, queue, allocated)]
     reservations = by_prefix[keys.STICKY]
     problems += _reservations(reservations, sticky_of, index_refs)
     problems += _block_owners(by_prefix)
@@ -318,28 +320,6 @@ def _records(
             elif owner != key:
                 problems.append(Problem("index-dangling", key, f"{ref} is recorded for {owner}"))
     return allocated, sticky_of
-
-
-def _free_queues(
-    frees: list[KeyValue],
-    queue: list[KeyValue],
-    allocated: dict[str, str],
-    problems: list[Problem],
-) -> None:
-    """Free records against the allocations and their queue entries."""
-    queued = {kv.key for kv in queue}
-    referenced = set()
-    for kv in frees:
-        pool_name, ip = keys.ip_parts(kv.key)
-        ref = rec.pool_ip(pool_name, ip)
-        if ref in allocated:
-            problems.append(Problem("free-and-allocated", kv.key, f"{ref} is also allocated"))
-        queue_key = FreeRecord.decode(kv.value).queue
-        referenced.add(queue_key)
-        if queue_key not in queued:
-            problems.append(Problem("free-queue", kv.key, f"queue entry {queue_key} missing"))
-    for key in sorted(queued - referenced):
-        problems.append(Problem("free-queue", key, "queue entry without a free record"))
 
 
 def _node_index(

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from ipward.core import keys
 from ipward.core.addr import family_of
-from ipward.core.records import BlockRecord, CursorRecord, FillRecord, FreeRecord
-from ipward.ipam import picking
-from ipward.ipam.picking import ClaimFirst, Cleanup, Pick
-from ipward.ipam.reads import QUEUE_WINDOW, Reads
+from ipward.core.records import BlockRecord, CursorRecord, FillRecord
+from ipward.ipam import free_queue
+from ipward.ipam.allocating import ClaimFirst, free_offset, fresh_in_block, fresh_pick
+from ipward.ipam.allocation import Pick, held, unheld
 from ipward.store.base import Delete, KeyValue, Put, absent, at_revision
 
 TYPE_CHECKING = False
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from ipward.core.addr import Block, RangeSet
     from ipward.core.pool import PoolSpec
+    from ipward.ipam.cache import StoreCache
     from ipward.store.base import Compare
 
 RELEASED_WINDOW = 16  # released-block entries looked at for one claim
@@ -120,7 +121,9 @@ def claim_writes(
 # -- the ledger's room beyond its fill block ----------------------------------------------
 
 
-def new_room(reads: Reads, pool: PoolSpec, index: int, rs: RangeSet, verify: bool) -> Pick | None:
+def new_room(
+    cache: StoreCache, pool: PoolSpec, index: int, rs: RangeSet, verify: bool
+) -> Pick | None:
     """An address from elsewhere when the block this node fills is used up, in order:
     1. a fresh one of another of its active blocks (one the controller assigned);
     2. one of its blocks in the hand-back handshake, taken back (it needs the space),
@@ -128,23 +131,23 @@ def new_room(reads: Reads, pool: PoolSpec, index: int, rs: RangeSet, verify: boo
     3. a released block (`blockfree/`), before
     4. the pool's next never-claimed block (`blockcursor/`).
     None when there is no room anywhere."""
-    fill_key = keys.fill_key(pool.name, rs.family, reads.node)
-    fill = reads.get(fill_key)
+    fill_key = keys.fill_key(pool.name, rs.family, cache.node)
+    fill = cache.get(fill_key)
     filling = FillRecord.decode(fill.value).block if fill else None
-    for block, kv, _ in node_blocks(reads, pool, rs, active=True):
+    for block, kv, _ in node_blocks(cache, pool, rs, active=True):
         if block.cidr == filling:
             continue  # used up (the fresh pick found nothing in it)
-        pick = picking.fresh_in_block(reads, pool, index, block, kv, verify)
+        pick = fresh_in_block(cache, pool, block, kv, verify)
         if pick is not None:
             return fills(pick, fill_key, fill, "fills another of its blocks")
-    taken_back = take_back(reads, pool, index, rs, verify, cooled_only=True)
+    taken_back = take_back(cache, pool, rs, verify, cooled_only=True)
     if taken_back is not None:
         return taken_back
-    return _claimed(reads, pool, index, rs, verify, fill_key, fill)
+    return _claimed(cache, pool, index, rs, verify, fill_key, fill)
 
 
 def _claimed(
-    reads: Reads,
+    cache: StoreCache,
     pool: PoolSpec,
     index: int,
     rs: RangeSet,
@@ -157,21 +160,21 @@ def _claimed(
     blocks passed over on the way (all taken by request) are claimed in the same
     transaction, or on their own past MAX_FULL_CLAIMS (`ClaimFirst`)."""
     full: list[tuple[Claim, int]] = []
-    for claim in claims(pool, rs, reads.get, reads.range):
-        offset = picking.free_offset(reads, pool, claim.block, 0, verify)
-        queued = picking.queued_in(reads, pool, index, claim.block, verify)
+    for claim in claims(pool, rs, cache.get, cache.range):
+        offset = free_offset(cache, pool, claim.block, 0, verify)
+        queued = free_queue.queued_in(cache, pool, index, claim.block, verify)
         if offset is None and queued is None:  # all taken by request: claim it, go on
             full.append((claim, claim.block.size))
             if len(full) >= MAX_FULL_CLAIMS:
-                raise ClaimFirst(*claim_writes(pool, rs.family, reads.node, full))
+                raise ClaimFirst(*claim_writes(pool, rs.family, cache.node, full))
             continue
         if queued is not None:  # oldest freed first, fresh ones after it
             pick, cursor = queued, claim.block.size if offset is None else offset
         else:
             assert offset is not None
-            pick = picking.fresh_pick(reads, pool, index, claim.block, offset)
+            pick = fresh_pick(cache, pool, claim.block, offset)
             cursor = offset + 1
-        compares, ops = claim_writes(pool, rs.family, reads.node, [*full, (claim, cursor)])
+        compares, ops = claim_writes(pool, rs.family, cache.node, [*full, (claim, cursor)])
         pick.compares += compares
         pick.ops += ops
         moved = "claimed a released block" if claim.entry else "claimed a new block"
@@ -179,29 +182,29 @@ def _claimed(
     return None
 
 
-def own_blocks(reads: Reads, pool: PoolSpec, family: int) -> list[tuple[str, KeyValue]]:
+def own_blocks(cache: StoreCache, pool: PoolSpec, family: int) -> list[tuple[str, KeyValue]]:
     """This node's blocks of one family (from the affinity index, not a pool scan)."""
-    kvs, _ = reads.range(keys.affinity_prefix(pool.name, reads.node))
+    kvs, _ = cache.range(keys.affinity_prefix(pool.name, cache.node))
     out = []
     for kv in kvs:
         cidr = keys.cidr_of(kv.key)
         if family_of(cidr) == family:
-            block_kv = reads.get(keys.block_key(pool.name, cidr))
+            block_kv = cache.get(keys.block_key(pool.name, cidr))
             if block_kv is not None:
                 out.append((cidr, block_kv))
     return out
 
 
 def node_blocks(
-    reads: Reads, pool: PoolSpec, rs: RangeSet, active: bool
+    cache: StoreCache, pool: PoolSpec, rs: RangeSet, active: bool
 ) -> list[tuple[Block, KeyValue, BlockRecord]]:
     """This node's blocks of the current layout in `rs`, active or (`active=False`)
     in the hand-back handshake."""
     out = []
-    for cidr, kv in own_blocks(reads, pool, rs.family):
+    for cidr, kv in own_blocks(cache, pool, rs.family):
         block = rs.block_by_cidr(cidr)
         state = BlockRecord.decode(kv.value)
-        if block is None or state.node != reads.node:
+        if block is None or state.node != cache.node:
             continue
         if state.active == active:
             out.append((block, kv, state))
@@ -209,16 +212,16 @@ def node_blocks(
 
 
 def take_back(
-    reads: Reads, pool: PoolSpec, index: int, rs: RangeSet, verify: bool, cooled_only: bool
+    cache: StoreCache, pool: PoolSpec, rs: RangeSet, verify: bool, cooled_only: bool
 ) -> Pick | None:
     """An address of one of this node's blocks in the hand-back handshake, taking the
     block back (active again; the controller's next step fails its CAS): its oldest
     freed address past the cooldown, else a fresh one, else (unless `cooled_only`)
     its oldest freed address still cooling. A first attempt trusts compares; a
     verify one reads each address of the block."""
-    fill_key = keys.fill_key(pool.name, rs.family, reads.node)
-    for block, kv, state in node_blocks(reads, pool, rs, active=False):
-        pick = _available_in(reads, pool, index, block, verify, cooled_only)
+    fill_key = keys.fill_key(pool.name, rs.family, cache.node)
+    for block, kv, state in node_blocks(cache, pool, rs, active=False):
+        pick = _available_in(cache, pool, block, verify, cooled_only)
         if pick is None:
             continue
         # next = 0: addresses whose free entries the controller already cleaned are
@@ -226,12 +229,12 @@ def take_back(
         pick.compares.append(at_revision(kv.key, kv.mod_revision))
         pick.ops.append(Put(kv.key, state.taken_back(pool.version).encode()))
         moved = "needs the space again: hand-back handshake aborted"
-        return fills(pick, fill_key, reads.get(fill_key), moved)
+        return fills(pick, fill_key, cache.get(fill_key), moved)
     return None
 
 
 def _available_in(
-    reads: Reads, pool: PoolSpec, index: int, block: Block, verify: bool, cooled_only: bool
+    cache: StoreCache, pool: PoolSpec, block: Block, verify: bool, cooled_only: bool
 ) -> Pick | None:
     """The address `take_back` wants from one block: its oldest freed address past
     the cooldown, else its first fresh one, else (unless `cooled_only`) its oldest
@@ -239,33 +242,31 @@ def _available_in(
     only (a first one proposes the first address and lets the compares judge)."""
     offset = block.next_usable(0)
     if not verify:
-        return None if offset is None else picking.fresh_pick(reads, pool, index, block, offset)
+        return None if offset is None else fresh_pick(cache, pool, block, offset)
     fresh: int | None = None
     oldest: dict[bool, tuple[float, KeyValue]] = {}  # cooled? -> oldest freed
-    now = reads.clock()
+    now = cache.clock()
     while offset is not None:
         ip = block.address(offset)
-        if not picking.held(reads, pool.name, ip):
-            free = reads.get(keys.free_key(pool.name, ip), fresh=True)
+        if not held(cache, pool.name, ip):
+            free = free_queue.freed(cache, pool.name, ip, fresh=True)
             if free is None:
                 fresh = offset if fresh is None else fresh
             else:
-                freed_at = FreeRecord.decode(free.value).freed_at
+                freed_at = free_queue.freed_at(free)
                 cooled = freed_at + pool.cooldown <= now
                 if cooled not in oldest or freed_at < oldest[cooled][0]:
                     oldest[cooled] = (freed_at, free)
         offset = block.next_usable(offset + 1)
     queued = oldest.get(True) or (None if cooled_only else oldest.get(False))
     if queued is None:
-        return None if fresh is None else picking.fresh_pick(reads, pool, index, block, fresh)
+        return None if fresh is None else fresh_pick(cache, pool, block, fresh)
     free = queued[1]
     ip = keys.last(free.key)
-    pick = Pick(index, ip, block.cidr)
-    pick.compares += [
-        *picking.unheld(reads, pool.name, ip),
-        at_revision(free.key, free.mod_revision),
-    ]
-    pick.ops += [Delete(free.key), Delete(FreeRecord.decode(free.value).queue)]
+    pick = Pick.of(pool, ip, block.cidr)
+    compares, ops = free_queue.take(free)
+    pick.compares += [*unheld(cache, pool.name, ip), *compares]
+    pick.ops += ops
     return pick
 
 
@@ -277,29 +278,26 @@ def fills(pick: Pick, fill_key: str, fill: KeyValue | None, moved: str) -> Pick:
     return pick
 
 
-def borrow(reads: Reads, pool: PoolSpec, index: int, rs: RangeSet, verify: bool) -> Pick | None:
+def borrow(
+    cache: StoreCache, pool: PoolSpec, index: int, rs: RangeSet, verify: bool
+) -> Pick | None:
     """One address of another node's active block (the pool allows borrowing and no
-    block is free): the oldest entry of the other nodes' free queues, else a
-    never-used address of the block another node fills. Reads grow with the number
-    of nodes, not the pool's size. Freed, the address goes back to its owner."""
-    family = rs.family
-    queued, _ = reads.range(keys.queues_prefix(pool.name, family), limit=QUEUE_WINDOW)
-    stale: list[Cleanup] = []
-    for kv in queued:
-        owner = keys.queue_node(kv.key)
-        if owner != reads.node and picking.cooled(reads, pool, kv):
-            pick = picking.queued(reads, pool, index, kv, stale, owner=owner)
-            if pick is not None:
-                return picking.with_cleanups(pick, stale)
-    fill_kvs, _ = reads.range(keys.fills_prefix(pool.name, family))
+    block is free): the oldest entry of the other nodes' free queues
+    (`free_queue.from_other_queues`), else a never-used address of the block another
+    node fills. Reads grow with the number of nodes, not the pool's size. Freed, the
+    address goes back to its owner."""
+    queued = free_queue.from_other_queues(cache, pool, index)
+    if queued is not None:
+        return queued
+    fill_kvs, _ = cache.range(keys.fills_prefix(pool.name, rs.family))
     for fill in fill_kvs:
-        if keys.last(fill.key) == reads.node:
+        if keys.last(fill.key) == cache.node:
             continue
         cidr = FillRecord.decode(fill.value).block
-        block, block_kv = rs.block_by_cidr(cidr), reads.get(keys.block_key(pool.name, cidr))
+        block, block_kv = rs.block_by_cidr(cidr), cache.get(keys.block_key(pool.name, cidr))
         if block is None or block_kv is None:
             continue
-        pick = picking.fresh_in_block(reads, pool, index, block, block_kv, verify, borrow=True)
+        pick = fresh_in_block(cache, pool, block, block_kv, verify, borrow=True)
         if pick is not None:
             return pick
     return None

@@ -2,7 +2,8 @@
 worker threads) queue up, and one of them commits a batch of them in one transaction
 (distinct addresses picked in memory, every compare kept), instead of all of them
 racing for the same queue head and block cursor. A batch that fails falls back to one
-transaction per request. Alone, a call is its own batch of one.
+transaction per request. Only a ledger whose calls may be concurrent combines (not the
+plugin's short-lived one: `Ledger`); a call alone is its own batch of one.
 """
 
 from __future__ import annotations
@@ -10,20 +11,17 @@ from __future__ import annotations
 import _thread
 
 from ipward.core import log, testpoints
-from ipward.core import records as rec
 from ipward.core.errors import InputTooLarge, IpwardError
-from ipward.core.records import AddressRecord, AttachmentIndex
 from ipward.ipam.allocating import NeedsBlock, allocate_one, pick, pool_guard
-from ipward.ipam.picking import Taken
-from ipward.ipam.reads import Reads, last_write_per_key, record_writes, unique_compares
-from ipward.store.base import Put, absent
+from ipward.ipam.allocation import Taken, allocations, writes
+from ipward.ipam.cache import StoreCache, last_write_per_key, unique_compares
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ipward.core.pool import PoolSpec
     from ipward.core.records import Attachment, PodInfo
-    from ipward.ipam.reads import Allocation
-    from ipward.store.base import Compare, Delete
+    from ipward.ipam.allocation import Allocation, Pick
+    from ipward.store.base import Compare, Delete, Put
 
 MAX_BATCH = 24  # allocations per combined transaction at most (fewer: the store's limits)
 
@@ -47,8 +45,8 @@ class Request:
 class Combiner:
     """The requests waiting per set of pools, and which sets have a caller leading."""
 
-    def __init__(self, reads: Reads) -> None:
-        self.reads = reads
+    def __init__(self, cache: StoreCache) -> None:
+        self.cache = cache
         self._lock = _thread.allocate_lock()
         self._waiting: dict[tuple[str, ...], list[Request]] = {}
         self._leading: set[tuple[str, ...]] = set()
@@ -131,7 +129,7 @@ class Combiner:
                 continue
             try:
                 request.result = allocate_one(
-                    self.reads, request.pools, request.attachment, request.pod
+                    self.cache, request.pools, request.attachment, request.pod
                 )
             except Exception as e:  # handed to the caller, raised in its own thread
                 request.error = e
@@ -143,16 +141,16 @@ class Combiner:
         added, after the batch's shared ones are merged), on a first, optimistic attempt.
         (How many it took, their allocations or None if they are to be served one by one:
         it did not commit, or only one fitted.)"""
-        reads = self.reads
+        cache = self.cache
         pools = batch[0].pools
         compares: list[Compare] = []
         ops: list[Put | Delete] = []
-        for guard_compares, guard_ops in (pool_guard(reads, pool) for pool in pools):
+        for guard_compares, guard_ops in (pool_guard(cache, pool) for pool in pools):
             compares += guard_compares
             ops += guard_ops
         taken = Taken(len(batch))
-        refs_of = []
-        now = reads.clock()
+        picks_of: list[list[Pick]] = []
+        now = cache.clock()
         members: set[str] = set()
         for request in batch:
             if request.attachment.key in members:
@@ -161,41 +159,32 @@ class Combiner:
                 break
             members.add(request.attachment.key)
             picks = [
-                (pool, pick(reads, pool, i, rs, None, False, taken))
+                pick(cache, pool, i, rs, None, False, taken)
                 for pool in pools
                 for i, rs in enumerate(pool.range_sets)
             ]
-            refs = [rec.pool_ip(p.name, k.ip) for p, k in picks]
-            member_compares = [absent(request.attachment.key)]
-            member_ops: list[Put | Delete] = [
-                Put(request.attachment.key, AttachmentIndex(refs).encode())
-            ]
-            for pool, chosen in picks:
-                record = AddressRecord.new(
-                    request.attachment, request.pod, reads.node, chosen.block, now, pool.version
-                )
-                member_compares += chosen.compares
-                member_ops += chosen.ops
-                member_ops += record_writes(pool.name, chosen.ip, record)
+            member_compares, member_ops = writes(
+                cache.node, request.attachment, request.pod, picks, now
+            )
             grown_compares = unique_compares(compares + member_compares)
             grown_ops = last_write_per_key(ops + member_ops)
-            if reads.store.txn_problem(grown_compares, grown_ops) is not None:
+            if cache.store.txn_problem(grown_compares, grown_ops) is not None:
                 break  # this one and the rest wait for the next batch
             compares, ops = grown_compares, grown_ops
-            refs_of.append(refs)
-        if len(refs_of) < 2:
+            picks_of.append(picks)
+        if len(picks_of) < 2:
             return 1, None
         testpoints.pause("allocate")
-        if not reads.txn(compares, ops):
-            return len(refs_of), None
+        if not cache.txn(compares, ops):
+            return len(picks_of), None
         results = []
-        for request, refs in zip(batch, refs_of, strict=False):
-            allocations = reads.allocations(refs, pools)
+        for request, picks in zip(batch, picks_of, strict=False):
+            given = allocations(cache, [p.ref for p in picks], pools)
             log.info(
                 "allocated",
                 attachment=repr(request.attachment),
-                ips=[repr(a) for a in allocations],
-                batch=len(refs_of),
+                ips=[repr(a) for a in given],
+                batch=len(picks_of),
             )
-            results.append(allocations)
-        return len(refs_of), results
+            results.append(given)
+        return len(picks_of), results

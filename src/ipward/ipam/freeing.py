@@ -9,22 +9,16 @@ from __future__ import annotations
 
 from ipward.core import keys, log
 from ipward.core import records as rec
-from ipward.core.addr import parse_ip
-from ipward.core.errors import IpwardError, OwnerChanged, TryAgainLater
+from ipward.core.errors import OwnerChanged, TryAgainLater
 from ipward.core.policy import ADD_GRACE
-from ipward.core.records import (
-    AddressRecord,
-    AttachmentIndex,
-    BlockRecord,
-    FreeRecord,
-    ReservationRecord,
-)
-from ipward.ipam.reads import (
+from ipward.core.records import AddressRecord, AttachmentIndex, ReservationRecord
+from ipward.ipam import free_queue
+from ipward.ipam.allocation import record_writes
+from ipward.ipam.cache import (
     MAX_ATTEMPTS,
-    Reads,
+    StoreCache,
     backoff,
     last_write_per_key,
-    record_writes,
     unique_compares,
 )
 from ipward.store.base import Delete, KeyValue, Put, absent, at_revision
@@ -37,16 +31,16 @@ if TYPE_CHECKING:
     from ipward.store.base import Compare
 
 
-def free(reads: Reads, attachment: Attachment, reason: str) -> list[str]:
+def free(cache: StoreCache, attachment: Attachment, reason: str) -> list[str]:
     """Free the attachment's addresses (detach sticky ones); an unknown attachment is
     not an error. Returns the addresses freed or detached; each is logged with
     `reason`."""
     for attempt in range(MAX_ATTEMPTS):
-        index_kv = reads.get(attachment.key)
+        index_kv = cache.get(attachment.key)
         if index_kv is None:
             return []
-        compares, ops, freed, detached = free_plan(reads, index_kv, attachment)
-        if reads.txn(compares, ops):
+        compares, ops, freed, detached = free_plan(cache, index_kv, attachment)
+        if cache.txn(compares, ops):
             log_free(attachment, freed, detached, reason)
             return freed + detached
         backoff(attempt)
@@ -54,7 +48,7 @@ def free(reads: Reads, attachment: Attachment, reason: str) -> list[str]:
 
 
 def free_plan(
-    reads: Reads, index_kv: KeyValue, attachment: Attachment
+    cache: StoreCache, index_kv: KeyValue, attachment: Attachment
 ) -> tuple[list[Compare], list[Put | Delete], list[str], list[str]]:
     """The transaction that frees an attachment: delete its index; free each of its
     records, or detach it when it is sticky. (compares, ops, freed, detached)."""
@@ -62,11 +56,11 @@ def free_plan(
     ops: list[Put | Delete] = [Delete(index_kv.key)]
     freed: list[str] = []
     detached: list[str] = []
-    now = reads.clock()
+    now = cache.clock()
     for ref in AttachmentIndex.decode(index_kv.value).refs:
         pool_name, ip = rec.split_pool_ip(ref)
         key = keys.ip_key(pool_name, ip)
-        record_kv = reads.get(key)
+        record_kv = cache.get(key)
         # Every decision below is pinned by a compare, so it holds at commit.
         compares.append(at_revision(key, record_kv.mod_revision if record_kv else 0))
         if record_kv is None:
@@ -78,12 +72,12 @@ def free_plan(
             # Detach: the reservation keeps the address for the identity's next
             # sandbox (docs/design.md 2); retiring it is the controller's.
             ops += record_writes(pool_name, ip, record.detached(now))
-            sticky_ops, sticky_compares = detach_reservation(reads, record.sticky, attachment, now)
+            sticky_ops, sticky_compares = detach_reservation(cache, record.sticky, attachment, now)
             ops += sticky_ops
             compares += sticky_compares
             detached.append(ref)
             continue
-        record_ops, block_compare = free_ops(reads, pool_name, ip, record, now)
+        record_ops, block_compare = free_ops(cache, pool_name, ip, record, now)
         ops += record_ops
         compares += block_compare
         freed.append(ref)
@@ -100,11 +94,11 @@ def log_free(
 
 
 def detach_reservation(
-    reads: Reads, key: str, attachment: Attachment, now: float
+    cache: StoreCache, key: str, attachment: Attachment, now: float
 ) -> tuple[list[Put | Delete], list[Compare]]:
     """The reservation's side of a detach: it no longer names a sandbox (only when it
     still names this one: a takeover may have moved it on)."""
-    kv = reads.get(key, fresh=True)
+    kv = cache.get(key, fresh=True)
     if kv is None:
         return [], [absent(key)]
     held = ReservationRecord.decode(kv.value)
@@ -115,49 +109,19 @@ def detach_reservation(
 
 
 def free_ops(
-    reads: Reads, pool_name: str, ip: str, record: AddressRecord, now: float
+    cache: StoreCache, pool_name: str, ip: str, record: AddressRecord, now: float
 ) -> tuple[list[Put | Delete], list[Compare]]:
-    """Delete a record and, if its pool hands the address out now, queue it (the
-    cooldown) on the node that owns its block. An address the pool does not cover
-    any more (a retired layout's, or a deleted pool's) is not queued: this pool
-    version never hands it out. Pinned by compares on the pool spec and the block."""
-    pool_key = keys.pool_key(pool_name)
-    spec_kv = reads.get(pool_key)
-    compares = [at_revision(pool_key, spec_kv.mod_revision if spec_kv else 0)]
+    """Delete a record with its node index entry (the write side: `record_writes`), and
+    queue the address for its cooldown (`free_queue.enqueue`)."""
     ops: list[Put | Delete] = [Delete(keys.ip_key(pool_name, ip))]
     if record.node:
         ops.append(Delete(keys.node_ip_key(record.node, pool_name, ip)))
-    if spec_kv is None:
-        return ops, compares
-    family, value = parse_ip(ip)
-    try:
-        spec = reads.parsed(spec_kv)
-    except (IpwardError, ValueError):
-        spec = None  # unreadable ('ipward check' says so): a DEL must still work
-    if spec is not None:
-        index = spec.set_of(family)
-        block = spec.range_sets[index].block_of(value) if index is not None else None
-        if block is None:
-            return ops, compares
-        cidr = block.cidr
-    else:
-        cidr = record.block
-    owner = record.node or reads.node
-    block_key = keys.block_key(pool_name, cidr)
-    block_kv = reads.get(block_key)
-    if block_kv is not None:
-        owner = BlockRecord.decode(block_kv.value).node or owner
-    queue = keys.queue_key(pool_name, family, owner, now, ip)
-    ops += [
-        Put(keys.free_key(pool_name, ip), FreeRecord(now, queue).encode()),
-        Put(queue, b""),
-    ]
-    compares.append(at_revision(block_key, block_kv.mod_revision if block_kv else 0))
-    return ops, compares
+    queue_ops, compares = free_queue.enqueue(cache, pool_name, ip, record, now)
+    return ops + queue_ops, compares
 
 
 def free_address(
-    reads: Reads,
+    cache: StoreCache,
     pool: str,
     ip: str,
     expected_mod_revision: int,
@@ -172,7 +136,7 @@ def free_address(
     record itself is the caller's to hear."""
     key = keys.ip_key(pool, ip)
     for attempt in range(MAX_ATTEMPTS):
-        record_kv = reads.get(key, fresh=True)
+        record_kv = cache.get(key, fresh=True)
         if record_kv is None or record_kv.mod_revision != expected_mod_revision:
             raise OwnerChanged(
                 f"{pool}/{ip} changed since it was read (revision {expected_mod_revision});"
@@ -180,15 +144,15 @@ def free_address(
             )
         record = AddressRecord.decode(record_kv.value)
         attachment = record.attachment
-        index_kv = reads.get(attachment.key, fresh=True)
+        index_kv = cache.get(attachment.key, fresh=True)
         if record.sticky:
             # A sticky address is detached with its whole attachment, never freed
             # here: retiring the reservation is `free_sticky`'s.
             if index_kv is None or record.is_detached:
                 raise OwnerChanged(f"{pool}/{ip} is reserved by {record.sticky}, detached")
-            compares, ops, freed, detached = free_plan(reads, index_kv, attachment)
+            compares, ops, freed, detached = free_plan(cache, index_kv, attachment)
         else:
-            ops, compares = free_ops(reads, pool, ip, record, reads.clock())
+            ops, compares = free_ops(cache, pool, ip, record, cache.clock())
             if index_kv is not None:
                 ref = rec.pool_ip(pool, ip)
                 refs = [r for r in AttachmentIndex.decode(index_kv.value).refs if r != ref]
@@ -200,17 +164,17 @@ def free_address(
                 )
             freed, detached = [rec.pool_ip(pool, ip)], []
         compares += [*fence, at_revision(key, record_kv.mod_revision)]
-        if reads.txn(compares, ops):
+        if cache.txn(compares, ops):
             log_free(attachment, freed, detached, reason, revision=expected_mod_revision)
             return record
-        if not all(c.holds(reads.get(c.key, fresh=True)) for c in fence):
+        if not all(c.holds(cache.get(c.key, fresh=True)) for c in fence):
             raise OwnerChanged(f"{pool}/{ip} not freed: its fence no longer holds")
         backoff(attempt)
     raise TryAgainLater(f"{pool}/{ip}: too much contention, nothing freed")
 
 
 def collect_network(
-    reads: Reads, network: str, keep: set[tuple[str, str]], grace: float = ADD_GRACE
+    cache: StoreCache, network: str, keep: set[tuple[str, str]], grace: float = ADD_GRACE
 ) -> list[str]:
     """CNI GC, with garbage collection's rules (ipward.gc) and the runtime's list as
     the evidence: free each address of `network` on this node whose attachment
@@ -219,8 +183,8 @@ def collect_network(
     revision read. Only this node's (read through its index): the runtime lists its
     own attachments, so another node's are never in its list. Returns the addresses
     freed."""
-    kvs, _ = reads.range(keys.node_ips_prefix(reads.node))
-    now = reads.clock()
+    kvs, _ = cache.range(keys.node_ips_prefix(cache.node))
+    now = cache.clock()
     freed = []
     for kv in kvs:
         _, pool, ip = keys.node_ip_parts(kv.key)
@@ -230,14 +194,14 @@ def collect_network(
             continue  # 'ipward check' reports it
         if copy.network != network or (copy.container, copy.ifname) in keep:
             continue
-        record_kv = reads.get(keys.ip_key(pool, ip), fresh=True)
+        record_kv = cache.get(keys.ip_key(pool, ip), fresh=True)
         if record_kv is None:
             continue
         record = AddressRecord.decode(record_kv.value)
         age = now - (record.created_at if record.created_at is not None else now)
         if (
             record.is_detached
-            or record.node != reads.node
+            or record.node != cache.node
             or record.attachment != copy.attachment
             or age < grace
         ):
@@ -246,7 +210,7 @@ def collect_network(
             f"CNI GC: not in cni.dev/valid-attachments, {age:.0f}s after its ADD (grace {grace:g}s)"
         )
         try:
-            free_address(reads, pool, ip, record_kv.mod_revision, reason)
+            free_address(cache, pool, ip, record_kv.mod_revision, reason)
         except OwnerChanged:
             continue  # freed or replaced meanwhile: not ours to touch
         freed.append(rec.pool_ip(pool, ip))

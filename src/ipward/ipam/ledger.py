@@ -1,17 +1,19 @@
 """The ledger: allocate and free addresses for attachments (docs/design.md 5.1, 5.2).
 
 `Ledger` is the facade every caller uses (the plugin's verbs, the agent, the controller,
-garbage collection, the CLI, the labs). Its parts, one concept each, share one `Reads`
-(the remembered-key cache and the pinned transaction):
-  reads       what a ledger reads and remembers; its transactions; answers
-  combining   concurrent ADDs of one process committed in one transaction
-  allocating  one allocation: the pool guard, the pick order, its transaction
-  picking     addresses inside what the node holds: requested, queued, fresh
+garbage collection, the CLI, the labs). Its parts, one concept each, share one
+`StoreCache` (the ledger's cache of the store and its pinned transaction):
+  cache       what a ledger reads and remembers; its transactions
+  allocation  what one allocation is: a pick, the witnesses, its writes, its answer
+  allocating  making one: the pool guard, the pick order, requested and fresh addresses
+  free_queue  freed addresses in their cooldown: freeing into it, picking from it
   claims      room elsewhere: other blocks, take-back, the one claim walk, borrowing
+  combining   concurrent ADDs of one process committed in one transaction
   sticky      reservations: make, take over, retire
   freeing     free an attachment or one record; detach; the CNI GC verb's side
-`freeing` and `sticky` are imported where used, `claims` once the fill block is used up:
-the plugin's ADD imports no part it does not use (docs/architecture.md, Plugin start path).
+`freeing` and `sticky` are imported where used, `claims` once the fill block is used up,
+`combining` by a ledger whose calls may be concurrent: the plugin's ADD imports no part
+it does not use (docs/architecture.md, Plugin start path).
 
 Every change is one store transaction whose compares pin what was read: the attachment
 index absent, the address record absent, the block still active at the revision read,
@@ -29,8 +31,8 @@ import time
 from ipward.core import log
 from ipward.core.policy import ADD_GRACE
 from ipward.ipam.allocating import allocate_one
-from ipward.ipam.combining import Combiner
-from ipward.ipam.reads import Allocation, Reads
+from ipward.ipam.allocation import Allocation, held_allocations
+from ipward.ipam.cache import StoreCache
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
     from ipward.core.pool import PoolSpec
     from ipward.core.records import AddressRecord, Attachment, PodInfo, Sticky
+    from ipward.ipam.combining import Combiner
     from ipward.store.base import Compare, Store
 
 __all__ = ["Allocation", "Ledger"]
@@ -72,32 +75,46 @@ class Turns:
 
 
 class Ledger:
-    def __init__(self, store: Store, node: str, clock: Callable[[], float] = time.time) -> None:
+    """`short_lived`: one call in the process's life (the plugin's), so none is
+    concurrent with another: it goes straight to its transaction, never through a
+    batch (`combining`, for the callers of a long-lived ledger: the agent's workers)."""
+
+    def __init__(
+        self,
+        store: Store,
+        node: str,
+        clock: Callable[[], float] = time.time,
+        short_lived: bool = False,
+    ) -> None:
         self.store = store
         self.node = node
         self.clock = clock
-        self.reads = Reads(store, node, clock)
-        self._combiner = Combiner(self.reads)
+        self.cache = StoreCache(store, node, clock)
+        self._combiner: Combiner | None = None
+        if not short_lived:
+            from ipward.ipam.combining import Combiner  # not the plugin's: ~0.2 ms
+
+            self._combiner = Combiner(self.cache)
         self._turns = Turns()
 
     # -- pools ------------------------------------------------------------------------
 
     def get_pool(self, name: str, fresh: bool = False) -> PoolSpec:
-        return self.reads.get_pool(name, fresh)
+        return self.cache.get_pool(name, fresh)
 
     def stored_pools(self) -> list[PoolSpec]:
         """Every pool as the store has it now (one range read, never from memory)."""
-        return self.reads.stored_pools()
+        return self.cache.stored_pools()
 
     # -- ADD --------------------------------------------------------------------------
 
     def lookup(self, attachment: Attachment) -> list[Allocation] | None:
         """The attachment's addresses, or None if it has none (read from the store: an
         answer, not a decision a compare would check)."""
-        kv = self.reads.get(attachment.key, fresh=True)
+        kv = self.cache.get(attachment.key, fresh=True)
         if kv is None:
             return None
-        return self.reads.held_allocations(kv)
+        return held_allocations(self.cache, kv)
 
     def allocate(
         self,
@@ -113,18 +130,18 @@ class Ledger:
         addresses, whatever the pools), else made in the allocating transaction.
 
         Calls of one attachment take turns (`Turns`); concurrent calls of others for
-        the same pools are combined (`combining`); requests with a requested address never
-        are (their refusals are their own)."""
+        the same pools are combined (`combining`) by a ledger that is not short-lived;
+        requests with a requested address never are (their refusals are their own)."""
         self._turns.take(attachment.key)
         try:
             if sticky is not None:
                 from ipward.ipam import sticky as reservations  # not on every ADD: ~0.2 ms
 
                 return reservations.allocate_sticky(
-                    self.reads, pools, attachment, pod, requested, sticky
+                    self.cache, pools, attachment, pod, requested, sticky
                 )
-            if requested:
-                return allocate_one(self.reads, pools, attachment, pod, requested)
+            if requested or self._combiner is None:
+                return allocate_one(self.cache, pools, attachment, pod, requested)
             return self._combiner.allocate(pools, attachment, pod)
         finally:
             self._turns.give_back(attachment.key)
@@ -139,7 +156,7 @@ class Ledger:
 
         self._turns.take(attachment.key)
         try:
-            return freeing.free(self.reads, attachment, reason)
+            return freeing.free(self.cache, attachment, reason)
         finally:
             self._turns.give_back(attachment.key)
 
@@ -154,7 +171,7 @@ class Ledger:
         """Compare-and-delete one record (`freeing.free_address`)."""
         from ipward.ipam import freeing
 
-        return freeing.free_address(self.reads, pool, ip, expected_mod_revision, reason, fence)
+        return freeing.free_address(self.cache, pool, ip, expected_mod_revision, reason, fence)
 
     def free_sticky(
         self, key: str, expected_mod_revision: int, reason: str, fence: Sequence[Compare] = ()
@@ -162,7 +179,7 @@ class Ledger:
         """Retire a detached reservation (`sticky.free_sticky`)."""
         from ipward.ipam import sticky as reservations
 
-        return reservations.free_sticky(self.reads, key, expected_mod_revision, reason, fence)
+        return reservations.free_sticky(self.cache, key, expected_mod_revision, reason, fence)
 
     def collect_network(
         self, network: str, keep: set[tuple[str, str]], grace: float = ADD_GRACE
@@ -170,4 +187,4 @@ class Ledger:
         """CNI GC on this node (`freeing.collect_network`). Returns the addresses freed."""
         from ipward.ipam import freeing
 
-        return freeing.collect_network(self.reads, network, keep, grace)
+        return freeing.collect_network(self.cache, network, keep, grace)

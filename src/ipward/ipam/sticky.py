@@ -9,11 +9,12 @@ from __future__ import annotations
 from ipward.core import keys, log
 from ipward.core import records as rec
 from ipward.core.errors import AddressTaken, InvalidConfig, OwnerChanged, TryAgainLater
-from ipward.core.records import AddressRecord, AttachmentIndex, ReservationRecord
+from ipward.core.records import AddressRecord, ReservationRecord
 from ipward.ipam.allocating import StickyExists, allocate_one
+from ipward.ipam.allocation import Pick, allocations, held_allocations, writes
+from ipward.ipam.cache import MAX_ATTEMPTS, StoreCache, backoff
 from ipward.ipam.freeing import free_ops
-from ipward.ipam.reads import MAX_ATTEMPTS, Reads, backoff, record_writes
-from ipward.store.base import Delete, Put, absent, at_revision
+from ipward.store.base import Delete, absent, at_revision
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -21,12 +22,12 @@ if TYPE_CHECKING:
 
     from ipward.core.pool import PoolSpec
     from ipward.core.records import Attachment, PodInfo, Sticky
-    from ipward.ipam.reads import Allocation
-    from ipward.store.base import Compare, KeyValue
+    from ipward.ipam.allocation import Allocation
+    from ipward.store.base import Compare, KeyValue, Put
 
 
 def allocate_sticky(
-    reads: Reads,
+    cache: StoreCache,
     pools: list[PoolSpec],
     attachment: Attachment,
     pod: PodInfo,
@@ -36,16 +37,16 @@ def allocate_sticky(
     """The identity's reserved addresses, taken over, or new ones with a new
     reservation; the attachment's own when it has them already."""
     for attempt in range(MAX_ATTEMPTS):
-        existing = reads.get(attachment.key, fresh=True)
+        existing = cache.get(attachment.key, fresh=True)
         if existing is not None:
-            return reads.held_allocations(existing, pools)
-        reservation = reads.get(sticky.key, fresh=True)
+            return held_allocations(cache, existing, pools)
+        reservation = cache.get(sticky.key, fresh=True)
         if reservation is None:
             try:
-                return allocate_one(reads, pools, attachment, pod, requested, sticky)
+                return allocate_one(cache, pools, attachment, pod, requested, sticky)
             except StickyExists:
                 continue
-        taken = take_over(reads, reservation, attachment, pod, sticky, requested)
+        taken = take_over(cache, reservation, attachment, pod, sticky, requested)
         if taken is not None:
             return taken
         backoff(attempt)
@@ -53,7 +54,7 @@ def allocate_sticky(
 
 
 def take_over(
-    reads: Reads,
+    cache: StoreCache,
     reservation: KeyValue,
     attachment: Attachment,
     pod: PodInfo,
@@ -79,40 +80,32 @@ def take_over(
             " live; the address moves once that pod is gone"
         )
     if old and old != attachment.key:
-        _wait_for_teardown(reads, sticky, old, held.node)
-    now = reads.clock()
-    compares: list[Compare] = [
-        at_revision(reservation.key, reservation.mod_revision),
-        absent(attachment.key),
-    ]
-    ops: list[Put | Delete] = [
-        Put(attachment.key, AttachmentIndex(refs).encode()),
-        Put(reservation.key, sticky.record(refs, attachment, pod.uid, reads.node, now).encode()),
-    ]
-    if old and old != attachment.key:
-        old_kv = reads.get(old, fresh=True)
-        compares.append(at_revision(old, old_kv.mod_revision if old_kv else 0))
-        if old_kv is not None:
-            ops.append(Delete(old))
-    layouts: dict[str, int | None] = {}
+        _wait_for_teardown(cache, sticky, old, held.node)
+    # Its records, each as read: rewritten for this sandbox under the layout it was
+    # given (moving its node index entry when the node changed).
+    picks = []
     for ref in refs:
         pool_name, ip = rec.split_pool_ip(ref)
         key = keys.ip_key(pool_name, ip)
-        kv = reads.get(key, fresh=True)
+        kv = cache.get(key, fresh=True)
         record = AddressRecord.decode(kv.value) if kv is not None else None
         if kv is None or record is None or record.sticky != sticky.key:
             raise InvalidConfig(
                 f"{sticky.key} lists {ref}, whose record is not its own; see 'ipward check'"
             )
-        mine = AddressRecord.new(
-            attachment, pod, reads.node, record.block, now, record.layout, sticky=sticky.key
-        )
-        layouts[ref] = record.layout
-        compares.append(at_revision(key, kv.mod_revision))
-        ops += record_writes(pool_name, ip, mine, moved_from=record.node)
-    if not reads.txn(compares, ops):
+        mine = Pick(pool_name, record.layout, ip, record.block)
+        mine.holder = record.node
+        mine.compares.append(at_revision(key, kv.mod_revision))
+        picks.append(mine)
+    compares, ops = writes(cache.node, attachment, pod, picks, cache.clock(), sticky, reservation)
+    if old and old != attachment.key:
+        old_kv = cache.get(old, fresh=True)
+        compares.append(at_revision(old, old_kv.mod_revision if old_kv else 0))
+        if old_kv is not None:
+            ops.append(Delete(old))
+    if not cache.txn(compares, ops):
         return None
-    allocations = reads.allocations(refs, layouts=layouts)
+    given = allocations(cache, refs, layouts={p.ref: p.layout for p in picks})
     log.info(
         "sticky address taken over",
         attachment=repr(attachment),
@@ -120,10 +113,10 @@ def take_over(
         sticky=sticky.key,
         previous=old or "(detached)",
     )
-    return allocations
+    return given
 
 
-def _wait_for_teardown(reads: Reads, sticky: Sticky, old: str, old_node: str) -> None:
+def _wait_for_teardown(cache: StoreCache, sticky: Sticky, old: str, old_node: str) -> None:
     """A reservation still bound to another sandbox moves only once that sandbox is torn
     down, so two network namespaces never hold the address at once (a pod force-deleted:
     its successor's ADD comes before the old sandbox's DEL). On this node the runtime
@@ -132,13 +125,13 @@ def _wait_for_teardown(reads: Reads, sticky: Sticky, old: str, old_node: str) ->
     no more) unless the node is gone (its registration expired). TryAgainLater until
     then: the runtime retries the ADD."""
     _, container, _ = keys.attach_parts(old)
-    if old_node == reads.node:
+    if old_node == cache.node:
         if sticky.sandbox_listed is not None and sticky.sandbox_listed(container):
             raise TryAgainLater(
                 f"{sticky.key} is bound to {old}, whose sandbox this node's runtime still"
                 " lists; the address moves once its teardown is over"
             )
-    elif reads.get(keys.node_key(old_node), fresh=True) is not None:
+    elif cache.get(keys.node_key(old_node), fresh=True) is not None:
         raise TryAgainLater(
             f"{sticky.key} is bound to {old} on node {old_node}, whose agent runs; the"
             " address moves once that sandbox's DEL detaches it (or the node is gone)"
@@ -146,7 +139,7 @@ def _wait_for_teardown(reads: Reads, sticky: Sticky, old: str, old_node: str) ->
 
 
 def free_sticky(
-    reads: Reads,
+    cache: StoreCache,
     key: str,
     expected_mod_revision: int,
     reason: str,
@@ -155,28 +148,28 @@ def free_sticky(
     """Retire a detached reservation: delete it and its records, compared at the
     revision the caller judged, and queue the addresses (cooldown). Refuses
     (OwnerChanged) when anything moved or a sandbox holds it. Returns the addresses."""
-    kv = reads.get(key, fresh=True)
+    kv = cache.get(key, fresh=True)
     if kv is None or kv.mod_revision != expected_mod_revision:
         raise OwnerChanged(f"{key} changed since it was read; look again")
     held = ReservationRecord.decode(kv.value)
     if held.bound:
         raise OwnerChanged(f"{key} is bound to {held.attachment}: its pod holds it")
-    now = reads.clock()
+    now = cache.clock()
     compares: list[Compare] = [*fence, at_revision(key, kv.mod_revision)]
     ops: list[Put | Delete] = [Delete(key)]
     for ref in held.ips:
         pool_name, ip = rec.split_pool_ip(ref)
-        record_kv = reads.get(keys.ip_key(pool_name, ip), fresh=True)
+        record_kv = cache.get(keys.ip_key(pool_name, ip), fresh=True)
         if record_kv is None:
             compares.append(absent(keys.ip_key(pool_name, ip)))
             continue
         record = AddressRecord.decode(record_kv.value)
         if record.sticky != key or not record.is_detached:
             raise OwnerChanged(f"{ref} of {key} is in use; look again")
-        record_ops, block_compares = free_ops(reads, pool_name, ip, record, now)
+        record_ops, block_compares = free_ops(cache, pool_name, ip, record, now)
         compares += [at_revision(record_kv.key, record_kv.mod_revision), *block_compares]
         ops += record_ops
-    if not reads.txn(compares, ops):
+    if not cache.txn(compares, ops):
         raise OwnerChanged(f"{key} changed while being freed; look again")
     log.info("freed", sticky=key, ips=held.ips, reason=reason)
     return list(held.ips)

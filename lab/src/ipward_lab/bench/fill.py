@@ -13,7 +13,7 @@ from ipward.core import records as rec
 from ipward.core.addr import Block, RangeSet
 from ipward.core.pool import PoolSpec
 from ipward.core.records import AddressRecord, Attachment, CursorRecord, PodInfo
-from ipward.ipam.reads import record_writes
+from ipward.ipam.allocation import record_writes
 from ipward.store import schema
 from ipward.store.base import Delete, Put, Store
 from ipward.store.sqlite import SqliteStore
