@@ -609,7 +609,7 @@ class _Handler(BaseHTTPRequestHandler):
         self, resource: str, namespace: str, query: dict[str, list[str]], metadata: bool
     ) -> None:
         """A watch as kube-apiserver 1.26 serves one from its watch cache (measured:
-        docs/architecture.md, "Kubernetes source"): the events after `resourceVersion`,
+        docs/measurements.md, "Kubernetes source"): the events after `resourceVersion`,
         ERROR 410 for a version older than the history or than the server's start, a
         clean end at `timeoutSeconds`; BOOKMARKs (when asked for) only once an event of
         the resource (any object, whatever the selector) came after the watch opened,
