@@ -1,5 +1,5 @@
-"""Which pools an ADD allocates from, and whether its address is sticky (issue: pool
-selection per workload, sticky identities). On the plugin's path: stdlib only.
+"""Which pools an ADD allocates from, and whether its address is sticky. On the
+plugin's path: stdlib only.
 
 Pools, first match wins:
   1. an address requested by the runtime (`runtimeConfig.ips`, `args.cni.ips`, CNI_ARGS

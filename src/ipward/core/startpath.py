@@ -2,7 +2,7 @@
 its imports cheap, and the executables `ipward install-cni` writes to run it.
 
 A runtime execs the plugin on every pod start, so every module and every import on the
-way is paid each time (docs/architecture.md "Plugin start path" has the measurements).
+way is paid each time (docs/measurements.md "Plugin start path" has the figures).
 In the order an exec meets them:
 - The launcher's code pack (`install_pack`, `CodePack`): the package's bytecode in one
   file, so a module is one `pread` and one `marshal.loads`, not the import system's

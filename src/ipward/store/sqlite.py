@@ -79,8 +79,7 @@ _TABLES = (
 # An ipward file is marked in its header: `application_id` says whose file it is (SQLite
 # keeps the field for exactly this), `user_version` which table layout it has. A file
 # without the mark that has tables is another program's and is never touched; a file
-# with the mark is known by reading two header fields, which replaces the table lookup
-# an open did before.
+# with the mark is known by reading two header fields, without looking up its tables.
 APPLICATION_ID = 0x49505744  # "IPWD"
 LAYOUT = 1
 # Files made before the mark existed (layout 0): exactly these tables, this kv table.
@@ -467,9 +466,9 @@ class SqliteStore(Store):
         SQLite's automatic checkpoint copies the WAL into the file but leaves it to the
         connection's next write to start the WAL over; a process that writes once and
         exits (each plugin exec) never does, and the next process, rebuilding the WAL
-        index from the WAL alone, counts none of it as copied. So the WAL grew by every
-        plugin ADD, without bound (12 MB after 400), and every exec read all of it and
-        copied it all again. TRUNCATE, as RESTART would leave the old frames for the
+        index from the WAL alone, counts none of it as copied. Unbounded, the WAL grows
+        by every plugin ADD (12 MB after 400), and every exec reads all of it and copies
+        it all again. TRUNCATE, as RESTART would leave the old frames for the
         next process to find; it waits briefly for other processes' transactions (if
         it cannot finish, a later commit does it). Only for `short_lived` stores: a
         long-lived writer's WAL starts over in place, and emptying it would make every
