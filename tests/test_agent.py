@@ -37,7 +37,7 @@ from ipward.core.records import AddressRecord
 from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward_lab import fleet
-from ipward_lab.etcdlab import etcd_server
+from ipward_lab.etcdlab import etcd_server, free_port
 from ipward_lab.simcluster import write_sim_state
 
 NODE = "agent-node"
@@ -216,16 +216,30 @@ def test_etcd_flow_never_uses_the_configs_store(plugin, etcd, start_agent, tmp_p
     assert_check_clean(etcd.url)
 
 
-def test_second_agent_refuses_to_start_and_a_stale_socket_is_replaced(
-    sqlite_url, start_agent, tmp_path
+def test_a_second_agent_stands_by_and_takes_the_socket_over_when_the_first_stops(
+    plugin, sqlite_url, start_agent, tmp_path
 ):
-    first = start_agent(sqlite_url)
-    second = start_agent(sqlite_url, wait=False)
-    assert second.proc.wait(30) == 2
-    assert "another agent" in second.output()
-    assert first.running and first.socket.exists()
-    first.kill()  # SIGKILL leaves its socket file behind
-    assert first.socket.exists()
+    """The next version's agent, rolled out with a surge (`maxSurge: 1`), starts while
+    the first still serves its node: it stands by on the socket's lock (it used to exit
+    2, so a surge rollout never went on) and serves from the moment the first stops
+    taking connections, the first draining meanwhile; the metrics address they share
+    is taken once the first lets it go. A dead agent's socket is replaced; what is not
+    a socket is never touched."""
+    port = free_port()
+    metrics = ("--metrics-address", f"127.0.0.1:{port}")
+    first = start_agent(sqlite_url, extra=metrics)
+    second = start_agent(sqlite_url, wait=False, extra=metrics)
+    wait_for(lambda: second.logged(STANDING_BY), "the second agent standing by")
+    cfg = config(first.socket)
+    address(exec_plugin(plugin, "ADD", cfg, container="to-first"))
+    assert not second.logged("request") and first.logged("request")
+    assert first.stop() == 0
+    wait_for(lambda: second.logged("agent started"), "the second agent serving")
+    address(exec_plugin(plugin, "ADD", cfg, container="to-second"))
+    assert [e["container"] for e in second.logged("request")] == ["to-second"]
+    assert http_get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
+    second.kill()  # SIGKILL leaves its socket file behind
+    assert second.socket.exists()
     third = start_agent(sqlite_url)
     assert any(e["msg"].startswith("removed a stale socket") for e in third.logs())
     assert third.stop() == 0
@@ -235,6 +249,9 @@ def test_second_agent_refuses_to_start_and_a_stale_socket_is_replaced(
     assert fourth.proc.wait(30) == 2
     assert "not a socket" in fourth.output()
     assert third.socket.read_text() == "not a socket"
+
+
+STANDING_BY = "another agent serves this socket; standing by to take over when it stops"
 
 
 # -- permissions ---------------------------------------------------------------------------

@@ -10,12 +10,14 @@ import os
 import socket
 import stat
 import struct
+import threading
 
 from ipward.core import log
 from ipward.core.errors import IpwardError
 
 DEFAULT_SOCKET = "/run/ipward/agent.sock"
 DIR_MODE = 0o750
+LOCK_POLL = 0.1  # seconds between looks at another agent's lock, standing by
 SOCKET_MODE = 0o660
 PROBE_TIMEOUT = 1.0  # connecting to an existing socket to see whether an agent answers
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -102,14 +104,25 @@ def _answers(path: str) -> bool:
         probe.close()
 
 
-class AgentSocket:
-    """The listening socket, its lock file, and the checks around both."""
+class Stopped(Exception):
+    """Stopped while standing by for another agent's socket."""
 
-    def __init__(self, path: str, allow_gid: int | None, backlog: int) -> None:
+
+class AgentSocket:
+    """The listening socket, its lock file, and the checks around both.
+
+    A second agent for the same path (the next version's, rolled out with a surge)
+    stands by until the first lets the lock go, which it does as soon as it stops
+    taking connections (`shutdown`, at the start of its drain), so the path is served
+    again within a poll. `stop` ends the wait (`Stopped`)."""
+
+    def __init__(
+        self, path: str, allow_gid: int | None, backlog: int, stop: threading.Event | None = None
+    ) -> None:
         self.path = os.path.abspath(path)
         directory = os.path.dirname(self.path)
         _prepare_directory(directory, allow_gid)
-        self._lock_fd = self._lock(self.path + ".lock")
+        self._lock_fd = self._lock(self.path + ".lock", stop)
         try:
             self._remove_stale()
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -129,13 +142,28 @@ class AgentSocket:
             raise
 
     @staticmethod
-    def _lock(path: str) -> int:
+    def _lock(path: str, stop: threading.Event | None) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise AgentError(f"another agent holds {path}; not starting") from None
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if stop is None:
+                    os.close(fd)
+                    raise AgentError(f"another agent holds {path}; not starting") from None
+            if not waiting:
+                waiting = True
+                log.info(
+                    "another agent serves this socket; standing by to take over when it stops",
+                    lock=path,
+                )
+            if stop.wait(LOCK_POLL):
+                os.close(fd)
+                raise Stopped
+        if waiting:
+            log.info("took the socket over from the agent before", lock=path)
         return fd
 
     def _remove_stale(self) -> None:
@@ -151,8 +179,9 @@ class AgentSocket:
         log.warning("removed a stale socket (nothing answered on it)", path=self.path)
 
     def shutdown(self) -> None:
-        """Refuse new connections from now on (wakes the thread blocked in accept) and
-        remove the socket file, if it is still ours."""
+        """Refuse new connections from now on (wakes the thread blocked in accept),
+        remove the socket file, if it is still ours, and let the lock go: an agent
+        standing by serves the path from now on, while this one drains."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -163,6 +192,7 @@ class AgentSocket:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         self.sock.close()

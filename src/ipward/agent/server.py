@@ -8,9 +8,10 @@ from its own store. An allocation is committed (the ledger's transaction has ret
 before its answer is sent.
 
 Socket: its directory is created 0750 when missing (an existing one is never loosened;
-a warning says when it is more open than that), the socket itself is 0660. A second
-agent on the same path refuses to start (a lock file next to the socket, and a socket
-that answers); a dead agent's socket is replaced. Every connection's peer is checked
+a warning says when it is more open than that; an empty one of its own user is made
+0750), the socket itself is 0660. A second agent on the same path (a rollout's surge)
+stands by on the lock file next to the socket until the first stops taking calls, then
+serves (`listener.AgentSocket`); a dead agent's socket is replaced. Every connection's peer is checked
 with SO_PEERCRED: root, the agent's own user and the `--allow-gid` group are served;
 anyone else gets a CNI error object with code 5 (I/O failure: the plugin could not get
 its call through). Not 11: retrying cannot succeed, so "try again later" would only
@@ -150,6 +151,7 @@ class Agent:
         stuck_seconds: float = CALL_TIMEOUT,
         directory: PodDirectory | None = None,
         sandboxes: Callable[[str], bool] | None = None,
+        standby_until: threading.Event | None = None,
     ) -> None:
         self.store = store
         self.node = node
@@ -179,7 +181,9 @@ class Agent:
         self._wake_writer.setblocking(False)
         # The kernel caps the backlog at net.core.somaxconn; a burst waits there while
         # the I/O thread accepts (the plugin waits for room rather than failing).
-        self.socket = AgentSocket(socket_path, allow_gid, backlog=max(128, max_connections))
+        self.socket = AgentSocket(
+            socket_path, allow_gid, backlog=max(128, max_connections), stop=standby_until
+        )
         self.socket.sock.setblocking(False)
         self._selector.register(self.socket.sock, selectors.EVENT_READ)
         self._selector.register(self._wake_reader, selectors.EVENT_READ)

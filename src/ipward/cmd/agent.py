@@ -11,7 +11,7 @@ import click
 
 from ipward.agent.directory import cluster_directory, runtime_sandboxes
 from ipward.agent.duties import NodeDuties
-from ipward.agent.listener import DEFAULT_SOCKET, AgentError
+from ipward.agent.listener import DEFAULT_SOCKET, AgentError, Stopped
 from ipward.agent.reconcile import Reconciler
 from ipward.agent.server import DEFAULT_MAX_CONNECTIONS, Agent
 from ipward.cluster.liveness import open_source
@@ -74,8 +74,12 @@ def run_agent(
             stuck_seconds=stuck_seconds,
             directory=directory,
             sandboxes=runtime_sandboxes(source, node) if source is not None else None,
+            standby_until=signals.stop,
         )
-        http = _start_http(agent, metrics_address, directory)
+        if agent is None:
+            log.info("agent stopped while standing by for the socket", node=node)
+            return 0
+        http = _start_http(agent, metrics_address, directory, drain_seconds)
         agent.start()
         duties = NodeDuties(store, node, duty_interval, node_ttl, registration_refresh)
         duties.start()
@@ -144,10 +148,14 @@ def _drain(agent: Agent, seconds: float, signals: Signals) -> int:
     return left
 
 
-def _open_agent(store: Store, node: str, socket_path: str, **options: object) -> Agent:
-    """The agent on its socket; the store is closed when it cannot be made."""
+def _open_agent(store: Store, node: str, socket_path: str, **options: object) -> Agent | None:
+    """The agent on its socket (after standing by while another agent serves it); None
+    when stopped meanwhile. The store is closed when no agent is made."""
     try:
         return Agent(store, node, socket_path, **options)  # type: ignore[arg-type]
+    except Stopped:
+        store.close()
+        return None
     except OSError as e:  # the socket's directory, file, lock or owner
         store.close()
         raise AgentError(f"socket {socket_path}: {e}") from e
@@ -157,12 +165,16 @@ def _open_agent(store: Store, node: str, socket_path: str, **options: object) ->
 
 
 def _start_http(
-    agent: Agent, address: tuple[str, int] | None, directory: PodDirectory | None
+    agent: Agent,
+    address: tuple[str, int] | None,
+    directory: PodDirectory | None,
+    drain_seconds: float,
 ) -> daemon.ThreadingHTTPServer | None:
     """/metrics and /healthz: unhealthy when the agent is stopping or stuck, its store
     does not answer (`HealthProbe`), or its cluster source (`--cluster`) cannot be read
-    as it should (`PodDirectory.unavailable`). The agent is closed when the address
-    cannot be served."""
+    as it should (`PodDirectory.unavailable`). The address may still be the agent's
+    before this one, draining after it let the socket go: tried again for as long as a
+    drain lasts. The agent is closed when the address cannot be served."""
     if address is None:
         return None
     probe = HealthProbe(agent.store)
@@ -178,7 +190,9 @@ def _start_http(
         return (False, f"cluster source: {cluster}") if cluster else (True, "ok")
 
     try:
-        return daemon.start_http(address, agent.metrics.registry, health, "ipward-agent")
+        return daemon.start_http(
+            address, agent.metrics.registry, health, "ipward-agent", in_use_for=drain_seconds + 5
+        )
     except BaseException:
         agent.close(wait=True)
         raise

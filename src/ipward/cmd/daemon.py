@@ -7,9 +7,11 @@ probe with a deadline, and store URLs with their secrets hidden."""
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -105,9 +107,11 @@ def start_http(
     registry: CollectorRegistry,
     health: Callable[[], tuple[bool, str]],
     name: str,
+    in_use_for: float = 0.0,
 ) -> ThreadingHTTPServer:
     """Serve `/metrics` from `registry` and `/healthz` (200 or 503 with the text that
-    `health` gives) on `address`, in a daemon thread."""
+    `health` gives) on `address`, in a daemon thread. An address in use is tried again
+    for up to `in_use_for` seconds (the process before this one may still hold it)."""
 
     class Handler(BaseHTTPRequestHandler):
         server_version = name
@@ -136,10 +140,22 @@ def start_http(
         daemon_threads = True
         address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
 
-    try:
-        server = Server(address, Handler)
-    except OSError as e:
-        raise InvalidConfig(f"--metrics-address {address[0]}:{address[1]}: {e.strerror}") from e
+    deadline, said = time.monotonic() + in_use_for, False
+    while True:
+        try:
+            server = Server(address, Handler)
+            break
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise InvalidConfig(
+                    f"--metrics-address {address[0]}:{address[1]}: {e.strerror}"
+                ) from e
+            if not said:
+                said = True
+                log.info(
+                    "metrics address in use; trying again", address=address[0], port=address[1]
+                )
+            time.sleep(0.5)
     threading.Thread(target=server.serve_forever, args=(0.1,), name="metrics", daemon=True).start()
     return server
 
