@@ -428,7 +428,9 @@ def test_a_del_refused_while_the_agent_was_down_is_finished_by_the_agent_once_ba
         assert set(allocations(agent_store, "pods")) == {ip}
         agent = start_agent().wait_ready()
         wait_for(lambda: not allocations(agent_store, "pods"), "the address freed by the DEL")
-        assert agent.metric("ipward_agent_teardowns_finished_total") == 1
+        # Counted once the runtime answers, which is after the DEL it sent came back.
+        finished = "ipward_agent_teardowns_finished_total"
+        wait_for(lambda: agent.metric(finished) == 1, "the teardown counted")
         (freed,) = agent.logged("freed")
         assert freed["ips"] == [f"pods/{ip}"] and freed["reason"] == "CNI DEL", freed
         assert not Path(lab.sandbox_netns(sandbox)).exists()
