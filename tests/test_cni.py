@@ -589,6 +589,23 @@ def test_k8s_args_are_stored(plugin: Path, sqlite_url: str) -> None:
     assert_consistent(sqlite_url)
 
 
+def test_cni_args_repeated_alike_as_multus_passes_them(plugin: Path, sqlite_url: str) -> None:
+    """Finding (a real cluster, a secondary network through Multus 4.0.2): Multus passes
+    the runtime's CNI_ARGS with its own after them, each K8S_POD_* key twice and
+    IgnoreUnknown as `1` and as `true`, and every such ADD was refused with 4 ("given
+    twice"). A key given again with the same meaning is taken; with another, refused."""
+    pod = "K8S_POD_NAMESPACE=team-a;K8S_POD_NAME=web-0;K8S_POD_UID=u-1"
+    args = f"IgnoreUnknown=1;{pod};K8S_POD_INFRA_CONTAINER_ID=sb1;IgnoreUnknown=true;{pod}"
+    add(plugin, net_config(sqlite_url), container="sb1", args=args)
+    (row,) = alloc_list(sqlite_url)
+    assert (row["pod"]["namespace"], row["pod"]["name"], row["pod"]["uid"]) == (
+        "team-a",
+        "web-0",
+        "u-1",
+    )
+    assert_consistent(sqlite_url)
+
+
 @pytest.mark.parametrize("ignore", ["1", "true", "True"])
 def test_unknown_cni_arg_with_ignore_unknown(plugin: Path, sqlite_url: str, ignore: str) -> None:
     add(plugin, net_config(sqlite_url), args=f"IgnoreUnknown={ignore};FOO=bar;K8S_POD_NAME=p")
@@ -682,7 +699,7 @@ ERROR_CASES = [
         "ADD", _cfg(), {"args": "K8S_POD_INFRA_CONTAINER_ID=.."}, 4, id="infra-container-dotdot"
     ),
     pytest.param(
-        "ADD", _cfg(), {"args": "K8S_POD_NAME=a;K8S_POD_NAME=b"}, 4, id="cni-args-key-twice"
+        "ADD", _cfg(), {"args": "K8S_POD_NAME=a;K8S_POD_NAME=b"}, 4, id="cni-args-key-twice-other"
     ),
     pytest.param("ADD", _cfg(), {"args": "IgnoreUnknown=1;BAD KEY=1"}, 4, id="cni-args-bad-key"),
     pytest.param("ADD", _cfg(), {"env": {"CNI_NETNS": None}}, 4, id="ADD-no-CNI_NETNS"),

@@ -11,12 +11,12 @@ Socket: its directory is created 0750 when missing (an existing one is never loo
 a warning says when it is more open than that; an empty one of its own user is made
 0750), the socket itself is 0660. A second agent on the same path (a rollout's surge)
 stands by on the lock file next to the socket until the first stops taking calls, then
-serves (`listener.AgentSocket`); a dead agent's socket is replaced. Every connection's peer is checked
-with SO_PEERCRED: root, the agent's own user and the `--allow-gid` group are served;
-anyone else gets a CNI error object with code 5 (I/O failure: the plugin could not get
-its call through). Not 11: retrying cannot succeed, so "try again later" would only
-hide a deployment mistake behind endless retries. Nothing is read into the ledger for
-a refused peer.
+serves (`listener.AgentSocket`); a dead agent's socket is replaced. Every connection's
+peer is checked with SO_PEERCRED: root, the agent's own user and the `--allow-gid` group
+are served; anyone else gets a CNI error object with code 5 (I/O failure: the plugin
+could not get its call through). Not 11: retrying cannot succeed, so "try again later"
+would only hide a deployment mistake behind endless retries. Nothing is read into the
+ledger for a refused peer.
 
 Serving: a slow, idle or hostile client costs nothing to others. One I/O thread accepts
 every connection at once (the listen backlog never fills while the workers are busy)

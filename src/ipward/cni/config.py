@@ -309,7 +309,9 @@ def _whereabouts_range(entry: dict, gateway: object) -> tuple[dict, list[str]]:
 
 def parse_cni_args(text: str) -> dict[str, str]:
     """`K=V;K=V`. Unknown keys are an error unless `IgnoreUnknown` is true, as in
-    host-local; each key at most once; the pod's identity as Kubernetes forms it."""
+    host-local; a key given again must say the same (Multus passes the runtime's
+    arguments with its own after them: each K8S_POD_* twice, `IgnoreUnknown` as `1` and
+    as `true`), else the call is refused; the pod's identity as Kubernetes forms it."""
     problem = text_problem(text, "CNI_ARGS", MAX_CNI_ARGS)
     if problem:
         raise InvalidEnvironment(problem)
@@ -325,8 +327,10 @@ def parse_cni_args(text: str) -> dict[str, str]:
                 f"CNI_ARGS: key {_shown(key)} must be 1 to {MAX_ARG_KEY} letters, digits,"
                 " '_', '.' or '-'"
             )
-        if key in args:
-            raise InvalidEnvironment(f"CNI_ARGS: {key} given twice")
+        if key in args and _meaning(key, args[key]) != _meaning(key, value):
+            raise InvalidEnvironment(
+                f"CNI_ARGS: {key} given twice, as {_shown(args[key])} and {_shown(value)}"
+            )
         args[key] = value
     ignore = args.get("IgnoreUnknown", "").lower() in ("1", "true")
     unknown = sorted(set(args) - _KNOWN_ARGS)
@@ -339,6 +343,10 @@ def parse_cni_args(text: str) -> dict[str, str]:
         if problem:
             raise InvalidEnvironment(problem)
     return args
+
+
+def _meaning(key: str, value: str) -> str | bool:
+    return value.lower() in ("1", "true") if key == "IgnoreUnknown" else value
 
 
 class Call:
