@@ -24,6 +24,18 @@ _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
+def run_cli(
+    *args: str, store: str | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`ipward ARGS` (on `store` when given, as IPWARD_STORE), its output captured."""
+    env = dict(os.environ)
+    if store:
+        env["IPWARD_STORE"] = store
+    return subprocess.run(
+        [*IPWARD, *args], capture_output=True, text=True, env=env, check=check, timeout=120
+    )
+
+
 class FleetError(Exception):
     """A process did not start or answer as expected (its log tail is in the message)."""
 
