@@ -23,6 +23,8 @@ from ipward.cluster.liveness import LivenessUnavailable, Pod
 from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab.fleet import run_cli
+from ipward_lab.sim.checker import Checker
+from ipward_lab.sim.result import Options, Result
 from ipward_lab.simcluster import SimCluster, SimFileSource
 from ipward_lab.simworld import agents
 from support import ManualClock
@@ -111,9 +113,12 @@ def event_index(sim: SimCluster, pattern: str) -> int:
     raise AssertionError(f"no event matches {pattern!r}")
 
 
-def assert_no_shared_address(sim: SimCluster) -> None:
-    shared = {ip: pods for ip, pods in sim.ready_addresses().items() if len(pods) > 1}
-    assert not shared
+def assert_invariants(sim: SimCluster, lab: Lab) -> None:
+    """The soak's live checks on this cluster's pods: no address on two ready pods, no
+    ready pod's record lost (`ipward_lab.sim.checker`)."""
+    with open_store(lab.store) as store:
+        found = Checker(sim, store, Result(Options()), pool=POOL).check_once()
+    assert not found, found
 
 
 def assert_check_clean(lab: Lab) -> None:
@@ -134,7 +139,7 @@ def test_pods_get_distinct_addresses_and_the_runtime_lists_their_sandboxes(
     elapsed = time.monotonic() - started
     addresses = [sim.address_of(p) for p in pods]
     assert len(set(addresses)) == 9 and None not in addresses
-    assert_no_shared_address(sim)
+    assert_invariants(sim, lab)
     assert Counter(p.node for p in pods) == {n: 3 for n in NODES}  # least-loaded
     held = records(lab.store)
     source = SimFileSource(sim.state_path)
@@ -286,7 +291,7 @@ def test_deployment_scales_and_rolls_new_pods_before_old(sim: SimCluster, lab: L
     assert first_new_running < first_old_deleted
     held = {ip for ip, r in records(lab.store).items() if r["pod"]["namespace"] == "dep"}
     assert held == {sim.address_of(p) for p in new}
-    assert_no_shared_address(sim)
+    assert_invariants(sim, lab)
     assert_check_clean(lab)
 
 
@@ -437,7 +442,7 @@ def test_node_down_hides_its_runtime_and_delete_node_moves_its_pods(
         [sandbox] = sim.sandboxes_of(pod)
         assert calls(sim, sandbox) == [("ADD", "add", 0)]
         assert any(r["container"] == sandbox for r in held.values())
-    assert_no_shared_address(sim)
+    assert_invariants(sim, lab)
 
 
 # -- faults, as SimFileSource reads them ---------------------------------------------
@@ -719,4 +724,4 @@ def test_restart_phases_failed_then_pending_then_running_with_a_new_sandbox(
     clock.advance(5)
     [job_pod] = wait_running(sim, "phases-job", 1)
     assert job_pod.uid == still.uid and len(sim.sandboxes_of(job_pod)) == 2
-    assert_no_shared_address(sim)
+    assert_invariants(sim, lab)

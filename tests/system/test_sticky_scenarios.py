@@ -18,34 +18,34 @@ import pytest
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward_lab.kubeadmin import KubeApi
+from ipward_lab.sim.result import Violation
 from ipward_lab.simworld import INTERVAL, NS, World
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
 
 
 class Watcher:
-    """Samples `ready_addresses()` until stopped; remembers every sharing seen."""
+    """Runs the soak's live checks (`World.checker`: no address on two ready pods, no
+    ready pod's record lost) until stopped; remembers every violation seen."""
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.shared: list[tuple[str, list[str]]] = []
+        self.found: list[Violation] = []
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            for ip, pods in self.world.sim.ready_addresses().items():
-                if len(pods) > 1:
-                    self.shared.append((ip, [f"{p.namespace}/{p.name}" for p in pods]))
+        while not self._stop.wait(0.05):
+            self.found += self.world.checker.check_once()
             self.samples += 1
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
         assert self.samples > 0  # it did watch
-        assert not self.shared, f"ready pods shared an address: {self.shared[:5]}"
+        assert not self.found, f"invariants broken: {self.found[:5]}"
 
 
 @pytest.fixture

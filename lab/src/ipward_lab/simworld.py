@@ -1,6 +1,7 @@
 """Real processes behind a simulated cluster, for the scenario tests: one `ipward agent`
 per simulated node, all on one store, so the simulated kubelets' plugin calls allocate
-for real (`agents`); and a `World` of agents, controllers and the simulated cluster."""
+for real (`agents`); and a `World` of agents, controllers and the simulated cluster,
+checked by the soak's checker (`ipward_lab.sim.checker`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from ipward.store import open_store
 from ipward_lab import fleet
 from ipward_lab.fleet import run_cli
 from ipward_lab.kubeadmin import KubeApi
+from ipward_lab.sim.checker import Checker
+from ipward_lab.sim.result import Options, Result
 from ipward_lab.simcluster import SimCluster
 from ipward_lab.waiting import wait_for
 
@@ -100,6 +103,7 @@ class World:
         self.agents: dict[str, fleet.Agent] = {}
         self.controllers: list[fleet.Controller] = []
         self.store = open_store(url)
+        self.checker = Checker(self.sim, self.store, Result(Options()), pool=POOL, namespace=NS)
 
     def pool(self, *options: str) -> None:
         run_cli("pool", "create", POOL, "--cooldown", "0", *options, store=self.url, check=True)
@@ -250,15 +254,11 @@ class World:
         return list(wait_for(found, f"the frees of {sorted(wanted)} logged"))
 
     def assert_invariants(self) -> None:
-        res = run_cli("check", store=self.url)
-        assert res.returncode == 0, res.stdout + res.stderr
-        shared = {ip: pods for ip, pods in self.sim.ready_addresses().items() if len(pods) > 1}
-        assert not shared, f"ready pods sharing an address: {shared}"
-        records = self.records()
-        for ip, pods in self.sim.ready_addresses().items():
-            assert ip in records, f"running pod {pods[0].name} has {ip} without a record"
-            sandboxes = self.sim.sandboxes_of(pods[0])
-            assert records[ip][0]["container"] == sandboxes[-1], (ip, records[ip], pods)
+        """The soak's checks, now: no address on two ready pods, no ready pod's record
+        lost, `ipward check` clean (`ipward_lab.sim.checker`)."""
+        found = self.checker.check_once() + self.checker.store_problems()
+        if found:
+            raise AssertionError(f"invariants broken: {found}")
 
     def __enter__(self) -> World:
         self.sim.start()
