@@ -38,8 +38,9 @@ from ipward.core.pool import PoolSpec
 from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT, Delete, Put
+from ipward_lab import fleet
 from ipward_lab.etcdlab import EtcdCluster, etcd_cluster, etcd_server
-from ipward_lab.fleet import IPWARD, run_cli
+from ipward_lab.fleet import run_cli
 from ipward_lab.waiting import wait_for
 from test_agent import AgentProcess
 
@@ -1035,6 +1036,9 @@ def test_release_after_a_take_back_is_no_alarm(plugin, etcd, agents, monkeypatch
     assert "ready block holds an allocation" not in err, err
 
 
+READY_DELAY = 5.0  # the burst's time to take the block back before a release is due
+
+
 def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
     """A real controller asks back the node's only block (empty, beyond warm 0); the
     agent answers `ready`; before the controller's delay runs out a burst of ADDs comes.
@@ -1046,28 +1050,8 @@ def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
     first = call(plugin, "ADD", cfg, "first")
     assert first.ok, first
     assert call(plugin, "DEL", cfg, "first").ok
-    controller_log = tmp_path / "controller.log"
-    controller = subprocess.Popen(
-        [
-            *IPWARD,
-            "controller",
-            "--store",
-            etcd.url,
-            "--interval",
-            "0.1",
-            "--lease-ttl",
-            "3",
-            "--ready-delay",
-            "5",
-            "--metrics-address",
-            "off",
-            "--log-file",
-            str(controller_log),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    timings = ("--interval", "0.1", "--lease-ttl", "3", "--ready-delay", str(READY_DELAY))
+    controller = fleet.Controller("c1", etcd.url, tmp_path, timings)
     try:
         with open_store(etcd.url) as store:
             key = keys.block_key("ab", "10.6.0.0/28")
@@ -1077,6 +1061,8 @@ def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
                 return rec.decode(kv.value)["state"] if kv else None
 
             wait_for(lambda: state() == rec.READY, "the agent's ready answer", poll=0.01)
+            answered_at = rec.BlockRecord.decode(store.get(key).value).answered_at
+            assert answered_at is not None
             burst: list[Answer] = []
             threads = [
                 threading.Thread(target=lambda n=n: burst.append(call(plugin, "ADD", cfg, f"b{n}")))
@@ -1089,11 +1075,13 @@ def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
             assert all(a.ok for a in burst), [a for a in burst if not a.ok]
             assert state() == rec.ACTIVE
             assert rec.decode(store.get(key).value)["node"] == "AB"
-            time.sleep(1.0)  # ten controller passes: none may release the taken-back block
+            # Passes once the ready delay is over, when a release is due: none may
+            # release the taken-back block.
+            wait_for(lambda: time.time() > answered_at + READY_DELAY, "the ready delay to end")
+            fleet.wait_passes([controller.passes], 3, "controller passes")
             assert state() == rec.ACTIVE
             assert len(store.range("ips/ab/")[0]) == 8
     finally:
-        controller.terminate()
-        controller.wait(15)
+        controller.stop(15)
     assert_check_clean(etcd.url)
-    assert "block released" not in controller_log.read_text()
+    assert not controller.logged("block released")

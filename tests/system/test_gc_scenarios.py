@@ -22,7 +22,7 @@ from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import run_cli
 from ipward_lab.kubeadmin import KubeApi
-from ipward_lab.simworld import GRACE, INTERVAL, NS, World
+from ipward_lab.simworld import GRACE, NS, World
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
 
@@ -68,8 +68,9 @@ def test_gc_after_del_already_freed_and_reallocated(world: World) -> None:
         lambda: ctl.logged("not freed: the record changed since it was judged"),
         "the controller's compare-and-delete to fail",
     )
-    # Several more passes: B is young, then ready; nobody touches it.
-    time.sleep(GRACE + 3 * INTERVAL)
+    # More passes, once B's record is past the grace: nobody touches it.
+    w.wait_past_grace([only])
+    w.wait_passes()
     assert w.records()[only] == (b_record, b_revision)
     assert not [e for e in w.freed_logs() if e["by"] == ctl.name]
     assert ctl.metric("ipward_gc_freed_total", reason="sandbox-gone") == 0
@@ -160,7 +161,7 @@ def test_add_in_flight_while_gc_runs_is_not_freed(world: World) -> None:
         w.sim.create_pod(NS, f"slow-{i}")
     addresses = [w.running(f"ns/slow-{i}") for i in range(4)]
     wait_for(lambda: len(w.sim.ready_addresses()) == 4, "the sandboxes to be listed")
-    time.sleep(GRACE + 3 * 0.1)
+    w.wait_passes()  # a free judged before the listing would have landed
     assert set(addresses) <= set(w.records())
     assert w.freed_logs() == []
     assert ctl.metric("ipward_gc_freed_total", reason="sandbox-gone") == 0
@@ -194,7 +195,8 @@ def test_agent_restart_during_churn_with_runtime_unreachable(world: World) -> No
         lambda: (restarted.metric("ipward_agent_reconcile_skipped_total") or 0) >= 2,
         "reconciliation to try and skip",
     )
-    time.sleep(GRACE + 2 * INTERVAL)
+    w.wait_past_grace(leaked)
+    w.wait_passes()
     assert set(w.records()) >= leaked
     assert not [e for e in w.freed_logs() if e["reason"] != "CNI DEL"]
     w.clear_faults()
@@ -217,7 +219,6 @@ def test_controller_restart_between_the_two_gc_passes(world: World) -> None:
     w.sim.drop_del("ns/lost")
     w.sim.delete_pod("ns/lost")
     w.gone("ns/lost")
-    time.sleep(GRACE)
 
     def found_once(ctl: fleet.Controller) -> list[dict]:
         return [e for e in ctl.logged("garbage collection pass") if e["candidates"]]
@@ -271,7 +272,8 @@ def test_node_down_freed_only_after_lease_expired_and_node_gone(world: World) ->
     w.sim.node_down("n2")
     n2.kill()
     wait_for(lambda: w.store.get(keys.node_key("n2")) is None, "n2's lease to expire")
-    time.sleep(GRACE + 4 * INTERVAL)  # many passes: the cluster still lists n2
+    w.wait_past_grace(held)
+    w.wait_passes()  # the cluster still lists n2
     assert held <= set(w.records())
     w.sim.delete_node("n2")
     wait_for(lambda: not held & set(w.records()), "n2's records freed")
@@ -330,7 +332,8 @@ def test_liveness_source_lagging_or_failing_frees_nothing(world: World, fault: s
     rolling_restart(w, 3)
     leaked = set(w.records()) - set(w.sim.ready_addresses())
     assert len(leaked) == 3
-    time.sleep(GRACE + 4 * INTERVAL)
+    w.wait_past_grace(leaked)
+    w.wait_passes()
     assert set(w.records()) == leaked | set(w.sim.ready_addresses())
     assert w.freed_logs() == []
     if w.kube is not None:  # its only source (the cluster) refused: passes skipped

@@ -166,6 +166,7 @@ def test_pods_deleted_while_their_nodes_agent_is_down_wait_for_it(
         w.gone(f"{NS}/{name}")
     canary = addresses["web-3"]  # on n2, whose agent runs
     wait_for(lambda: canary not in w.records(), "the pod gone on n2 freed")
+    w.wait_passes()  # more passes judging the deletions: n1's still wait
     waiting = {addresses["web-0"], addresses["web-1"]}
     assert waiting | {addresses["web-2"]} <= set(w.records()), w.freed_logs()
     w.agent("n1", liveness=False)

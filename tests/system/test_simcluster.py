@@ -684,7 +684,7 @@ def test_restart_phases_failed_then_pending_then_running_with_a_new_sandbox(
     sim.wait_until(lambda: sim.pod(slow).phase == "Pending", what="Pending after Failed")
     assert source.cluster_view().pods[slow.uid].phase == "Pending"
     clock.advance(2)
-    time.sleep(0.3)  # several ticks: still no sandbox started
+    sim.wait_ticks(3)  # still no sandbox started
     assert not adding.is_set() and adds_of(slow) == [1000.0]
     assert source.cluster_view().pods[slow.uid].phase == "Pending"
 
@@ -708,7 +708,7 @@ def test_restart_phases_failed_then_pending_then_running_with_a_new_sandbox(
     # Pending only: Pending at once, the new sandbox 2 s later.
     sim.restart_pod(plain, pending_for=2)
     assert source.cluster_view().pods[plain.uid].phase == "Pending"
-    time.sleep(0.3)
+    sim.wait_ticks(3)
     assert adds_of(plain) == [1000.0, 1000.0] and sim.address_of(plain) is None
     clock.advance(2)
     sim.wait_until(lambda: sim.pod(plain).phase == "Running", what="plain running again")
@@ -718,7 +718,7 @@ def test_restart_phases_failed_then_pending_then_running_with_a_new_sandbox(
     sim.create_job("phases-job", "batch", duration=100, node="node-c")
     [job_pod] = wait_running(sim, "phases-job", 1)
     sim.restart_pod(job_pod, failed_for=5)
-    time.sleep(0.3)
+    sim.wait_ticks(3)
     [still] = sim.pods("phases-job")
     assert (still.uid, still.phase, still.finished_at) == (job_pod.uid, "Failed", None)
     clock.advance(5)

@@ -19,7 +19,7 @@ from ipward.core import keys
 from ipward.core import records as rec
 from ipward_lab.kubeadmin import KubeApi
 from ipward_lab.sim.result import Violation
-from ipward_lab.simworld import INTERVAL, NS, World
+from ipward_lab.simworld import NS, World
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
 
@@ -92,7 +92,7 @@ def test_two_statefulsets_share_a_pool_of_five(watched: tuple[World, Watcher]) -
     wait_for(lambda: not [p for p in w.sim.pods(NS) if p.name.startswith("a-")], "a: none left")
     w.sim.scale(NS, "a", 5)
     wait_for(lambda: len(running_pods(w)) == 5, "5 pods running", timeout=90)
-    time.sleep(w.grace + 4 * INTERVAL)  # settle: nothing else may start, nothing moves
+    w.wait_passes()  # settle: nothing else may start, nothing moves
     final = running_pods(w)
     assert len(final) == 5 and len(set(final.values())) == 5
     watcher.stop()
@@ -140,11 +140,11 @@ def test_statefulset_pod_restarting_keeps_its_address(
     w.sim.list_delay = 0.5 if failed_for == pending_for == 0 else 0.0
     w.sim.create_statefulset(NS, "db", 1)
     address = w.running("ns/db-0")
-    time.sleep(w.grace)  # old enough for GC to judge it
+    w.wait_past_grace([address])  # old enough for GC to judge it
     w.sim.restart_pod("ns/db-0", failed_for=failed_for, pending_for=pending_for)
     wait_for(lambda: w.sim.address_of("ns/db-0") is None, "the restart to begin")
     assert w.running("ns/db-0") == address
-    time.sleep(w.grace + 3 * INTERVAL)
+    w.wait_passes()  # a free judged in the restart would have landed
     assert running_pods(w) == {"db-0": address}
     assert [e for e in w.freed_logs() if e["reason"] != "CNI DEL"] == []
     assert not ctl.logged("freed")
@@ -202,7 +202,9 @@ def test_node_lost_statefulset_pod_moves_with_its_address(watched: tuple[World, 
     rogue = exec_plugin(w.plugin, "ADD", config, container="rogue-sandbox", args=rogue_args)
     assert rogue.json is not None and rogue.json["code"] == 11, rogue
     assert "may still be live" in rogue.json["msg"] or "not listed" in rogue.json["msg"]
-    time.sleep(w.grace + 3 * INTERVAL)
+    wait_for(lambda: w.store.get(keys.node_key("n2")) is None, "n2's lease to expire")
+    w.wait_past_grace([address])
+    w.wait_passes()  # the cluster still lists the old pod
     assert w.records()[address][0]["container"] == w.sim.sandboxes_of(on_n2)[-1]
     w.sim.delete_node("n2")
     wait_for(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,6 +105,7 @@ class World:
         self.controllers: list[fleet.Controller] = []
         self.store = open_store(url)
         self.checker = Checker(self.sim, self.store, Result(Options()), pool=POOL, namespace=NS)
+        self.collectors: list[fleet.Process] = []  # those that free leaked addresses
 
     def pool(self, *options: str) -> None:
         run_cli("pool", "create", POOL, "--cooldown", "0", *options, store=self.url, check=True)
@@ -134,6 +136,8 @@ class World:
         socket = self.run_dir / node / "agent.sock"
         agent = fleet.Agent(node, self.url, socket, self.tmp / "logs", tuple(extra), env)
         self.agents[node] = agent
+        if liveness:
+            self.collectors.append(agent)
         return agent.wait_ready()
 
     def node(self, name: str, liveness: bool = True, cluster: bool = False) -> fleet.Agent:
@@ -160,6 +164,8 @@ class World:
             ]
         ctl = fleet.Controller(ident, self.url, self.tmp / "logs", tuple(extra), env)
         self.controllers.append(ctl)
+        if gc:
+            self.collectors.append(ctl)
         ctl.wait_started()
         return ctl
 
@@ -252,6 +258,23 @@ class World:
             return entries if wanted <= set().union(*map(named, entries)) else None
 
         return list(wait_for(found, f"the frees of {sorted(wanted)} logged"))
+
+    def wait_past_grace(self, ips: Iterable[str]) -> None:
+        """Until the records of `ips` are older than the ADD grace (by their
+        `created_at`): from then on a collector judges them."""
+        wanted, records = sorted(ips), self.records()
+        last = max(records[ip][0]["created_at"] for ip in wanted)
+        wait_for(lambda: time.time() > last + self.grace, f"the records of {wanted} past the grace")
+
+    def wait_passes(self, passes: int = 3) -> None:
+        """Until every collector running has ended `passes` more passes: each agent's
+        reconciliation, and the controllers' garbage collection (the leader's: their
+        sum). What a check that nothing was freed waits for."""
+        running = [p for p in self.collectors if p.running]
+        agents = [p.reconcile_passes for p in running if isinstance(p, fleet.Agent)]
+        controllers = [p for p in running if isinstance(p, fleet.Controller)]
+        gc = [lambda: sum(c.gc_passes() for c in controllers)] if controllers else []
+        fleet.wait_passes([*agents, *gc], passes, "passes of every collector")
 
     def assert_invariants(self) -> None:
         """The soak's checks, now: no address on two ready pods, no ready pod's record
