@@ -1,6 +1,6 @@
-"""What the unit tests of the ledger's parts share: a clock they move, a pool, an
-attachment, a `StoreCache` of a node on a real SQLite store, and the allocating
-transaction of picks made by hand (no `Ledger`, no process, no socket)."""
+"""What the unit tests of the ledger's parts share: a pool, an attachment, a
+`StoreCache` of a node on a real SQLite store, and the allocating transaction of picks
+made by hand (no `Ledger`, no process, no socket)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,9 @@ from ipward.ipam.allocating import pool_guard
 from ipward.ipam.allocation import Pick, writes
 from ipward.ipam.cache import StoreCache
 from ipward.store.base import Store
+from support import ManualClock
 
-NOW = 1_700_000_000.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self) -> float:
-        return self.now
+NOW = ManualClock().now  # where every test's clock starts
 
 
 def pool(subnet: str = "10.0.0.0/24", cooldown: float = 30.0, **more: object) -> PoolSpec:
@@ -35,8 +28,8 @@ def pod(i: int | str) -> PodInfo:
     return PodInfo("ns", f"pod{i}", f"uid{i}")
 
 
-def node_cache(store: Store, node: str = "n1", clock: Clock | None = None) -> StoreCache:
-    return StoreCache(store, node, clock or Clock())
+def node_cache(store: Store, node: str = "n1", clock: ManualClock | None = None) -> StoreCache:
+    return StoreCache(store, node, clock or ManualClock())
 
 
 def commit(cache: StoreCache, spec: PoolSpec, i: int | str, picks: list[Pick]) -> bool:

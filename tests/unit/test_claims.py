@@ -5,7 +5,6 @@ full of requested addresses, borrowing."""
 from __future__ import annotations
 
 import pytest
-from ledger_parts import Clock, att, commit, pod, pool
 
 from ipward.core import keys
 from ipward.core.pool import PoolSpec
@@ -14,11 +13,13 @@ from ipward.ipam import blocks, claims
 from ipward.ipam.allocating import ClaimFirst
 from ipward.ipam.ledger import Ledger
 from ipward.store.base import Delete, Put
+from ledger_parts import att, commit, pod, pool
+from support import ManualClock
 
 
 @pytest.fixture
 def ledger(sqlite_store) -> Ledger:
-    return Ledger(sqlite_store, "n1", clock=Clock())
+    return Ledger(sqlite_store, "n1", clock=ManualClock())
 
 
 def offered(spec: PoolSpec, store) -> list[str]:
@@ -108,7 +109,7 @@ def test_blocks_full_of_requested_addresses_are_claimed_on_their_own_past_the_li
 
 
 def test_a_borrower_takes_a_fresh_address_of_another_nodes_block(sqlite_store):
-    clock = Clock()
+    clock = ManualClock()
     spec = pool("10.0.0.0/28", cooldown=0, borrow=True)
     n1, n2 = Ledger(sqlite_store, "n1", clock=clock), Ledger(sqlite_store, "n2", clock=clock)
     n1.allocate([spec], att(1), pod(1))

@@ -6,7 +6,6 @@ which allocates without combining."""
 from __future__ import annotations
 
 import pytest
-from ledger_parts import NOW, Clock, att, node_cache, pod, pool
 
 from ipward.core import keys
 from ipward.core.records import AddressRecord, AttachmentIndex, ReservationRecord, Sticky
@@ -16,6 +15,8 @@ from ipward.ipam.check import check
 from ipward.ipam.combining import MAX_BATCH, Combiner, Request
 from ipward.ipam.ledger import Ledger
 from ipward.store.base import Delete, KeyValue, Put, absent
+from ledger_parts import NOW, att, node_cache, pod, pool
+from support import ManualClock
 
 
 @pytest.fixture
@@ -114,7 +115,7 @@ def test_a_batch_that_needs_another_block_is_served_one_by_one(cache, sqlite_sto
 
 
 def test_a_short_lived_ledger_allocates_without_combining(sqlite_store):
-    clock = Clock()
+    clock = ManualClock()
     ledger = Ledger(sqlite_store, "n1", clock=clock, short_lived=True)
     assert ledger._combiner is None
     assert [a.ip for a in ledger.allocate([pool()], att(1), pod(1))] == ["10.0.0.1"]

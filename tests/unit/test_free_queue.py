@@ -5,7 +5,6 @@ its memory in a long-lived ledger, its cleanup and what `ipward check` reports o
 from __future__ import annotations
 
 import pytest
-from ledger_parts import Clock, att, commit, pod, pool
 
 from ipward.core import keys
 from ipward.core.records import AddressRecord
@@ -13,11 +12,13 @@ from ipward.ipam import blocks, free_queue
 from ipward.ipam.free_queue import FreeRecord, QueueMemory
 from ipward.ipam.ledger import Ledger
 from ipward.store.base import Delete, KeyValue, Put, at_revision
+from ledger_parts import att, commit, pod, pool
+from support import ManualClock
 
 
 @pytest.fixture
 def ledger(sqlite_store) -> Ledger:
-    return Ledger(sqlite_store, "n1", clock=Clock())
+    return Ledger(sqlite_store, "n1", clock=ManualClock())
 
 
 def add(ledger: Ledger, spec, i) -> str:
@@ -200,7 +201,7 @@ def test_drift_names_what_check_reports_of_the_queue():
 
 
 def test_a_borrower_takes_another_nodes_cooled_entry(sqlite_store):
-    clock = Clock()
+    clock = ManualClock()
     spec = pool(cooldown=0, borrow=True)
     n1, n2 = Ledger(sqlite_store, "n1", clock=clock), Ledger(sqlite_store, "n2", clock=clock)
     a = add(n1, spec, 1)

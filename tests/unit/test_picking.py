@@ -5,7 +5,6 @@ store: each pick committed by hand as the allocating transaction would."""
 from __future__ import annotations
 
 import pytest
-from ledger_parts import Clock, att, commit, node_cache, pod, pool
 
 from ipward.core import keys
 from ipward.core.addr import parse_ip
@@ -23,6 +22,8 @@ from ipward.ipam.allocation import Taken, held, unheld
 from ipward.ipam.cache import StoreCache
 from ipward.ipam.ledger import Ledger
 from ipward.store.base import Delete
+from ledger_parts import att, commit, node_cache, pod, pool
+from support import ManualClock
 
 
 @pytest.fixture
@@ -70,7 +71,7 @@ def test_a_first_attempt_trusts_compares_a_retry_skips_what_is_held(cache, sqlit
 
 
 def test_a_requested_address_is_refused_when_held_and_taken_out_of_the_queue(sqlite_store):
-    clock = Clock()
+    clock = ManualClock()
     spec = pool(cooldown=30)
     ledger = Ledger(sqlite_store, "n1", clock=clock)
     cache = ledger.cache
@@ -112,7 +113,7 @@ def test_requested_addresses_are_mapped_to_their_pools_family():
 
 
 def test_the_pick_order_queue_cooled_then_fresh_then_cooling_then_exhausted(sqlite_store):
-    clock = Clock()
+    clock = ManualClock()
     spec = pool("10.0.0.0/29", cooldown=30)  # one block of 6 addresses
     ledger = Ledger(sqlite_store, "n1", clock=clock)
     ips = [ledger.allocate([spec], att(i), pod(i))[0].ip for i in range(5)]

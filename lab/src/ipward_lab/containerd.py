@@ -1,7 +1,7 @@
 """containerd 1.6's configuration for the labs: the CRI plugin with runc (cgroupfs), the
 CNI dirs given, `restrict_oom_score_adj` (this kernel refuses a negative
 `oom_score_adj`, so runc fails every sandbox without it) and the sandboxes' network
-namespaces under the state dir. Used by tests/containerd_lab.py and by each node of the
+namespaces under the state dir. Used by `ipward_lab.containerdlab` and by each node of the
 cluster lab (`ipward_lab.kubecluster`)."""
 
 from __future__ import annotations

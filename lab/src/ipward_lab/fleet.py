@@ -14,14 +14,28 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from ipward.cni.plugin import forward
 from ipward.cni.wire import WireError
+from ipward_lab.waiting import wait_for
 
 IPWARD = [sys.executable, "-m", "ipward"]
 _SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def run_cli(
+    *args: str, store: str | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`ipward ARGS` (on `store` when given, as IPWARD_STORE), its output captured."""
+    env = dict(os.environ)
+    if store:
+        env["IPWARD_STORE"] = store
+    return subprocess.run(
+        [*IPWARD, *args], capture_output=True, text=True, env=env, check=check, timeout=120
+    )
 
 
 class FleetError(Exception):
@@ -139,6 +153,11 @@ class Process:
                 return value
         return None
 
+    def _total(self, *names: str) -> float:
+        """The sum of unlabelled samples `names` of one read of its /metrics (0 for a
+        sample it does not have, or when it does not answer)."""
+        return sum(value for sample, got, value in self.metrics() if sample in names and not got)
+
     def metrics_url(self) -> str | None:
         """Where its /metrics and /healthz answer, as its start line says."""
         started = self.logged(self.started_msg)
@@ -212,6 +231,13 @@ class Agent(Process):
                 raise FleetError(f"{self.name} not ready after {timeout}s:\n{self.output()}")
             time.sleep(0.02)
 
+    def reconcile_passes(self) -> float:
+        """Its reconciliation passes ended: completed with a runtime view, or skipped
+        without one."""
+        return self._total(
+            "ipward_agent_reconcile_passes_total", "ipward_agent_reconcile_skipped_total"
+        )
+
 
 class Controller(Process):
     started_msg = "controller started"
@@ -240,3 +266,23 @@ class Controller(Process):
     @property
     def leading(self) -> bool:
         return self.metric("ipward_controller_leader") == 1
+
+    def gc_passes(self) -> float:
+        """Its garbage-collection passes ended (only a leader makes them): judged, or
+        skipped with no liveness source answering."""
+        return self._total("ipward_gc_pass_seconds_count", "ipward_gc_skipped_passes_total")
+
+    def passes(self) -> float:
+        """Its passes over every pool ended (only a leader makes them)."""
+        return self._total("ipward_controller_pass_seconds_count")
+
+
+def wait_passes(counters: list[Callable[[], float]], passes: int, what: str) -> None:
+    """Until each of `counters` (e.g. `Controller.gc_passes`) has gone up by `passes`
+    from now. The first pass counted may have begun before this call: one that must see
+    the state as it is now is the second."""
+    start = [counter() for counter in counters]
+    wait_for(
+        lambda: all(c() >= s + passes for c, s in zip(counters, start, strict=True)),
+        f"{passes} more {what}",
+    )

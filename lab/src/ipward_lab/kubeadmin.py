@@ -2,15 +2,25 @@
 server, over HTTP alike): makes namespaces, nodes, pods and StatefulSets, and does what
 a kubelet would (pod status updates, the final delete with grace 0), since neither
 server runs a kubelet or a controller-manager here. The simulated cluster publishes
-through it (`ipward_lab.simcluster.mirror`)."""
+through it (`ipward_lab.simcluster.mirror`). `KubeApi`: a handle on either server
+(its URL, credentials, an admin and `k8s://` sources), as tests and scenario worlds
+hold it."""
 
 from __future__ import annotations
 
 import math
 import time
 import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ipward.cluster.k8s.client import ApiClient
+from ipward.cluster.k8s.config import from_kubeconfig
+
+if TYPE_CHECKING:
+    from ipward.cluster.liveness import LivenessSource
+    from ipward_lab.kubeapi import KubeApiServer
+    from ipward_lab.kubelab import KubeLab
 
 IMAGE = "example.invalid/pause:1"
 
@@ -171,3 +181,51 @@ class KubeAdmin:
 
     def delete_statefulset(self, namespace: str, name: str) -> None:
         self.client.request("DELETE", f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{name}")
+
+
+class KubeApi:
+    """An API server for a test: the loopback test server (`server` set: faults can be
+    injected) or the real kube-apiserver (maybe shared by many tests: names are made
+    unique per test with `name`)."""
+
+    def __init__(
+        self, url: str, kubeconfig: Path, ca_file: Path, client_pki: Any, tag: str, server: Any
+    ) -> None:
+        self.url = url
+        self.kubeconfig = kubeconfig  # admin token
+        self.ca_file = ca_file  # the server's certificate
+        self.client_pki = client_pki  # a client certificate it accepts (ipward_lab.pki)
+        self.tag = tag
+        self.server: KubeApiServer | None = server  # None for the real one
+        self.client = ApiClient(from_kubeconfig(str(kubeconfig)))
+        self.admin = KubeAdmin(self.client)
+        self.sources: list[LivenessSource] = []
+
+    @classmethod
+    def of_test_server(cls, server: KubeApiServer, kubeconfig: Path) -> KubeApi:
+        """The test server, read with an admin kubeconfig written to `kubeconfig`."""
+        written = server.kubeconfig(kubeconfig)
+        return cls(server.url, written, server.ca_file, server.client_pki, "t", server)
+
+    @classmethod
+    def of_real_server(cls, lab: KubeLab, tag: str = "t") -> KubeApi:
+        return cls(lab.url, lab.kubeconfig, lab.ca_file, lab.client_pki, tag, None)
+
+    def name(self, base: str) -> str:
+        return f"{base}-{self.tag}"
+
+    def source(
+        self, *options: str, node: str = "", kubeconfig: Path | None = None
+    ) -> LivenessSource:
+        """A `k8s://` source on this server (closed by `close`)."""
+        from ipward.cluster.liveness import open_source
+
+        query = "&".join([f"kubeconfig={kubeconfig or self.kubeconfig}", *options])
+        source = open_source(f"k8s://?{query}", node=node)
+        self.sources.append(source)
+        return source
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+        self.client.close()

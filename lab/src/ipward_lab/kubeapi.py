@@ -1,7 +1,7 @@
 """A loopback Kubernetes API server for tests: the protocol of a real kube-apiserver for
 what ipward uses, over HTTPS with bearer tokens, so a client takes the same code path
 against it as against the real thing (`tests/k8s_wire/` holds recorded real exchanges;
-`tests/test_k8s_wire.py` checks this server answers them in the same shapes).
+`tests/system/test_k8s_wire.py` checks this server answers them in the same shapes).
 
 Served: pods, nodes, namespaces (core/v1) and StatefulSets (apps/v1), cluster-wide and
 per namespace; GET of one object; lists paged with `limit`/`continue` (each paged list
@@ -13,7 +13,7 @@ chunked streams, one JSON event per line, with BOOKMARK events when asked where 
 `bookmark_interval`, standing for its minute, and 2 s before the end), an ERROR event
 with a 410 Status when the requested resourceVersion is older than the history window
 or than the server's (re)start, and a clean end at `timeoutSeconds`
-(`tests/test_k8s_wire.py` runs one scenario on both servers and compares);
+(`tests/system/test_k8s_wire.py` runs one scenario on both servers and compares);
 writes (POST, PUT of `/status`, merge PATCH, DELETE with `gracePeriodSeconds` and a UID
 precondition: a pod's graceful delete only sets `deletionTimestamp`, as without a
 kubelet; a mirror pod's `kubernetes.io/config.mirror` needs `spec.nodeName` and is never

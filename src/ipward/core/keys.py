@@ -1,6 +1,6 @@
 """The store's key layout: the one place a key prefix is spelled. Everything else builds
 keys, reads them back and names their prefixes through the functions and constants here
-(`tests/test_layers.py` checks that no other product module spells one).
+(`tests/unit/test_key_layout.py` checks that no other product module spells one).
 
     meta/schema                                   {version[, import]}: ipward.store.schema
     meta/poolcoverage                             {generation, pool}: rewritten by every write

@@ -207,7 +207,7 @@ else:
 # -- _sqlite3 without functools --------------------------------------------------------
 
 # The Pythons whose `_sqlite3` takes nothing of `functools` but `lru_cache`, each checked
-# by tests/test_start_path_pythons.py; on any other, `functools` itself is imported.
+# by tests/system/test_start_path_pythons.py; on any other, `functools` itself is imported.
 LRU_CACHE_ONLY = ((3, 11), (3, 12), (3, 13))
 
 
@@ -409,7 +409,7 @@ STANDALONE_MODULES = (
 )
 # The oldest Python the standalone plugin's modules run on: 3.10 for `isinstance` with
 # `X | Y` (the JSON codec above). Exec-tested on each version the machine has
-# (tests/test_start_path_pythons.py); the syntax also with `ast.parse(feature_version)`.
+# (tests/system/test_start_path_pythons.py); the syntax also with `ast.parse(feature_version)`.
 MIN_HOST_PYTHON = (3, 10)
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed: the same modules make the same bytes
 

@@ -212,7 +212,7 @@ class Watch(abc.ABC):
 # Upper bounds of the protobuf bytes etcd encodes around keys, values and operands: the
 # field tags, lengths and numbers of a Compare (< 24) or a RequestOp (< 32), and of the
 # TxnRequest inside etcd's raft request, with its header and user name (< 1024).
-# tests/test_wire.py measures them against the real encoding.
+# tests/system/test_agent.py measures them against the real encoding.
 TXN_BYTES_PER_COMPARE = 32
 TXN_BYTES_PER_OP = 40
 TXN_BYTES_BASE = 1024

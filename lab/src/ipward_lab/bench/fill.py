@@ -238,7 +238,7 @@ def bulk_fill(
     releases, no controller): the pool spec, one record per address naming its block,
     one index per attachment (`<network>/<prefix>-<i>/eth0`, pod `pods(i)`), every block
     claimed with its affinity entry and cursor, the node's fill records and the pool's
-    block cursors: the same keys and values as the ledger's (tests/test_bench.py
+    block cursors: the same keys and values as the ledger's (tests/unit/test_bench_parts.py
     compares them), in large transactions without compares, so 100,000 take seconds.
     Set-up only: on an empty store, with nothing else writing. Returns the attachments."""
     if count <= 0:

@@ -19,10 +19,17 @@ from ipward_lab.simcluster import SimCluster
 
 
 class Checker:
-    def __init__(self, sim: SimCluster, store: Store, result: Result) -> None:
+    """The checks of one pool's addresses and one namespace's pods (the soak's, or a
+    scenario world's: `ipward_lab.simworld`)."""
+
+    def __init__(
+        self, sim: SimCluster, store: Store, result: Result, pool: str = POOL, namespace: str = NS
+    ) -> None:
         self.sim = sim
         self.store = store
         self.result = result
+        self.pool = pool
+        self.namespace = namespace
 
     def check_once(self) -> list[Violation]:
         """One look: cluster, store, cluster again. A ready pod's address must be
@@ -30,7 +37,7 @@ class Checker:
         was read; no two ready pods may share an address."""
         before = self._ready()
         try:
-            kvs, _ = self.store.range(keys.ips_prefix(POOL))
+            kvs, _ = self.store.range(keys.ips_prefix(self.pool))
         except StoreError:
             return []  # the store is down (a fault): nothing to compare against
         after = self._ready()
@@ -67,7 +74,7 @@ class Checker:
 
     def history(self, ip: str, wait: float = 3.0) -> list[str]:
         """Every version of the address's record, with its revision."""
-        key = keys.ip_key(POOL, ip)
+        key = keys.ip_key(self.pool, ip)
         end = self.store.revision()
         watch = self.store.watch(key, 1)
         timer = threading.Timer(wait, watch.cancel)
@@ -110,20 +117,20 @@ class Checker:
     def _state(self) -> tuple[list[str], set[str], set[str]]:
         """(pods not running, addresses the pods hold, addresses recorded for a sandbox:
         detached sticky records aside)."""
-        pods = self.sim.pods(NS)
+        pods = self.sim.pods(self.namespace)
         waiting = [f"{p.name}:{p.phase}" for p in pods if p.phase != "Running" and not p.terminal]
         held = {a for p in pods if (a := self.sim.address_of(p)) is not None}
         bound = {
             keys.ip_parts(kv.key)[1]
-            for kv in self.store.range(keys.ips_prefix(POOL))[0]
+            for kv in self.store.range(keys.ips_prefix(self.pool))[0]
             if not AddressRecord.decode(kv.value).is_detached
         }
         return waiting, held, bound
 
     def empty(self) -> bool:
         return (
-            not self.sim.pods(NS)
-            and not self.store.range(keys.ips_prefix(POOL))[0]
+            not self.sim.pods(self.namespace)
+            and not self.store.range(keys.ips_prefix(self.pool))[0]
             and not self.store.range(keys.STICKY)[0]
         )
 

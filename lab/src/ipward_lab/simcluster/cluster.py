@@ -84,8 +84,17 @@ class SimCluster(Workloads, Kubelet, Faults, Publishing):
                 if node.up:
                     changed |= self._sync_kubelet(node, now)
             version = self._bump() if changed else None
+            self._ticks += 1
         if version is not None:
             self._publish(version)
+
+    def wait_ticks(self, ticks: int = 3, timeout: float = 10.0) -> None:
+        """Until `ticks` more ticks have ended: what a check that nothing happened (no
+        sandbox started, no pod replaced) waits for. The first may have begun before
+        this call."""
+        with self._cond:
+            target = self._ticks + ticks
+        self.wait_until(lambda: self._ticks >= target, timeout, f"{ticks} more ticks")
 
     def wait_until(
         self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = ""

@@ -272,6 +272,7 @@ class ClusterModel:
         self._delayed: list[DelayedDel] = []
         self._seq = 0
         self._version = 0  # bumped by every change of the model
+        self._ticks = 0  # ended (`SimCluster.wait_ticks`)
         self._history: deque[Snapshot] = deque()
         self._snapshot_version = -1
         self._published_version = -1

@@ -1,0 +1,92 @@
+"""What test modules of both layers import (fixtures are in the conftests): the
+repository's root, a clock moved by hand, the exchanges recorded from a real
+kube-apiserver, the plugin exec'd as a runtime does, and a test point held open.
+Waiting, the CLI and the processes are the labs' (`ipward_lab.waiting`,
+`ipward_lab.fleet`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from ipward_lab.waiting import wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+K8S_WIRE = REPO / "tests" / "k8s_wire"  # exchanges recorded from a real kube-apiserver
+
+
+class ManualClock:
+    """A clock that moves only when told: deadlines, and the times written, become
+    exact."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def recorded(name: str) -> dict:
+    """An exchange recorded from a real kube-apiserver (`k8s_wire/README.md`)."""
+    return json.loads((K8S_WIRE / f"{name}.json").read_text())  # type: ignore[no-any-return]
+
+
+class PluginResult:
+    def __init__(self, proc: subprocess.CompletedProcess) -> None:
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.json = json.loads(proc.stdout) if proc.stdout.strip() else None
+
+    def __repr__(self) -> str:
+        return f"PluginResult(rc={self.returncode}, stdout={self.stdout!r}, stderr={self.stderr!r})"
+
+
+def exec_plugin(
+    plugin: Path,
+    command: str,
+    config: dict | bytes | str,
+    container: str = "c0",
+    ifname: str = "eth0",
+    args: str = "",
+    netns: str = "/var/run/netns/test",
+    env: dict[str, str] | None = None,
+) -> PluginResult:
+    """Exec the plugin as a runtime would: CNI_* environment, config on stdin."""
+    data = json.dumps(config).encode() if isinstance(config, dict) else config
+    if isinstance(data, str):
+        data = data.encode()
+    full_env = {
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": container,
+        "CNI_IFNAME": ifname,
+        "CNI_NETNS": netns,
+        "CNI_PATH": str(plugin.parent),
+        "CNI_ARGS": args,
+    }
+    full_env.update(env or {})
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    proc = subprocess.run([str(plugin)], input=data, env=full_env, capture_output=True, timeout=60)
+    return PluginResult(proc)
+
+
+class Gate:
+    """A test point held open (`IPWARD_TEST_GATES`): the process waits at it until the
+    test opens it, so the test acts exactly in the window."""
+
+    def __init__(self, tmp: Path, point: str) -> None:
+        self.dir = tmp / f"gate-{point}"
+        self.dir.mkdir()
+        self.point = point
+        self.env = {**os.environ, "IPWARD_TEST_GATES": f"{point}={self.dir}"}
+
+    def wait_reached(self) -> None:
+        wait_for((self.dir / f"{self.point}.reached").exists, f"the {self.point} gate")
+
+    def open(self) -> None:
+        (self.dir / f"{self.point}.open").touch()

@@ -1,0 +1,178 @@
+"""The system layer's fixtures: a real etcd for a module, an empty store on SQLite and
+on etcd (`either_store`), the plugin installed into a temporary CNI bin dir, the
+scenario worlds (`ipward_lab.simworld`), Kubernetes API servers (the loopback test
+server, the real kube-apiserver) and a real cluster for the `kube` tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ipward.store import Store, open_backend
+from ipward.store.base import Delete
+from ipward_lab.etcdlab import EtcdServer, etcd_server
+from ipward_lab.fleet import IPWARD
+from ipward_lab.kubeadmin import KubeApi
+from ipward_lab.simworld import World
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for a test module; its tests empty the keyspace they use. A module
+    needing one per test defines its own `etcd`."""
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def either_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """A store without ipward's schema, empty: a SQLite file, then the module's etcd
+    (emptied: its tests share it)."""
+    url = f"sqlite://{tmp_path}/s.db"
+    if request.param == "etcd":
+        url = request.getfixturevalue("etcd").url
+    with open_backend(url) as s:
+        s.txn([], [Delete(kv.key) for kv in s.range("")[0]])
+        yield s
+
+
+@pytest.fixture(scope="session")
+def cni_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CNI bin dir holding the installed `ipward` plugin (and nothing else)."""
+    bin_dir = tmp_path_factory.mktemp("cni-bin")
+    subprocess.run(
+        [*IPWARD, "install-cni", "--bin-dir", str(bin_dir)], check=True, capture_output=True
+    )
+    return bin_dir
+
+
+@pytest.fixture
+def plugin(cni_bin: Path) -> Path:
+    return cni_bin / "ipward"
+
+
+@pytest.fixture(params=["sim", "k8s"])
+def world_kube(request: pytest.FixtureRequest) -> KubeApi | None:
+    """Where a scenario's `World` keeps its cluster: `sim`, the state file (None); `k8s`,
+    an API server read through `k8s://` (`scenario_kube`). Each scenario runs on both."""
+    if request.param == "sim":
+        return None
+    kube: KubeApi = request.getfixturevalue("scenario_kube")
+    return kube
+
+
+@pytest.fixture
+def world(
+    tmp_path: Path, plugin: Path, sqlite_url: str, world_kube: KubeApi | None
+) -> Iterator[World]:
+    """A running `World` on SQLite (agents and controllers are added by the test), on
+    both `world_kube`s; everything stopped at the end."""
+    with World(tmp_path, plugin, sqlite_url, kube=world_kube) as w:
+        yield w
+
+
+@pytest.fixture
+def scenario_kube(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
+    """The API server of a scenario's `k8s` variant: a kube-apiserver of its own when
+    KUBE_APISERVER names one (the scenarios name their nodes, namespace and pods alike,
+    so they cannot share the session's), else the loopback test server."""
+    from ipward_lab import kubelab
+
+    executable = kubelab.binary()
+    if executable is None:
+        yield from _test_kube_server(tmp_path, kube_certs)
+        return
+    with kubelab.kube_apiserver(executable, tmp_path) as lab:
+        api = KubeApi.of_real_server(lab)
+        try:
+            yield api
+        finally:
+            api.close()
+
+
+@pytest.fixture(scope="session")
+def real_kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from ipward_lab import kubelab
+
+    executable = kubelab.binary()
+    if executable is None:
+        pytest.skip("KUBE_APISERVER does not name a kube-apiserver binary")
+    with kubelab.kube_apiserver(executable, tmp_path_factory.mktemp("kubelab")) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="session")
+def kube_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Certificates for the test API servers, made once per session (RSA keys are slow)."""
+    return tmp_path_factory.mktemp("kube-certs")
+
+
+@pytest.fixture
+def kube_server(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
+    """The loopback test API server (faults can be injected through `.server`)."""
+    yield from _test_kube_server(tmp_path, kube_certs)
+
+
+def _test_kube_server(tmp_path: Path, certs: Path) -> Iterator[KubeApi]:
+    from ipward_lab.kubeapi import kube_api_server
+
+    with kube_api_server(tmp_path, certs=certs) as server:
+        api = KubeApi.of_test_server(server, tmp_path / "kubeconfig")
+        try:
+            yield api
+        finally:
+            api.close()
+
+
+@pytest.fixture(params=["test-server", "kube-apiserver"])
+def kube(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KubeApi]:
+    """A Kubernetes API: the loopback test server, and the real kube-apiserver when
+    KUBE_APISERVER names it (else that parametrization is skipped)."""
+    if request.param == "test-server":
+        yield request.getfixturevalue("kube_server")
+        return
+    lab = request.getfixturevalue("real_kube_apiserver")
+    api = KubeApi.of_real_server(lab, tag=uuid.uuid4().hex[:8])
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+@pytest.fixture(scope="module")
+def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real cluster (`ipward cluster up --nodes 3`) with ipward deployed from its image
+    and manifests (`ipward cluster deploy`), for a module of `kube` tests; removed after
+    it. The machine's state before `up` is in `.machine_before`, the times taken in
+    `.info` (`up_seconds`, `deploy_seconds`). Skipped when the Kubernetes binaries are
+    not found (the reason says where to get them)."""
+    from ipward_lab import kubecluster
+
+    reason = kubecluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from ipward_lab.containerdlab import machine_lock
+
+    # A containerd lab writes to the machine's /run/containerd and /var/lib/cni while it
+    # runs, which the snapshot compares: none runs meanwhile (they take the same lock).
+    machine_lock.acquire()
+    try:
+        before = kubecluster.machine_snapshot()
+        lab = kubecluster.Cluster(tmp_path_factory.mktemp("cluster"))
+        lab.machine_before = before  # type: ignore[attr-defined]
+        say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
+        try:
+            lab.up(3, say)
+            lab.deploy(say)
+            yield lab
+        finally:
+            left = lab.down(say)
+            assert not left, f"cluster down left: {left}"
+    finally:
+        machine_lock.release()
