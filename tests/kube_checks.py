@@ -12,9 +12,11 @@ test_kube_stories.py):
 - after a story's teardown, every pool back to its baseline: nothing recorded for the
   story's namespace, as many addresses used as before it.
 
-Reads of the API, the runtimes and the store are not one snapshot: a problem counts only
-when fresh reads still show it for CONFIRM_SECONDS (a pod deleted between two reads is
-not a lost record). The witness's doubles need no confirmation: both spans are certain.
+Reads of the API, the runtimes and the store are not one snapshot: a pod's problem counts
+only when fresh reads still show it for CONFIRM_SECONDS (a pod deleted between two reads
+is not a lost record). What the witness saw needs no confirmation: its doubles are two
+spans certain to overlap, and an address a namespace held all through the read of the
+records was either recorded for its sandbox then or not.
 """
 
 from __future__ import annotations
@@ -28,9 +30,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipward_lab.clusterwatch import AddressWitness
-from ipward_lab.kubecluster import POD_NET, Cluster, ClusterError, wait_for
+from ipward_lab.kubecluster import POD_NET, Cluster, ClusterError, Tuning, wait_for
 
 CONFIRM_SECONDS = 3.0
+ADD_GRACE = 10.0
+# The kube tests' deployment: deploy/base with these options (an overlay), so that what
+# ipward does after its ADD grace or a release delay comes in seconds.
+KUBE_TUNING = Tuning(
+    agent_args=(f"--add-grace={ADD_GRACE:g}", "--reconcile-interval=3"),
+    # The controller's source hears the API at least every 5 s (`stale=10`: its watches
+    # end at half that), so its view is never older than that, less a 2 s margin, even
+    # for kinds that seldom change (namespaces, StatefulSets): its verdicts come seconds,
+    # not a minute, after the ADD grace.
+    controller_args=(
+        f"--add-grace={ADD_GRACE:g}",
+        "--gc-interval=2",
+        "--interval=1",
+        "--liveness=k8s://?stale=10&margin=2",
+    ),
+    # Small blocks, handed back 5 s after they empty, freed addresses given again after
+    # 2 s: what the stories do moves blocks and reuses addresses.
+    pool_args=("--block-v4=29", "--warm=4", "--release-delay=5", "--cooldown=2"),
+)
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 
 
@@ -54,6 +75,7 @@ class Reading:
     pods: list[dict[str, Any]]
     nodes: set[str]
     records: list[dict[str, Any]]
+    records_read: tuple[float, float]  # monotonic, before and after
     by_ip: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,8 +124,25 @@ def read_all(lab: Cluster) -> Reading:
             continue
     pods = lab.api("/api/v1/pods")["items"]
     nodes = {n["metadata"]["name"] for n in lab.api("/api/v1/nodes")["items"]}
+    start = time.monotonic()
     records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
-    return Reading(sandboxes, pods, nodes, records)
+    return Reading(sandboxes, pods, nodes, records, (start, time.monotonic()))
+
+
+def is_running(pod: dict[str, Any]) -> bool:
+    """Running, every container of it running, not being deleted. Not the phase alone:
+    a kubelet 1.26 reports a StatefulSet's new pod Running, with the address of the pod
+    of that name it replaces, while its own sandbox is not made yet (its container
+    statuses are the old pod's, terminated)."""
+    status = pod["status"]
+    containers = status.get("containerStatuses", [])
+    return (
+        status.get("phase") == "Running"
+        and bool(status.get("podIP"))
+        and not pod["metadata"].get("deletionTimestamp")
+        and bool(containers)
+        and all("running" in c.get("state", {}) for c in containers)
+    )
 
 
 def running_pods(reading: Reading, networks: Iterable[Any] = (POD_NET,)) -> list[dict[str, Any]]:
@@ -112,7 +151,7 @@ def running_pods(reading: Reading, networks: Iterable[Any] = (POD_NET,)) -> list
     return [
         p
         for p in reading.pods
-        if p["status"].get("phase") == "Running"
+        if is_running(p)
         and not p["spec"].get("hostNetwork")
         and p["spec"].get("nodeName") in reading.nodes
         and any(pod_network(i["ip"], nets) for i in p["status"].get("podIPs", []))
@@ -128,11 +167,9 @@ def pod_uids(pod: dict[str, Any]) -> set[str]:
     return uids
 
 
-def problems(
-    reading: Reading, held: dict[str, list[Any]], networks: Iterable[Any] = (POD_NET,)
-) -> dict[tuple[str, ...], str]:
-    """The invariants this reading breaks, each under a key that stays the same while
-    the same thing stays broken."""
+def problems(reading: Reading, networks: Iterable[Any] = (POD_NET,)) -> dict[tuple[str, ...], str]:
+    """What this reading shows broken of the pods' invariants, each under a key that stays
+    the same while the same thing stays broken."""
     nets = list(networks)
     found: dict[tuple[str, ...], str] = {}
     # Two Running pods, one address (the API).
@@ -191,9 +228,21 @@ def problems(
                 found[("unrecorded-pod", pod["metadata"]["uid"], ip)] = (
                     f"{name} on {node} runs with {ip}: {why}"
                 )
-    # Every address a namespace holds is that namespace's sandbox's record.
+    return found
+
+
+def namespace_problems(
+    reading: Reading, witness: AddressWitness, networks: Iterable[Any]
+) -> dict[tuple[str, ...], str]:
+    """Addresses a namespace held all through the read of the records that are not
+    that namespace's sandbox's record. Certain (no confirmation needed): a sandbox's
+    record is committed before its address is configured (the IPAM answers `bridge`
+    first), and freed, detached or taken over only once its link is gone (`bridge`
+    1.1 deletes it before it calls the IPAM's DEL)."""
+    nets = list(networks)
+    found: dict[tuple[str, ...], str] = {}
     by_netns = {(s.node, s.netns): s for ss in reading.sandboxes.values() for s in ss if s.netns}
-    for ip, spans in held.items():
+    for ip, spans in witness.held_during(*reading.records_read).items():
         if not pod_network(ip, nets):
             continue
         for span in spans:
@@ -238,13 +287,15 @@ class StoryChecks:
             f"{a} and {b}" for a, b in doubles
         )
         reading = read_all(self.lab)
-        found = problems(reading, self.witness.held(), self.networks)
+        self.witness.wait_scans(1)
+        certain = namespace_problems(reading, self.witness, self.networks)
+        assert not certain, f"{label}: " + "; ".join(certain.values())
+        found = problems(reading, self.networks)
         if found:
             deadline = time.monotonic() + CONFIRM_SECONDS
             while found and time.monotonic() < deadline:
-                self.witness.wait_scans(1)
                 reading = read_all(self.lab)
-                again = problems(reading, self.witness.held(), self.networks)
+                again = problems(reading, self.networks)
                 found = {k: again[k] for k in found if k in again}
         assert not found, f"{label}: " + "; ".join(found.values())
         check = self.lab.ipward_run("check", check=False)

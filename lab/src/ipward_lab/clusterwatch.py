@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ipward_lab.kubecluster import OBSERVER_MARK
+
 if TYPE_CHECKING:
     from ipward_lab.kubecluster import Cluster, Node
 
@@ -76,7 +78,8 @@ for _ in sys.stdin:
 
 
 class NetnsScanner:
-    """The addresses of every network namespace of one node's runtime, on request."""
+    """The addresses of every network namespace of one node's runtime, on request. Its
+    process carries OBSERVER_MARK: a node's power off spares it."""
 
     def __init__(self, lab: Cluster, node: Node) -> None:
         self.lab = lab
@@ -87,7 +90,7 @@ class NetnsScanner:
         self.proc = subprocess.Popen(
             [
                 "nsenter", f"--mount={self.node.mntns}",
-                "/usr/bin/python3", "-I", "-S", "-c", SCAN_SCRIPT, NETNS_DIR,
+                "/usr/bin/python3", "-I", "-S", "-c", SCAN_SCRIPT, NETNS_DIR, OBSERVER_MARK,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -222,6 +225,16 @@ class AddressWitness:
             out: dict[str, list[Span]] = {}
             for span in self.open.values():
                 out.setdefault(span.ip, []).append(span)
+            return out
+
+    def held_during(self, start: float, end: float) -> dict[str, list[Span]]:
+        """The addresses held for certain from `start` to `end` (monotonic), with the
+        namespaces holding them: scans before `start` and after `end` saw them."""
+        with self.lock:
+            out: dict[str, list[Span]] = {}
+            for span in self.spans:
+                if span.held_from <= start and span.held_to >= end:
+                    out.setdefault(span.ip, []).append(span)
             return out
 
     def doubles(self, network: object = None) -> list[tuple[Span, Span]]:

@@ -704,13 +704,15 @@ class Cluster:
     def node_range_routes(self, present: bool) -> None:
         """The routes of host-local's node ranges (each node's range through that node),
         in the fabric and in the other nodes (straight to the node, not through the
-        fabric): made (`present`) or removed."""
-        verb = "replace" if present else "del"
+        fabric): made (`present`) or removed (also when they are not there)."""
         for node in self.nodes:
-            self._ip(self.fabric_netns, "route", verb, node.pod_cidr, "via", node.ip)
-            for other in self.nodes:
-                if other is not node:
-                    self._ip(node.netns, "route", verb, other.pod_cidr, "via", other.ip)
+            for netns, via in [(self.fabric_netns, node.ip)] + [
+                (other.netns, node.ip) for other in self.nodes if other is not node
+            ]:
+                if present:
+                    self._ip(netns, "route", "replace", node.pod_cidr, "via", via)
+                else:
+                    self._ip(netns, "route", "flush", "exact", node.pod_cidr)
 
     def _pki(self) -> None:
         p = self.pki
@@ -979,14 +981,7 @@ class Cluster:
             self.in_node(node, [which("containerd") or "containerd", "--config", str(config)]),
             env=env,
         )
-        wait_for(
-            f"{node.name}: containerd's socket",
-            lambda: (
-                self._alive(f"{node.name}-containerd") and Path(node.containerd_socket).exists()
-            ),
-            READY_TIMEOUT,
-            0.1,
-        )
+        self.wait_containerd(node)
         self.import_images(node, images)
         token = self._tokens[f"system:node:{node.name}"]
         kubeconfig = self._client_kubeconfig(
@@ -1135,7 +1130,7 @@ class Cluster:
         the pods' volumes under /var/lib/kubelet (tmpfs), then /run's content. Its
         disk (/var/lib, /etc) stays; `power_on` starts its containerd and kubelet."""
         deadline = time.monotonic() + timeout
-        while pids := {p for p in self.node_pids(node) if not _zombie(p)}:
+        while pids := {p for p in self.node_pids(node) if not _zombie(p) and not _observer(p)}:
             if time.monotonic() > deadline:
                 raise ClusterError(f"{node.name}: processes still running: {sorted(pids)}")
             for pid in pids:
@@ -1162,13 +1157,26 @@ class Cluster:
                 self.kill(name, timeout=5.0)
             self.launch(name, entry["argv"], env=entry.get("env"))
             if name == containerd:
-                wait_for(
-                    f"{node.name}: containerd's socket",
-                    lambda: self._alive(containerd) and Path(node.containerd_socket).exists(),
-                    READY_TIMEOUT,
-                    0.1,
-                )
+                self.wait_containerd(node)
         self.write_info()
+
+    def wait_containerd(self, node: Node) -> None:
+        """Until the node's containerd answers on its socket (a socket file left by one
+        that was killed refuses connections: the kubelet would exit on it)."""
+        from ipward.cluster.cri import CriClient, CriError
+
+        def answers() -> bool:
+            self._alive(f"{node.name}-containerd")
+            if not Path(node.containerd_socket).exists():
+                return False
+            with CriClient(node.containerd_socket, timeout=2) as cri:
+                try:
+                    cri.version()
+                except CriError:
+                    return False
+            return True
+
+        wait_for(f"{node.name}: containerd answering", answers, READY_TIMEOUT, 0.1)
 
     # -- deploy ---------------------------------------------------------------------------
 
@@ -1456,6 +1464,19 @@ def namespace_ids(lab: Cluster) -> set[tuple[int, int]]:
     files = [lab.cp_netns, lab.fabric_netns, *(n.netns for n in lab.nodes)]
     files += [n.mntns for n in lab.nodes]
     return {i for i in (_ns_id(f) for f in files) if i is not None}
+
+
+# In the argv of the lab's own observers that live in a node's namespaces (the address
+# witness's scanners): not the node's, so a power off spares them (`down` does not).
+OBSERVER_MARK = "ipward-lab-observer"
+
+
+def _observer(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return OBSERVER_MARK.encode() in argv
 
 
 def _zombie(pid: int) -> bool:
