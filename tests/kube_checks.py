@@ -313,7 +313,13 @@ class StoryChecks:
         def back() -> bool:
             records = json.loads(self.lab.ipward_run("alloc", "list", "--json").stdout)
             left = [r for r in records if r["pod"].get("namespace") == namespace]
-            return not left and self.used() == baseline
+            used = self.used()
+            new = {pool: n for pool, n in used.items() if pool not in baseline}
+            return (
+                not left
+                and {p: used.get(p) for p in baseline} == baseline
+                and not any(new.values())
+            )
 
         try:
             wait_for(f"every pool back to {baseline}, nothing of {namespace}", back, timeout, 1.0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import ipaddress
 import json
 import os
 import threading
@@ -42,7 +43,7 @@ pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
 RUNNING_TIMEOUT = 120.0
 PARALLEL_ROUNDS = 10
 ORDERED_ROUNDS = 3  # an OrderedReady round is ~12 s: ten would not fit the kube tests' time
-FORCE_ROUNDS = 2
+FORCE_ROUNDS = 1
 CHURN_ROUNDS = 2
 # How old a record must be for the controller to judge it at once: the ADD grace from
 # when its source last heard the API, less the source's margin (KUBE_TUNING's).
@@ -86,10 +87,16 @@ def container(env: dict[str, str] | None = None, args: list[str] | None = None) 
 
 
 def pod_spec(
-    node: str | None = None, slow_stop: bool = False, grace: int = 2, spread: str = ""
+    node: str | None = None,
+    slow_stop: bool = False,
+    grace: int = 2,
+    spread: str = "",
+    strict: bool = False,
 ) -> dict[str, Any]:
     """A test pod: the static `sleep`; `slow_stop`: it ignores SIGTERM, so the kubelet
-    kills it only after `grace` seconds (its sandbox's teardown comes that late)."""
+    kills it only after `grace` seconds (its sandbox's teardown comes that late);
+    `spread`: the pods labelled app=SPREAD spread over the nodes, `strict`ly or not (then
+    they still go elsewhere when a node is drained or gone)."""
     spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": grace,
         "containers": [container({"SLEEP_IGNORE_TERM": "1"} if slow_stop else None)],
@@ -101,7 +108,7 @@ def pod_spec(
             {
                 "maxSkew": 1,
                 "topologyKey": "kubernetes.io/hostname",
-                "whenUnsatisfiable": "ScheduleAnyway",
+                "whenUnsatisfiable": "DoNotSchedule" if strict else "ScheduleAnyway",
                 "labelSelector": {"matchLabels": {"app": spread}},
             }
         ]
@@ -203,13 +210,20 @@ class Story:
         return found
 
     def pod_state(self, pod: dict[str, Any]) -> str:
+        """Its phase, why its containers wait, its node, and the kubelet's last failure to
+        make its sandbox."""
         status = pod["status"]
         waiting = [
             c["state"]["waiting"].get("reason", "")
             for c in status.get("containerStatuses", [])
             if "waiting" in c.get("state", {})
         ]
-        return f"{status.get('phase')} {','.join(waiting)} on {pod['spec'].get('nodeName')}"
+        state = f"{status.get('phase')} {','.join(waiting)} on {pod['spec'].get('nodeName')}"
+        failed = events(self, pod["metadata"]["name"], "FailedCreatePodSandBox")
+        if failed:
+            last = max(failed, key=lambda e: e.get("lastTimestamp") or "")
+            state += f" ({last.get('count', 1)} failed sandboxes, the last: {last['message']})"
+        return state
 
     def wait_gone(self, app: str, timeout: float = RUNNING_TIMEOUT) -> None:
         wait_for(f"no pod of {app}", lambda: not self.pods(app), timeout, 0.3)
@@ -1011,3 +1025,93 @@ def test_agent_daemonset_rolled_with_surge_under_churn(stories: Stories) -> None
                 for node in lab.nodes:
                     wait_agent_ready(lab, node.name)
         s.wait_running("churn", 9)
+
+
+SECOND_NET = ipaddress.ip_network("10.245.0.0/24")
+NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
+NETWORK_STATUS_ANNOTATION = "k8s.v1.cni.cncf.io/network-status"
+
+
+def second_network(ipam_type: str) -> dict[str, Any]:
+    """A NetworkAttachmentDefinition: `bridge` on each node's `cni1` (no gateway, not
+    routed), its `ipam` on SECOND_NET; host-local or ipward by `type` alone (ipward
+    names the same range an inline pool, named after the network; host-local ignores
+    `agentSocket`)."""
+    config = {
+        "cniVersion": "0.3.1",
+        "name": "second",
+        "type": "bridge",
+        "bridge": "cni1",
+        "ipam": {
+            "type": ipam_type,
+            "ranges": [[{"subnet": str(SECOND_NET)}]],
+            "agentSocket": kubecluster.AGENT_SOCKET,
+        },
+    }
+    return {
+        "apiVersion": "k8s.cni.cncf.io/v1",
+        "kind": "NetworkAttachmentDefinition",
+        "metadata": {"name": "second"},
+        "spec": {"config": json.dumps(config)},
+    }
+
+
+def interfaces(pod: dict[str, Any]) -> dict[str, str]:
+    """The pod's interfaces and their first addresses, as Multus wrote them."""
+    status = json.loads(pod["metadata"].get("annotations", {}).get(NETWORK_STATUS_ANNOTATION, "[]"))
+    return {s["interface"]: s["ips"][0] for s in status if s.get("interface") and s.get("ips")}
+
+
+def test_multus_secondary_network_switched_from_host_local_to_ipward(stories: Stories) -> None:
+    """Multus (its thin plugin) in front of the pod network, and a second network (a
+    NetworkAttachmentDefinition, `bridge` on `cni1`) asked for by pods: on host-local,
+    then switched to ipward by its `type` alone. Pods get two interfaces, both
+    addressed by ipward (the pod network's pool and the second network's inline pool,
+    one range for every node), and both addresses are freed with the pods."""
+    lab = stories.lab
+    lab.install_multus()
+    try:
+        with story(stories, "multus") as s:
+            s.apply(second_network("host-local"))
+            pod = deployment("multi", 1, node=lab.nodes[0].name)
+            pod["spec"]["template"]["metadata"]["annotations"] = {NETWORKS_ANNOTATION: "second"}
+            s.apply(pod)
+            try:
+                first = next(iter(s.wait_running("multi", 1, timeout=60.0).values()))
+            except AssertionError:
+                lab.remove_multus()  # so that the pods' DELs pass and the teardown ends
+                raise
+            assert set(interfaces(first)) == {"eth0", "net1"}, interfaces(first)
+            assert ipaddress.ip_address(interfaces(first)["net1"]) in SECOND_NET
+            s.checks.sample("multus: host-local")
+
+            s.scale("deployment", "multi", 0)
+            s.wait_gone("multi")
+            s.apply(second_network("ipward"))
+            s.checks.networks.append(SECOND_NET)  # ipward's to account for from now on
+            pod["spec"]["replicas"] = 6
+            pod["spec"]["template"]["spec"] = pod_spec(spread="multi", strict=True)
+            s.apply(pod)  # on every node now
+            pods = s.wait_running("multi", 6)
+            records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+            mine = {
+                (r["pod"]["uid"], r["ifname"]): r
+                for r in records
+                if r["pod"].get("namespace") == s.ns
+            }
+            for p in pods.values():
+                found = interfaces(p)
+                assert set(found) == {"eth0", "net1"}, found
+                for ifname, pool in (("eth0", kubecluster.POOL), ("net1", "second")):
+                    record = mine.get((p["metadata"]["uid"], ifname))
+                    assert record is not None, f"{p['metadata']['name']} {ifname}: no record"
+                    assert (record["pool"], record["ip"]) == (pool, found[ifname])
+            assert len({p["spec"]["nodeName"] for p in pods.values()}) == len(lab.nodes)
+            s.checks.sample("multus: ipward")
+            s.scale("deployment", "multi", 0)
+            s.wait_gone("multi")
+            wait_for(
+                "both interfaces' addresses freed", lambda: not records_of(lab, s.ns), 60.0, 0.5
+            )
+    finally:
+        lab.remove_multus()

@@ -169,6 +169,62 @@ def find_binaries() -> Binaries:
     return Binaries(str(found["kube-node"]), str(found["kube-apiserver"]))
 
 
+def find_multus() -> str:
+    """The Multus thin plugin (4.0): in KUBE_BIN_DIR, else ../shared/kube beside the
+    checkout; ClusterError saying where to get it."""
+    bin_dir = os.environ.get("KUBE_BIN_DIR")
+    path = Path(bin_dir) / "multus" if bin_dir else CHECKOUT.parent / "shared" / "kube" / "multus"
+    if not os.access(path, os.X_OK):
+        raise ClusterError(
+            f"not found: {path}. Multus CNI 4.0's thin plugin (`cmd/multus` of"
+            " k8snetworkplumbingwg/multus-cni v4.0.2, built with Go): put `multus` in the"
+            " directory of KUBE_BIN_DIR or ../shared/kube/"
+        )
+    return str(path)
+
+
+# The NetworkAttachmentDefinition CRD as Multus's own deployment declares it.
+NAD_CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "network-attachment-definitions.k8s.cni.cncf.io"},
+    "spec": {
+        "group": "k8s.cni.cncf.io",
+        "scope": "Namespaced",
+        "names": {
+            "plural": "network-attachment-definitions",
+            "singular": "network-attachment-definition",
+            "kind": "NetworkAttachmentDefinition",
+            "shortNames": ["net-attach-def"],
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "apiVersion": {"type": "string"},
+                            "kind": {"type": "string"},
+                            "metadata": {"type": "object"},
+                            "spec": {
+                                "type": "object",
+                                "properties": {"config": {"type": "string"}},
+                            },
+                        },
+                    }
+                },
+            }
+        ],
+    },
+}
+MULTUS_CONF = "/etc/cni/net.d/00-multus.conf"  # before the pod network's: the runtime's
+MULTUS_KUBECONFIG = "/etc/cni/net.d/multus.d/multus.kubeconfig"
+LAB_CONFLIST = "/etc/cni/net.d/10-lab.conflist"
+
+
 def missing_tools() -> list[str]:
     missing = [
         f"{tool} (Debian package {package})"
@@ -948,12 +1004,89 @@ class Cluster:
         ]
         run(["nsenter", f"--mount={node.mntns}", "sh", "-ec", "\n".join(script)])
 
+    def install_multus(self) -> None:
+        """Multus as its thin plugin is installed: the NetworkAttachmentDefinition CRD, a
+        ServiceAccount `multus` in kube-system allowed to read pods and attachments and
+        to write pods' status, and on every node the `multus` binary, a kubeconfig with
+        that account's token and a conf naming the pod network as `clusterNetwork`,
+        first in the conf dir, so the runtime calls Multus, which calls `bridge` and
+        the networks pods ask for (`k8s.v1.cni.cncf.io/networks`)."""
+        multus = find_multus()
+        rbac = [
+            NAD_CRD,
+            {"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": {"name": "multus", "namespace": "kube-system"}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": "multus"},
+             "rules": [
+                 {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["*"], "verbs": ["*"]},
+                 {"apiGroups": [""], "resources": ["pods", "pods/status"],
+                  "verbs": ["get", "list", "update", "watch"]},
+                 {"apiGroups": ["", "events.k8s.io"], "resources": ["events"],
+                  "verbs": ["create", "patch", "update"]},
+             ]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": "multus"},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                         "name": "multus"},
+             "subjects": [{"kind": "ServiceAccount", "name": "multus",
+                           "namespace": "kube-system"}]},
+        ]  # fmt: skip
+        self.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rbac}),
+        )
+        wait_for(
+            "the NetworkAttachmentDefinition CRD served",
+            lambda: (
+                self.kubectl("get", "network-attachment-definitions", "-A", check=False).returncode
+                == 0
+            ),
+            60.0,
+        )
+        token = self.kubectl(
+            "--namespace=kube-system", "create", "token", "multus", "--duration=24h"
+        ).stdout.strip()
+        kubeconfig = self._client_kubeconfig(
+            self.state / "multus.kubeconfig", "multus", token, self.api_url
+        ).read_text()
+        conf = {
+            "cniVersion": "0.3.1",
+            "name": "multus-cni-network",
+            "type": "multus",
+            "kubeconfig": MULTUS_KUBECONFIG,
+            "clusterNetwork": LAB_CONFLIST,
+            "cniDir": "/var/lib/cni/multus",
+            "binDir": "/opt/cni/bin",
+        }
+        for node in self.nodes:
+            shutil.copy(multus, f"{node.dir}/opt/cni/bin/multus")
+            run(
+                self.in_node(
+                    node,
+                    [
+                        "sh",
+                        "-ec",
+                        f"mkdir -p {Path(MULTUS_KUBECONFIG).parent}; cat > {MULTUS_KUBECONFIG}",
+                    ],
+                ),
+                input=kubeconfig,
+            )
+            run(self.in_node(node, ["sh", "-ec", f"cat > {MULTUS_CONF}"]), input=json.dumps(conf))
+
+    def remove_multus(self) -> None:
+        """Every node's runtime back on the pod network's conf alone."""
+        for node in self.nodes:
+            run(self.in_node(node, ["rm", "-f", MULTUS_CONF]))
+
     def write_network(self, node: Node, ipam_type: str) -> None:
         """Write the node's conflist in place (containerd 1.6 does not see a file renamed
         into its conf dir)."""
         text = json.dumps(bridge_conflist(node, ipam_type), indent=2)
         run(
-            self.in_node(node, ["sh", "-ec", "cat > /etc/cni/net.d/10-lab.conflist"]),
+            self.in_node(node, ["sh", "-ec", f"cat > {LAB_CONFLIST}"]),
             input=text,
         )
 

@@ -7,7 +7,8 @@ IPAM's allocations (Calico programs a route per block and per borrowed address; 
 route controller a route per node's range); in the cluster lab this daemon does: it
 reads ipward's node index (`nodeips/<node>/<pool>/<ip>`, written in the same transaction
 as each allocation record) with the product's store client and follows it by a watch,
-keeping in the fabric namespace a /32 route per IPv4 address through its node, and in
+keeping in the fabric namespace a /32 route per address of the pod network (POD_NET)
+through its node, and in
 each node's namespace one through the other node for every address that lives
 elsewhere. Each node's `cni0` answers ARP for those (`proxy_arp`), so a pod reaches any
 pod of the /16 through its node.
@@ -32,6 +33,7 @@ from pathlib import Path
 from ipward.core import keys
 from ipward.store import open_store
 from ipward.store.base import DELETE, Compacted, Store, StoreError
+from ipward_lab.kubecluster import POD_NET
 
 ROUTE_PROTO = "77"  # marks the routes this daemon owns (a number no routing daemon names)
 STATUS_FILE = "routes.json"
@@ -102,9 +104,11 @@ def sync_changed(fabric: Fabric, owners: dict[str, str], changed: set[str]) -> N
         _ip_batch(netns, [_line(ip, want.get(ip)) for ip in sorted(changed)])
 
 
-def _ipv4(ip: str) -> bool:
+def _routed(ip: str) -> bool:
+    """An address of the pod network (a secondary network's, e.g. through Multus, lives
+    on its own bridges: not routed between nodes)."""
     try:
-        return ipaddress.ip_address(ip).version == 4
+        return ipaddress.ip_address(ip) in POD_NET
     except ValueError:
         return False
 
@@ -123,7 +127,7 @@ def follow(store: Store, fabric: Fabric, state: Path) -> None:
     owners: dict[str, str] = {}
     for kv in kvs:
         node, _, ip = keys.node_ip_parts(kv.key)
-        if _ipv4(ip):
+        if _routed(ip):
             owners[ip] = node
     sync_all(fabric, owners)
     write_status(state, revision, owners)
@@ -131,7 +135,7 @@ def follow(store: Store, fabric: Fabric, state: Path) -> None:
         changed = set()
         for event in batch:
             node, _, ip = keys.node_ip_parts(event.kv.key)
-            if not _ipv4(ip):
+            if not _routed(ip):
                 continue
             if event.kind == DELETE:
                 if owners.get(ip) == node:  # a move puts the new node's entry too
