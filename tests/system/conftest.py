@@ -5,6 +5,7 @@ server, the real kube-apiserver) and a real cluster for the `kube` tests."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -145,14 +146,17 @@ def kube(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KubeApi]:
         api.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real cluster (`ipward cluster up --nodes 3`) with ipward deployed from its image
-    and manifests (`ipward cluster deploy`), for a module of `kube` tests; removed after
-    it. The machine's state before `up` is in `.machine_before`, the times taken in
+    and manifests (`ipward cluster deploy`, tuned by `kube_checks.KUBE_TUNING` so that
+    stories take seconds), shared by every `kube` test of the session and removed after
+    them. The machine's state before `up` is in `.machine_before`, the times taken in
     `.info` (`up_seconds`, `deploy_seconds`). Skipped when the Kubernetes binaries are
-    not found (the reason says where to get them)."""
+    not found (the reason says where to get them). `IPWARD_KUBE_STATE=DIR`: the cluster
+    up in DIR already (deployed with KUBE_TUNING), kept after: for working on a test."""
     from ipward_lab import kubecluster
+    from kube_checks import KUBE_TUNING
 
     reason = kubecluster.unavailable_reason()
     if reason:
@@ -163,16 +167,28 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # runs, which the snapshot compares: none runs meanwhile (they take the same lock).
     machine_lock.acquire()
     try:
+        given = os.environ.get("IPWARD_KUBE_STATE")
+        if given:
+            yield kubecluster.Cluster.load(Path(given))
+            return
         before = kubecluster.machine_snapshot()
         lab = kubecluster.Cluster(tmp_path_factory.mktemp("cluster"))
         lab.machine_before = before  # type: ignore[attr-defined]
         say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
         try:
             lab.up(3, say)
-            lab.deploy(say)
+            lab.deploy(say, KUBE_TUNING)
             yield lab
         finally:
             left = lab.down(say)
             assert not left, f"cluster down left: {left}"
     finally:
         machine_lock.release()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The test that takes the shared cluster down (`kube_cluster`) runs after every
+    other test that uses it, whatever module each is in."""
+    last = [i for i in items if i.name == "test_down_leaves_the_machine_as_before"]
+    if last:
+        items[:] = [i for i in items if i not in last] + last

@@ -7,6 +7,7 @@ default test command (`pytest -m kube` runs it); skipped without the Kubernetes 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -131,7 +132,9 @@ def test_deployment_spread_over_nodes_gets_addresses_from_ipward(kube_cluster: C
     runtime = {s.uid: s.ip for n in lab.nodes for s in lab.sandboxes(n) if s.namespace == "default"}
     assert {p["metadata"]["uid"]: p["status"]["podIP"] for p in pods}.items() <= runtime.items()
 
-    # From one pod on each node to one pod on every node, across the fabric.
+    # From one pod on each node to one pod on every node, across the fabric (once the
+    # lab's route syncer has routed every address ipward gave).
+    lab.wait_routes()
     first_on = {}
     for pod in pods:
         first_on.setdefault(pod["spec"]["nodeName"], pod)
@@ -149,6 +152,7 @@ def test_deployment_spread_over_nodes_gets_addresses_from_ipward(kube_cluster: C
 
     check = lab.ipward_run("check", check=False)
     assert check.returncode == 0, check.stdout + check.stderr
+    lab.kubectl("delete", "deployment", "spread", "--wait=true")  # the cluster is shared
     print(
         f"[cluster] up {lab.info['up_seconds']}s, deploy {lab.info['deploy_seconds']}s,"
         f" {REPLICAS} pods Running and checked in {time.monotonic() - started:.1f}s",
@@ -157,6 +161,9 @@ def test_deployment_spread_over_nodes_gets_addresses_from_ipward(kube_cluster: C
 
 
 def test_down_leaves_the_machine_as_before(kube_cluster: Cluster) -> None:
+    """Run after every other test of the cluster (conftest orders it last)."""
+    if os.environ.get("IPWARD_KUBE_STATE"):
+        pytest.skip("the cluster is not this run's: it stays up")
     lab = kube_cluster
     ns_ids = kubecluster.namespace_ids(lab)
     assert len(ns_ids) == 2 + 2 * len(lab.nodes)

@@ -94,7 +94,9 @@ int main(void) {
 """
 
 # `sleep [SECONDS]`: sleeps that long (forever without an argument), exits 0 at once on
-# SIGTERM or SIGINT, so a test pod stops without waiting out its grace period.
+# SIGTERM or SIGINT, so a test pod stops without waiting out its grace period; with
+# SLEEP_IGNORE_TERM set in its environment it ignores them (a pod slow to stop: the
+# kubelet kills it at the end of its grace period).
 SLEEP_C = r"""
 #include <signal.h>
 #include <stdlib.h>
@@ -106,7 +108,7 @@ static void on_term(int sig) { (void)sig; _exit(0); }
 int main(int argc, char **argv) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_term;
+    sa.sa_handler = getenv("SLEEP_IGNORE_TERM") ? SIG_IGN : on_term;
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     if (argc > 1) {

@@ -4,9 +4,21 @@ A control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, 
 second etcd with TLS for ipward's store, outside the cluster as users run one) in a
 network namespace of its own, and N worker nodes, each in its own network namespace and
 its own private mount namespace with its own containerd and kubelet. Every namespace is
-joined to a bridge in a "fabric" namespace by a veth pair; each node's pod range is
-routed there, so pods on different nodes reach each other. The namespaces are files in
+joined to a bridge in a "fabric" namespace by a veth pair. The namespaces are files in
 the state dir (`unshare --net=FILE`, `--mount=FILE`), never `ip netns` names in /run.
+
+The pod network is one, as in a cluster: the network `pods` (`bridge` on each node's
+`cni0`, the same gateway 10.244.0.1 on every node, pods on 10.244.0.0/16), with
+`proxy_arp` on each `cni0`, so a pod reaches an address of the /16 on another node
+through its own node, which routes it. Where an address lives is the routing layer's
+business, which the lab plays as a cluster's network would:
+- with host-local (`up`), each node hands out its own range (10.244.N.0/24): one static
+  route per node's range, in the fabric and in the other nodes (a cloud's route
+  controller, from the nodes' pod CIDRs);
+- with ipward (`deploy`), one cluster-wide pool `pods` on 10.244.0.0/16, its blocks
+  wherever ipward puts them and sticky addresses moving with their pods: a route per
+  address, kept by the route syncer (`ipward_lab.podroutes`, a daemon of the lab) from
+  ipward's node index, as Calico's or a cloud's route programming follows theirs.
 
 In a node's mount namespace, the node's own directories are bind-mounted over `/run`,
 `/var/lib`, `/var/log` and `/opt`, and `/etc` is an overlay of the machine's (the node's
@@ -67,9 +79,13 @@ SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service
 API_PORT = 6443
 IPWARD_ETCD_PORT = 2379  # on CONTROL_PLANE_IP
-CNI_NETWORK_PREFIX = "pods"
+POD_NET = ipaddress.ip_network("10.244.0.0/16")
+POD_GATEWAY = "10.244.0.1"  # on every node's cni0
+NETWORK = "pods"  # the CNI network's name, the same on every node
+POOL = "pods"  # ipward's cluster-wide pool on POD_NET, made by `deploy`
 CNI_PLUGINS = Path("/usr/lib/cni")
 AGENT_SOCKET = "/run/ipward/agent.sock"
+BRIDGE = "cni0"
 # The sysctls the kubelet wants (`protectKernelDefaults` checks them): files holding
 # these values are bind-mounted over the /proc/sys entries in each node's mount namespace.
 KUBELET_SYSCTLS = {
@@ -151,6 +167,62 @@ def find_binaries() -> Binaries:
     if missing:
         raise ClusterError(f"not found: {', '.join(missing)}. {WHERE_TO_GET}")
     return Binaries(str(found["kube-node"]), str(found["kube-apiserver"]))
+
+
+def find_multus() -> str:
+    """The Multus thin plugin (4.0): in KUBE_BIN_DIR, else ../shared/kube beside the
+    checkout; ClusterError saying where to get it."""
+    bin_dir = os.environ.get("KUBE_BIN_DIR")
+    path = Path(bin_dir) / "multus" if bin_dir else CHECKOUT.parent / "shared" / "kube" / "multus"
+    if not os.access(path, os.X_OK):
+        raise ClusterError(
+            f"not found: {path}. Multus CNI 4.0's thin plugin (`cmd/multus` of"
+            " k8snetworkplumbingwg/multus-cni v4.0.2, built with Go): put `multus` in the"
+            " directory of KUBE_BIN_DIR or ../shared/kube/"
+        )
+    return str(path)
+
+
+# The NetworkAttachmentDefinition CRD as Multus's own deployment declares it.
+NAD_CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "network-attachment-definitions.k8s.cni.cncf.io"},
+    "spec": {
+        "group": "k8s.cni.cncf.io",
+        "scope": "Namespaced",
+        "names": {
+            "plural": "network-attachment-definitions",
+            "singular": "network-attachment-definition",
+            "kind": "NetworkAttachmentDefinition",
+            "shortNames": ["net-attach-def"],
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "apiVersion": {"type": "string"},
+                            "kind": {"type": "string"},
+                            "metadata": {"type": "object"},
+                            "spec": {
+                                "type": "object",
+                                "properties": {"config": {"type": "string"}},
+                            },
+                        },
+                    }
+                },
+            }
+        ],
+    },
+}
+MULTUS_CONF = "/etc/cni/net.d/00-multus.conf"  # before the pod network's: the runtime's
+MULTUS_KUBECONFIG = "/etc/cni/net.d/multus.d/multus.kubeconfig"
+LAB_CONFLIST = "/etc/cni/net.d/10-lab.conflist"
 
 
 def missing_tools() -> list[str]:
@@ -282,7 +354,7 @@ class Node:
     name: str
     index: int
     ip: str  # on the fabric; the kubelet's --node-ip
-    pod_cidr: str
+    pod_cidr: str  # its range under host-local
     dir: str
     netns: str  # file of its network namespace
     mntns: str  # file of its mount namespace
@@ -292,10 +364,6 @@ class Node:
     def containerd_socket(self) -> str:
         """containerd's socket as seen from the machine (its /run is the node's dir)."""
         return f"{self.dir}/run/containerd/containerd.sock"
-
-    @property
-    def network(self) -> str:
-        return f"{CNI_NETWORK_PREFIX}-{self.name}"
 
 
 def node_plan(state: Path, cluster_id: str, count: int) -> list[Node]:
@@ -318,29 +386,84 @@ def node_plan(state: Path, cluster_id: str, count: int) -> list[Node]:
 
 
 def bridge_conflist(node: Node, ipam_type: str) -> dict[str, Any]:
-    """The node's pod network: `bridge` (the node routes, pods' default route through
-    it) with `ipam_type` as IPAM on the node's range. The same `ipam` serves host-local
-    and ipward, so a switch changes `type` only: host-local ignores `agentSocket`."""
+    """The pod network on `node`: `bridge` (the node routes, pods' default route through
+    it) with `ipam_type` as IPAM: host-local on the node's own range, or ipward on the
+    cluster-wide pool (its `ipam` as README says to switch: the pool and the agent's
+    socket). Both give pods the same gateway and prefix, so the bridge's address stays."""
+    if ipam_type == "host-local":
+        first = ipaddress.ip_network(node.pod_cidr).network_address
+        ipam: dict[str, Any] = {
+            "type": "host-local",
+            "ranges": [
+                [
+                    {
+                        "subnet": str(POD_NET),
+                        "rangeStart": str(first + 1),
+                        "rangeEnd": str(first + 254),
+                        "gateway": POD_GATEWAY,
+                    }
+                ]
+            ],
+        }
+    elif ipam_type == "ipward":
+        ipam = {"type": "ipward", "pool": POOL, "agentSocket": AGENT_SOCKET}
+    else:
+        raise ClusterError(f"unknown IPAM {ipam_type!r}: host-local or ipward")
     return {
         "cniVersion": "1.0.0",
-        "name": node.network,
+        "name": NETWORK,
         "plugins": [
             {
                 "type": "bridge",
-                "bridge": "cni0",
+                "bridge": BRIDGE,
                 "isGateway": True,
                 "isDefaultGateway": True,
                 "ipMasq": False,
                 "hairpinMode": True,
-                "ipam": {
-                    "type": ipam_type,
-                    "ranges": [[{"subnet": node.pod_cidr}]],
-                    "agentSocket": AGENT_SOCKET,
-                },
+                "ipam": ipam,
             },
             {"type": "portmap", "capabilities": {"portMappings": True}},
         ],
     }
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Options a deployment adds to deploy/base's, as an operator would in an overlay of
+    their own (the lab's is written in the state dir): more arguments for the agent's
+    and the controller's containers, and for `ipward pool create pods`. Empty: deploy/
+    base as it is."""
+
+    agent_args: tuple[str, ...] = ()
+    controller_args: tuple[str, ...] = ()
+    pool_args: tuple[str, ...] = ()
+
+    def kustomization(self, where: Path) -> Path:
+        """The directory to `kubectl apply -k`: deploy/base itself, or an overlay of it
+        made in `where` that appends the arguments."""
+        base = CHECKOUT / "deploy" / "base"
+        if not (self.agent_args or self.controller_args):
+            return base
+        patches = []
+        for kind, name, args in (
+            ("DaemonSet", "ipward-agent", self.agent_args),
+            ("Deployment", "ipward-controller", self.controller_args),
+        ):
+            ops = [
+                {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": arg}
+                for arg in args
+            ]
+            if ops:
+                patches.append({"target": {"kind": kind, "name": name}, "patch": json.dumps(ops)})
+        where.mkdir(parents=True, exist_ok=True)
+        overlay = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [os.path.relpath(base, where)],
+            "patches": patches,
+        }
+        (where / "kustomization.yaml").write_text(json.dumps(overlay, indent=2))  # JSON is YAML
+        return where
 
 
 class Cluster:
@@ -558,6 +681,7 @@ class Cluster:
         say(f"making namespaces and the fabric for {count} node(s)")
         self._namespaces()
         self._fabric()
+        self.node_range_routes(present=True)
         say("certificates, etcd, kube-apiserver, controller-manager, scheduler")
         self._pki()
         self._control_plane(binaries)
@@ -618,10 +742,11 @@ class Cluster:
             self._ip(netns, "route", "add", "default", "via", FABRIC_GATEWAY)
             self._sysctl(netns, "net.ipv4.ip_forward", "1")
         for node in self.nodes:
-            self._ip(fabric, "route", "add", node.pod_cidr, "via", node.ip)
-            for other in self.nodes:
-                if other is not node:  # straight to the node, not through the fabric
-                    self._ip(node.netns, "route", "add", other.pod_cidr, "via", other.ip)
+            # The pods' bridge, made before `bridge` finds it so that it answers ARP for
+            # the addresses of the /16 that live elsewhere (routed out of eth0).
+            self._ip(node.netns, "link", "add", BRIDGE, "type", "bridge")
+            self._ip(node.netns, "link", "set", BRIDGE, "up")
+            self._sysctl(node.netns, f"net.ipv4.conf.{BRIDGE}.proxy_arp", "1")
             # The API's Service address, as kube-proxy would make it (none exists here).
             for chain in ("OUTPUT", "PREROUTING"):
                 run(
@@ -631,6 +756,19 @@ class Cluster:
                         "-j", "DNAT", "--to-destination", f"{CONTROL_PLANE_IP}:{API_PORT}",
                     ]
                 )  # fmt: skip
+
+    def node_range_routes(self, present: bool) -> None:
+        """The routes of host-local's node ranges (each node's range through that node),
+        in the fabric and in the other nodes (straight to the node, not through the
+        fabric): made (`present`) or removed (also when they are not there)."""
+        for node in self.nodes:
+            for netns, via in [(self.fabric_netns, node.ip)] + [
+                (other.netns, node.ip) for other in self.nodes if other is not node
+            ]:
+                if present:
+                    self._ip(netns, "route", "replace", node.pod_cidr, "via", via)
+                else:
+                    self._ip(netns, "route", "flush", "exact", node.pod_cidr)
 
     def _pki(self) -> None:
         p = self.pki
@@ -866,12 +1004,89 @@ class Cluster:
         ]
         run(["nsenter", f"--mount={node.mntns}", "sh", "-ec", "\n".join(script)])
 
+    def install_multus(self) -> None:
+        """Multus as its thin plugin is installed: the NetworkAttachmentDefinition CRD, a
+        ServiceAccount `multus` in kube-system allowed to read pods and attachments and
+        to write pods' status, and on every node the `multus` binary, a kubeconfig with
+        that account's token and a conf naming the pod network as `clusterNetwork`,
+        first in the conf dir, so the runtime calls Multus, which calls `bridge` and
+        the networks pods ask for (`k8s.v1.cni.cncf.io/networks`)."""
+        multus = find_multus()
+        rbac = [
+            NAD_CRD,
+            {"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": {"name": "multus", "namespace": "kube-system"}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": "multus"},
+             "rules": [
+                 {"apiGroups": ["k8s.cni.cncf.io"], "resources": ["*"], "verbs": ["*"]},
+                 {"apiGroups": [""], "resources": ["pods", "pods/status"],
+                  "verbs": ["get", "list", "update", "watch"]},
+                 {"apiGroups": ["", "events.k8s.io"], "resources": ["events"],
+                  "verbs": ["create", "patch", "update"]},
+             ]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": "multus"},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                         "name": "multus"},
+             "subjects": [{"kind": "ServiceAccount", "name": "multus",
+                           "namespace": "kube-system"}]},
+        ]  # fmt: skip
+        self.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rbac}),
+        )
+        wait_for(
+            "the NetworkAttachmentDefinition CRD served",
+            lambda: (
+                self.kubectl("get", "network-attachment-definitions", "-A", check=False).returncode
+                == 0
+            ),
+            60.0,
+        )
+        token = self.kubectl(
+            "--namespace=kube-system", "create", "token", "multus", "--duration=24h"
+        ).stdout.strip()
+        kubeconfig = self._client_kubeconfig(
+            self.state / "multus.kubeconfig", "multus", token, self.api_url
+        ).read_text()
+        conf = {
+            "cniVersion": "0.3.1",
+            "name": "multus-cni-network",
+            "type": "multus",
+            "kubeconfig": MULTUS_KUBECONFIG,
+            "clusterNetwork": LAB_CONFLIST,
+            "cniDir": "/var/lib/cni/multus",
+            "binDir": "/opt/cni/bin",
+        }
+        for node in self.nodes:
+            shutil.copy(multus, f"{node.dir}/opt/cni/bin/multus")
+            run(
+                self.in_node(
+                    node,
+                    [
+                        "sh",
+                        "-ec",
+                        f"mkdir -p {Path(MULTUS_KUBECONFIG).parent}; cat > {MULTUS_KUBECONFIG}",
+                    ],
+                ),
+                input=kubeconfig,
+            )
+            run(self.in_node(node, ["sh", "-ec", f"cat > {MULTUS_CONF}"]), input=json.dumps(conf))
+
+    def remove_multus(self) -> None:
+        """Every node's runtime back on the pod network's conf alone."""
+        for node in self.nodes:
+            run(self.in_node(node, ["rm", "-f", MULTUS_CONF]))
+
     def write_network(self, node: Node, ipam_type: str) -> None:
         """Write the node's conflist in place (containerd 1.6 does not see a file renamed
         into its conf dir)."""
         text = json.dumps(bridge_conflist(node, ipam_type), indent=2)
         run(
-            self.in_node(node, ["sh", "-ec", "cat > /etc/cni/net.d/10-lab.conflist"]),
+            self.in_node(node, ["sh", "-ec", f"cat > {LAB_CONFLIST}"]),
             input=text,
         )
 
@@ -899,14 +1114,7 @@ class Cluster:
             self.in_node(node, [which("containerd") or "containerd", "--config", str(config)]),
             env=env,
         )
-        wait_for(
-            f"{node.name}: containerd's socket",
-            lambda: (
-                self._alive(f"{node.name}-containerd") and Path(node.containerd_socket).exists()
-            ),
-            READY_TIMEOUT,
-            0.1,
-        )
+        self.wait_containerd(node)
         self.import_images(node, images)
         token = self._tokens[f"system:node:{node.name}"]
         kubeconfig = self._client_kubeconfig(
@@ -1022,12 +1230,95 @@ class Cluster:
             timeout=timeout,
         )
 
+    def metrics(self, address: str, port: int) -> dict[str, float]:
+        """The Prometheus samples at http://ADDRESS:PORT/metrics (an agent on its node's
+        address, 9310; a controller on its pod's, 9311), read from the control plane's
+        namespace: {`name{labels}`: value}."""
+
+        def get() -> str:
+            url = f"http://{address}:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                return str(answer.read().decode())
+
+        samples = {}
+        for line in in_netns(self.cp_netns, get).splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
+    # -- a node's power -------------------------------------------------------------------
+
+    def node_pids(self, node: Node) -> set[int]:
+        """Every process of the node: in its network or mount namespace (containerd, the
+        kubelet, the shims, host-network pods) or in its cgroups (every pod)."""
+        ns_ids = {i for i in (_ns_id(node.netns), _ns_id(node.mntns)) if i is not None}
+        cgroups = [h / node.cgroup_root.strip("/") for h in cgroup_hierarchies()]
+        return self._our_pids(ns_ids, cgroups, [])
+
+    def power_off(self, node: Node, timeout: float = 60.0) -> None:
+        """The node goes down as a machine does: every process of it killed (SIGKILL),
+        and what a reboot clears cleared in its mount namespace: the mounts under /run
+        (the sandboxes' network namespaces, the containers' root file systems) and
+        the pods' volumes under /var/lib/kubelet (tmpfs), then /run's content. Its
+        disk (/var/lib, /etc) stays; `power_on` starts its containerd and kubelet."""
+        deadline = time.monotonic() + timeout
+        while pids := {p for p in self.node_pids(node) if not _zombie(p) and not _observer(p)}:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{node.name}: processes still running: {sorted(pids)}")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in pids:  # the daemons are our children: reap them
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.05)
+        script = (
+            'for m in $(awk \'$5 ~ "^/run/." || $5 ~ "^/var/lib/kubelet/pods/"'
+            ' {print $5}\' /proc/self/mountinfo | sort -r); do umount -l "$m"; done;'
+            " find /run -mindepth 1 -delete"
+        )
+        run(["nsenter", f"--mount={node.mntns}", "sh", "-c", script])
+
+    def power_on(self, node: Node) -> None:
+        """Start the node's containerd and kubelet again (after `power_off`, or after
+        they were killed), with their command lines of `up`."""
+        containerd = f"{node.name}-containerd"
+        for name in (containerd, f"{node.name}-kubelet"):
+            entry = self.info["processes"][name]
+            with contextlib.suppress(ClusterError):
+                self.kill(name, timeout=5.0)
+            self.launch(name, entry["argv"], env=entry.get("env"))
+            if name == containerd:
+                self.wait_containerd(node)
+        self.write_info()
+
+    def wait_containerd(self, node: Node) -> None:
+        """Until the node's containerd answers on its socket (a socket file left by one
+        that was killed refuses connections: the kubelet would exit on it)."""
+        from ipward.cluster.cri import CriClient, CriError
+
+        def answers() -> bool:
+            self._alive(f"{node.name}-containerd")
+            if not Path(node.containerd_socket).exists():
+                return False
+            with CriClient(node.containerd_socket, timeout=2) as cri:
+                try:
+                    cri.version()
+                except CriError:
+                    return False
+            return True
+
+        wait_for(f"{node.name}: containerd answering", answers, READY_TIMEOUT, 0.1)
+
     # -- deploy ---------------------------------------------------------------------------
 
-    def deploy(self, say: Callable[[str], None] = print) -> None:
+    def deploy(self, say: Callable[[str], None] = print, tuning: Tuning | None = None) -> None:
         """ipward installed as its README says: its image (built here) on every node, the
-        Secret naming its etcd, `kubectl apply -k deploy/base`; then every node's network
-        switched from host-local to ipward (its `type` only).
+        store with the pool `pods` (`ipward pool create`), the Secret naming its etcd,
+        `kubectl apply -k deploy/base` (through an overlay of the lab's when `tuning`
+        adds options); every node's network switched from host-local to ipward (its
+        `ipam`), and the routes from the node ranges' to the route syncer's.
 
         Its etcd is outside the cluster (the base's Secret), not the `with-etcd` overlay:
         the overlay's image comes from a registry this machine cannot reach, its members
@@ -1036,13 +1327,14 @@ class Cluster:
         them addresses (they start only if they start before the switch)."""
         from ipward_lab.images import build_ipward_image
 
+        tuning = tuning or Tuning()
         started = time.monotonic()
         image = build_ipward_image(CHECKOUT, say)
         say(f"loading {image.name} into every node's containerd")
         for node in self.nodes:
             self.import_images(node, [image])
-        say("making the store (an empty ledger imported) and the Secret ipward-etcd")
-        self.make_store()
+        say(f"making the store and the pool {POOL} ({POD_NET}), and the Secret ipward-etcd")
+        self.make_store(tuning.pool_args)
         p = self.pki
         # As README says, made with `kubectl create`; applied, so a second deploy works.
         for made in (
@@ -1060,29 +1352,75 @@ class Cluster:
         # Nothing runs on the pod network yet: switching now is README's "drain each
         # node before switching it". The controllers' pods then get their addresses
         # from ipward (their ADDs answered 11 until their node's agent serves).
-        say("switching every node's network to ipward (its ipam `type`)")
-        for node in self.nodes:
-            self.write_network(node, "ipward")
-        self.write_info(cni="ipward")
-        say(f"kubectl apply -k {CHECKOUT / 'deploy' / 'base'}")
-        self.kubectl("apply", "-k", str(CHECKOUT / "deploy" / "base"))
+        say(f"switching every node's network to ipward (pool {POOL}) and its routes")
+        self.use_ipam("ipward")
+        kustomization = tuning.kustomization(self.state / "deploy")
+        say(f"kubectl apply -k {kustomization}")
+        self.kubectl("apply", "-k", str(kustomization))
         self.wait_deployed()
         self.write_info(deploy_seconds=round(time.monotonic() - started, 1))
         say(f"deployed in {time.monotonic() - started:.1f}s")
 
-    def make_store(self) -> None:
-        """The store, made empty: ipward makes one only with `pool create` or `import`,
-        and the networks here declare their pools inline (made at their first ADD)."""
-        from ipward.ipam.transfer import FORMAT, FORMAT_VERSION
-        from ipward.store.schema import VERSION
+    def use_ipam(self, ipam_type: str) -> None:
+        """Every node's network on `ipam_type` (`host-local` or `ipward`), and the routes
+        that go with it: the node ranges' for host-local, the route syncer for ipward.
+        Switch a cluster with nothing on the pod network (README: drain each node
+        before switching it)."""
+        for node in self.nodes:
+            self.write_network(node, ipam_type)
+        syncing = "route-syncer" in self.info.get("processes", {})
+        if ipam_type == "ipward":
+            self.node_range_routes(present=False)
+            if syncing:
+                self.restart("route-syncer")
+            else:
+                self.launch(
+                    "route-syncer",
+                    self.in_cp([sys.executable, "-m", "ipward_lab.podroutes", str(self.state)]),
+                )
+        else:
+            if syncing:
+                self.kill("route-syncer")
+                del self.info["processes"]["route-syncer"]
+            self.node_range_routes(present=True)
+        self.write_info(cni=ipam_type)
 
-        header = {"format": FORMAT, "format_version": FORMAT_VERSION, "schema": VERSION}
-        header |= {"revision": 0, "keys": 0, "counts": {}}
-        if self.ipward_run("status", check=False).returncode == 0:
-            return  # made by an earlier deploy
-        empty = self.state / "empty-ledger.jsonl"
-        empty.write_text(json.dumps(header) + "\n")
-        run(self.ipward_argv(["import", str(empty)]))
+    def wait_routes(self, timeout: float = 30.0) -> None:
+        """Every address ipward has given a sandbox routed in the fabric through the node
+        of its record (the route syncer caught up with the records read now)."""
+        from ipward_lab.podroutes import ROUTE_PROTO
+
+        records = json.loads(self.ipward_run("alloc", "list", "--json").stdout)
+        node_ip = {n.name: n.ip for n in self.nodes}
+        want = {r["ip"]: node_ip[r["node"]] for r in records if r["container"]}
+
+        def caught_up() -> bool:
+            self._alive("route-syncer")
+            out = run(
+                [
+                    "nsenter", f"--net={self.fabric_netns}",
+                    "ip", "-j", "-4", "route", "show", "proto", ROUTE_PROTO,
+                ]
+            )  # fmt: skip
+            have = {r["dst"]: r.get("gateway") for r in json.loads(out or "[]")}
+            return want.items() <= have.items()
+
+        wait_for("the route syncer's routes for every address", caught_up, timeout, 0.1)
+
+    def make_store(self, pool_args: Sequence[str] = ()) -> None:
+        """The store with the pool `pods` (POD_NET, gateway POD_GATEWAY), as README's
+        deploy makes it with `ipward pool create`; kept when an earlier deploy made it."""
+        if self.ipward_run("pool", "list", check=False).returncode == 0:
+            return
+        run(
+            self.ipward_argv(
+                [
+                    "pool", "create", POOL,
+                    "--range", f"{POD_NET},gateway={POD_GATEWAY}",
+                    *pool_args,
+                ]
+            )
+        )  # fmt: skip
 
     def wait_deployed(self, timeout: float = 600.0) -> None:
         """The agent on every node serving its socket, the plugin installed, both
@@ -1259,6 +1597,19 @@ def namespace_ids(lab: Cluster) -> set[tuple[int, int]]:
     files = [lab.cp_netns, lab.fabric_netns, *(n.netns for n in lab.nodes)]
     files += [n.mntns for n in lab.nodes]
     return {i for i in (_ns_id(f) for f in files) if i is not None}
+
+
+# In the argv of the lab's own observers that live in a node's namespaces (the address
+# witness's scanners): not the node's, so a power off spares them (`down` does not).
+OBSERVER_MARK = "ipward-lab-observer"
+
+
+def _observer(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return OBSERVER_MARK.encode() in argv
 
 
 def _zombie(pid: int) -> bool:

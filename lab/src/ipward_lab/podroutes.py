@@ -1,0 +1,168 @@
+"""The cluster lab's routing layer under ipward: a route per pod address, following
+ipward's node index.
+
+With one cluster-wide pool, an address lives wherever ipward put it: in a block of its
+node, or, for a sticky address, wherever its pod went. A cluster's network follows the
+IPAM's allocations (Calico programs a route per block and per borrowed address; a cloud
+route controller a route per node's range); in the cluster lab this daemon does: it
+reads ipward's node index (`nodeips/<node>/<pool>/<ip>`, written in the same transaction
+as each allocation record) with the product's store client and follows it by a watch,
+keeping in the fabric namespace a /32 route per address of the pod network (POD_NET)
+through its node, and in
+each node's namespace one through the other node for every address that lives
+elsewhere. Each node's `cni0` answers ARP for those (`proxy_arp`), so a pod reaches any
+pod of the /16 through its node.
+
+Its routes carry the protocol ROUTE_PROTO, so a full sync (at start, after a broken or
+compacted watch) compares exactly its own routes. After each change it writes the store
+revision its routes stand at to `STATE/routes.json` (for whoever looks).
+
+Run by the lab in the control plane's namespace, where the store is reached:
+`python -m ipward_lab.podroutes STATE`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ipward.core import keys
+from ipward.store import open_store
+from ipward.store.base import DELETE, Compacted, Store, StoreError
+from ipward_lab.kubecluster import POD_NET
+
+ROUTE_PROTO = "77"  # marks the routes this daemon owns (a number no routing daemon names)
+STATUS_FILE = "routes.json"
+
+
+class Fabric:
+    """The namespaces to route in: the fabric's (every address through its node) and
+    each node's (every address of another node through that node)."""
+
+    def __init__(self, fabric_netns: str, nodes: dict[str, tuple[str, str]]) -> None:
+        self.fabric_netns = fabric_netns
+        self.nodes = nodes  # name -> (its address on the fabric, its netns file)
+
+    def desired(self, owners: dict[str, str], netns: str, here: str | None) -> dict[str, str]:
+        """address -> next hop, in namespace `netns` (of node `here`, None: the fabric)."""
+        routes = {}
+        for ip, node in owners.items():
+            if node != here and node in self.nodes:
+                routes[ip] = self.nodes[node][0]
+        return routes
+
+    def namespaces(self) -> list[tuple[str, str | None]]:
+        return [(self.fabric_netns, None)] + [(ns, name) for name, (_, ns) in self.nodes.items()]
+
+
+def _ip_batch(netns: str, lines: list[str]) -> None:
+    if not lines:
+        return
+    # -force: a route already gone (or already there) does not stop the rest.
+    subprocess.run(
+        ["nsenter", f"--net={netns}", "ip", "-force", "-batch", "-"],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _present(netns: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["nsenter", f"--net={netns}", "ip", "-j", "-4", "route", "show", "proto", ROUTE_PROTO],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return {r["dst"]: r.get("gateway", "") for r in json.loads(out or "[]")}
+
+
+def _line(ip: str, via: str | None) -> str:
+    if via is None:
+        return f"route del {ip}/32 proto {ROUTE_PROTO}"
+    return f"route replace {ip}/32 via {via} proto {ROUTE_PROTO}"
+
+
+def sync_all(fabric: Fabric, owners: dict[str, str]) -> None:
+    for netns, here in fabric.namespaces():
+        want = fabric.desired(owners, netns, here)
+        have = _present(netns)
+        lines = [_line(ip, via) for ip, via in want.items() if have.get(ip) != via]
+        lines += [_line(ip, None) for ip in have if ip not in want]
+        _ip_batch(netns, lines)
+
+
+def sync_changed(fabric: Fabric, owners: dict[str, str], changed: set[str]) -> None:
+    for netns, here in fabric.namespaces():
+        want = fabric.desired({ip: owners[ip] for ip in changed if ip in owners}, netns, here)
+        _ip_batch(netns, [_line(ip, want.get(ip)) for ip in sorted(changed)])
+
+
+def _routed(ip: str) -> bool:
+    """An address of the pod network (a secondary network's, e.g. through Multus, lives
+    on its own bridges: not routed between nodes)."""
+    try:
+        return ipaddress.ip_address(ip) in POD_NET
+    except ValueError:
+        return False
+
+
+def write_status(state: Path, revision: int, owners: dict[str, str]) -> None:
+    tmp = state / f"{STATUS_FILE}.tmp"
+    tmp.write_text(json.dumps({"revision": revision, "addresses": len(owners)}))
+    tmp.rename(state / STATUS_FILE)
+
+
+def follow(store: Store, fabric: Fabric, state: Path) -> None:
+    """Read the node index whole, route it, then follow it by a watch until the watch
+    breaks (StoreError: read whole again)."""
+    prefix = keys.node_ips_prefix()
+    kvs, revision = store.range(prefix)
+    owners: dict[str, str] = {}
+    for kv in kvs:
+        node, _, ip = keys.node_ip_parts(kv.key)
+        if _routed(ip):
+            owners[ip] = node
+    sync_all(fabric, owners)
+    write_status(state, revision, owners)
+    for batch in store.watch(prefix, revision + 1).batches():
+        changed = set()
+        for event in batch:
+            node, _, ip = keys.node_ip_parts(event.kv.key)
+            if not _routed(ip):
+                continue
+            if event.kind == DELETE:
+                if owners.get(ip) == node:  # a move puts the new node's entry too
+                    del owners[ip]
+            else:
+                owners[ip] = node
+            changed.add(ip)
+        sync_changed(fabric, owners, changed)
+        write_status(state, max(e.kv.mod_revision for e in batch), owners)
+
+
+def main(argv: list[str]) -> int:
+    state = Path(argv[0])
+    info = json.loads((state / "cluster.json").read_text())
+    fabric = Fabric(
+        info["fabric"]["netns"], {n["name"]: (n["ip"], n["netns"]) for n in info["nodes"]}
+    )
+    store = None
+    while True:
+        try:
+            if store is None:
+                store = open_store(info["ipward_store"], create=False)
+            follow(store, fabric, state)
+        except (StoreError, Compacted) as e:
+            print(f"podroutes: {e}; reading the node index again", file=sys.stderr, flush=True)
+            time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1130 @@
+"""The seeds' stories, replayed by real controllers and kubelets (issue 22, 3): on a cluster
+of 3 nodes on this machine (`ipward_lab.kubecluster`), ipward deployed from its image and
+deploy/ with one cluster-wide pool, its options tuned so that a story takes seconds
+(`kube_checks.KUBE_TUNING`: the ADD grace, the passes, small blocks handed back soon).
+
+Each story runs in a namespace of its own on the session's cluster (conftest
+`kube_cluster`, shared with test_kube_cluster.py) and is checked at
+samples during it and at its end (tests/system/kube_checks.py): no two Running pods and no two
+network namespaces with one address, every address held recorded by ipward for the
+sandbox that holds it, `ipward check` clean, and after its teardown every pool back to
+its baseline. An AddressWitness scans every node's namespaces all along. A story that
+breaks a node restores it. Marked `kube`: `pytest -m kube -n 0 tests/system/test_kube_stories.py`.
+
+`IPWARD_KUBE_STATE=DIR` runs them on a cluster that is up already (`ipward cluster up`
+and a deploy with KUBE_TUNING, e.g. from a Python shell), and leaves it up: for working
+on a story.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import ipaddress
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ipward_lab import kubecluster
+from ipward_lab.clusterwatch import AddressWitness
+from ipward_lab.images import SLEEP_IMAGE
+from ipward_lab.kubecluster import Cluster, ClusterError, wait_for
+from kube_checks import ADD_GRACE, StoryChecks, is_running, runtime_sandboxes, say
+
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
+
+RUNNING_TIMEOUT = 120.0
+PARALLEL_ROUNDS = 10
+ORDERED_ROUNDS = 3  # an OrderedReady round is ~12 s: ten would not fit the kube tests' time
+FORCE_ROUNDS = 1
+CHURN_ROUNDS = 2
+# How old a record must be for the controller to judge it at once: the ADD grace from
+# when its source last heard the API, less the source's margin (KUBE_TUNING's).
+JUDGED_AGE = ADD_GRACE + 2.0 + 1.0
+
+
+@dataclass
+class Stories:
+    lab: Cluster
+    witness: AddressWitness
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def stories(kube_cluster: Cluster) -> Iterator[Stories]:
+    """The session's cluster (conftest `kube_cluster`, deployed with KUBE_TUNING), its
+    namespaces watched by an AddressWitness all through the module."""
+    witness = AddressWitness(kube_cluster).start()
+    run = Stories(kube_cluster, witness)
+    try:
+        yield run
+    finally:
+        witness.stop()
+        info = kube_cluster.info
+        say(
+            f"up {info.get('up_seconds')}s, deploy {info.get('deploy_seconds')}s; stories: "
+            + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in run.times.items())
+        )
+
+
+# -- workloads -----------------------------------------------------------------------------
+
+
+def container(env: dict[str, str] | None = None, args: list[str] | None = None) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": "sleep", "image": SLEEP_IMAGE, "imagePullPolicy": "Never"}
+    if env:
+        c["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    if args:
+        c["args"] = args
+    return c
+
+
+def pod_spec(
+    node: str | None = None,
+    slow_stop: bool = False,
+    grace: int = 2,
+    spread: str = "",
+    strict: bool = False,
+) -> dict[str, Any]:
+    """A test pod: the static `sleep`; `slow_stop`: it ignores SIGTERM, so the kubelet
+    kills it only after `grace` seconds (its sandbox's teardown comes that late);
+    `spread`: the pods labelled app=SPREAD spread over the nodes, `strict`ly or not (then
+    they still go elsewhere when a node is drained or gone)."""
+    spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": grace,
+        "containers": [container({"SLEEP_IGNORE_TERM": "1"} if slow_stop else None)],
+    }
+    if node:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    if spread:
+        spec["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "DoNotSchedule" if strict else "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app": spread}},
+            }
+        ]
+    return spec
+
+
+def statefulset(name: str, replicas: int, policy: str = "Parallel", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "podManagementPolicy": policy,
+            "serviceName": name,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": pod_spec(**spec)},
+        },
+    }
+
+
+def deployment(name: str, replicas: int, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": pod_spec(**spec)},
+        },
+    }
+
+
+def bare_pod(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": pod_spec(**spec),
+    }
+
+
+@dataclass
+class Story:
+    name: str
+    lab: Cluster
+    ns: str
+    checks: StoryChecks
+    started: float = field(default_factory=time.monotonic)
+
+    def say(self, text: str) -> None:
+        say(f"{self.name} +{time.monotonic() - self.started:.0f}s: {text}")
+
+    def apply(self, *objects: dict[str, Any]) -> None:
+        manifest = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
+        self.lab.kubectl(f"--namespace={self.ns}", "apply", "-f", "-", input=json.dumps(manifest))
+
+    def kubectl(self, *args: str, check: bool = True) -> Any:
+        return self.lab.kubectl(f"--namespace={self.ns}", *args, check=check)
+
+    def pods(self, app: str | None = None) -> list[dict[str, Any]]:
+        query = f"?labelSelector=app%3D{app}" if app else ""
+        items: list[dict[str, Any]] = self.lab.api(f"/api/v1/namespaces/{self.ns}/pods{query}")[
+            "items"
+        ]
+        return items
+
+    def running(self, app: str | None = None) -> dict[str, dict[str, Any]]:
+        """Running pods (`is_running`), by name."""
+        return {p["metadata"]["name"]: p for p in self.pods(app) if is_running(p)}
+
+    def wait_running(
+        self,
+        app: str,
+        count: int,
+        timeout: float = RUNNING_TIMEOUT,
+        not_uids: set[str] = frozenset(),  # type: ignore[assignment]
+    ) -> dict[str, dict[str, Any]]:
+        """`count` pods of `app` Running (none of UIDs `not_uids`), and no other pod of
+        it; by name."""
+
+        def ready() -> dict[str, dict[str, Any]] | None:
+            pods = self.pods(app)
+            running = self.running(app)
+            if len(pods) != count or len(running) != count:
+                return None
+            if any(p["metadata"]["uid"] in not_uids for p in running.values()):
+                return None
+            return running
+
+        try:
+            found: dict[str, dict[str, Any]] = wait_for(
+                f"{count} pods of {app} Running", ready, timeout, 0.3
+            )
+        except ClusterError as e:
+            states = {p["metadata"]["name"]: self.pod_state(p) for p in self.pods(app)}
+            raise AssertionError(f"{e}: {states}") from None
+        return found
+
+    def pod_state(self, pod: dict[str, Any]) -> str:
+        """Its phase, why its containers wait, its node, and the kubelet's last failure to
+        make its sandbox."""
+        status = pod["status"]
+        waiting = [
+            c["state"]["waiting"].get("reason", "")
+            for c in status.get("containerStatuses", [])
+            if "waiting" in c.get("state", {})
+        ]
+        state = f"{status.get('phase')} {','.join(waiting)} on {pod['spec'].get('nodeName')}"
+        failed = events(self, pod["metadata"]["name"], "FailedCreatePodSandBox")
+        if failed:
+            last = max(failed, key=lambda e: e.get("lastTimestamp") or "")
+            state += f" ({last.get('count', 1)} failed sandboxes, the last: {last['message']})"
+        return state
+
+    def wait_gone(self, app: str, timeout: float = RUNNING_TIMEOUT) -> None:
+        wait_for(f"no pod of {app}", lambda: not self.pods(app), timeout, 0.3)
+
+    def scale(self, kind: str, name: str, replicas: int) -> None:
+        self.kubectl("scale", kind, name, f"--replicas={replicas}")
+
+
+@contextlib.contextmanager
+def story(stories: Stories, name: str, networks: tuple[Any, ...] = ()) -> Iterator[Story]:
+    """A story in namespace `story-NAME`: the pools' baseline and a first sample before,
+    and after it (when it passed) its namespace deleted, every pool back to its
+    baseline and a last sample. Its time is recorded."""
+    lab = stories.lab
+    checks = StoryChecks(lab, stories.witness, networks)
+    checks.sample(f"{name}: before")
+    baseline = checks.used()
+    ns = f"story-{name}"
+    lab.kubectl("create", "namespace", ns)
+    wait_for(
+        f"{ns}'s default ServiceAccount",
+        lambda: (
+            lab.kubectl(f"--namespace={ns}", "get", "sa", "default", check=False).returncode == 0
+        ),
+        60.0,
+    )
+    s = Story(name, lab, ns, checks)
+    passed = False
+    try:
+        yield s
+        passed = True
+    finally:
+        s.say("teardown")
+        lab.kubectl(
+            "delete", "namespace", ns, "--wait=true", "--timeout=180s", check=False, timeout=200
+        )
+        if passed:
+            checks.wait_baseline(ns, baseline, 120.0)
+            checks.sample(f"{name}: after teardown")
+        else:  # the next story starts from the baseline all the same, when it can
+            with contextlib.suppress(AssertionError):
+                checks.wait_baseline(ns, baseline, 60.0)
+        seconds = time.monotonic() - s.started
+        stories.times[name] = seconds
+        say(f"{name}: {seconds:.1f}s, {checks.samples} samples")
+
+
+def sampling(s: Story, label: str, workers: list[threading.Thread], period: float = 5.0) -> None:
+    """A sample every `period` seconds (or as soon as the last ends) while `workers` run,
+    then they are joined."""
+    n = 0
+    while any(t.is_alive() for t in workers):
+        n += 1
+        s.checks.sample(f"{label} sample {n}")
+        until = time.monotonic() + period
+        for t in workers:
+            t.join(timeout=max(0.0, until - time.monotonic()))
+
+
+def in_thread(errors: list[BaseException], fn: Callable[[], None]) -> threading.Thread:
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as e:  # handed to the test
+            errors.append(e)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+def agent_log(lab: Cluster) -> list[dict[str, Any]]:
+    """Every log line of every agent that ran on the nodes (their pods' log files), as
+    JSON objects."""
+    out = []
+    for node in lab.nodes:
+        pattern = f"{node.dir}/var-log/pods/ipward-system_ipward-agent-*/agent/*.log"
+        for path in glob.glob(pattern):
+            for line in Path(path).read_text(errors="replace").splitlines():
+                _, _, rest = line.partition(" F ")
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(rest)
+                    entry["node"] = node.name
+                    out.append(entry)
+    return out
+
+
+def addresses(pods: dict[str, dict[str, Any]]) -> dict[str, str]:
+    return {name: p["status"]["podIP"] for name, p in pods.items()}
+
+
+# -- stories --------------------------------------------------------------------------------
+
+
+def test_statefulset_scaled_fast_and_force_deleted_keeps_every_address(
+    stories: Stories,
+) -> None:
+    """5->0->5, ten rounds, Parallel (scaled up again at once, while its pods terminate)
+    and OrderedReady (once they are gone), side by side; then pods that stop slowly,
+    force-deleted: each new pod waits (answered 11) until the old sandbox is torn down,
+    and every pod keeps its address throughout."""
+    with story(stories, "sts") as s:
+        s.apply(
+            statefulset("par", 5, "Parallel"),
+            statefulset("ord", 5, "OrderedReady"),
+            statefulset("slow", 3, "Parallel", slow_stop=True, grace=1),
+        )
+        first = {
+            app: addresses(s.wait_running(app, n))
+            for app, n in (("par", 5), ("ord", 5), ("slow", 3))
+        }
+        assert len({ip for a in first.values() for ip in a.values()}) == 13
+        s.say(f"first addresses {first}")
+
+        def rounds(app: str, count: int, wait_gone: bool) -> None:
+            for r in range(count):
+                s.scale("statefulset", app, 0)
+                if wait_gone:
+                    s.wait_gone(app)
+                s.scale("statefulset", app, 5)
+                now = addresses(s.wait_running(app, 5))
+                assert now == first[app], f"{app} round {r + 1}: {now} != {first[app]}"
+            s.say(f"{app}: {count} rounds, every address kept")
+
+        errors: list[BaseException] = []
+        workers = [
+            in_thread(errors, lambda: rounds("par", PARALLEL_ROUNDS, False)),
+            in_thread(errors, lambda: rounds("ord", ORDERED_ROUNDS, True)),
+        ]
+        sampling(s, "sts rounds", workers)
+        if errors:
+            raise errors[0]
+
+        waits_before = sticky_waits(s.lab, s.ns, "slow")
+        for r in range(FORCE_ROUNDS):
+            old = {p["metadata"]["uid"] for p in s.pods("slow")}
+            s.kubectl("delete", "pod", "slow-0", "slow-1", "slow-2", "--force", "--grace-period=0")
+            now = addresses(s.wait_running("slow", 3, not_uids=old))
+            assert now == first["slow"], f"force-deleted, round {r + 1}: {now} != {first['slow']}"
+            s.checks.sample(f"sts force delete {r + 1}")
+        waits = sticky_waits(s.lab, s.ns, "slow") - waits_before
+        s.say(
+            f"force-deleted {FORCE_ROUNDS} times; ADDs answered 11 waiting for a teardown: {waits}"
+        )
+        assert waits > 0, "no new sandbox waited for its predecessor's teardown"
+
+
+def test_force_deleted_pods_slow_to_stop_hold_their_addresses_until_their_sandboxes_go(
+    stories: Stories,
+) -> None:
+    """Pods that take their whole grace period (30 s) to stop, force-deleted: the API
+    forgets them at once, their sandboxes run on until the kubelet kills them. Their
+    addresses stay theirs until their sandboxes are torn down: a plain pod's is not
+    freed, a StatefulSet pod's moves to its successor (made on another node) only then,
+    so no two namespaces hold it at once."""
+    lab = stories.lab
+    with story(stories, "slow-stop") as s:
+        here, there = (n.name for n in lab.nodes[:2])
+        far = statefulset("far", 1, node=here, slow_stop=True, grace=30)
+        far["spec"]["updateStrategy"] = {"type": "OnDelete"}  # the next far-0 goes `there`
+        s.apply(far, bare_pod("lingering", node=here, slow_stop=True, grace=30))
+        first = addresses(s.wait_running("far", 1))
+        lingering = s.wait_running("lingering", 1)["lingering"]
+        old = {p["metadata"]["uid"] for p in s.pods()}
+        wait_past_grace(s, ["far-0", "lingering"])
+        held = {n: r["ip"] for n, r in records_of(lab, s.ns).items()}
+        move = [
+            {
+                "op": "replace",
+                "path": "/spec/template/spec/nodeSelector",
+                "value": {"kubernetes.io/hostname": there},
+            }
+        ]
+        s.kubectl("patch", "statefulset", "far", "--type=json", f"--patch={json.dumps(move)}")
+        s.kubectl("delete", "pod", "far-0", "lingering", "--force", "--grace-period=0")
+        s.say(f"far-0 and lingering force-deleted on {here}; far-0 made again on {there}")
+
+        def torn_down() -> bool:
+            return not set(held.values()) & {
+                ip
+                for ip, spans in stories.witness.held().items()
+                if any(span.node == here for span in spans)
+            }
+
+        n = 0
+        deadline = time.monotonic() + 90.0
+        try:
+            while not torn_down():
+                assert time.monotonic() < deadline, f"{held} still held on {here} after 90 s"
+                n += 1
+                s.checks.sample(f"slow-stop: old sandboxes stopping, sample {n}")
+        finally:  # the next story starts without them, whatever happened
+            wait_for("the old sandboxes torn down", torn_down, 90.0, 0.5)
+        s.say(f"old sandboxes torn down after {n} samples")
+        moved = s.wait_running("far", 1, not_uids=old)
+        assert addresses(moved) == first
+        assert moved["far-0"]["spec"]["nodeName"] == there
+        wait_for(
+            "lingering's address freed",
+            lambda: "lingering" not in records_of(lab, s.ns),
+            60.0,
+            0.5,
+        )
+        assert lingering["status"]["podIP"] == held["lingering"]
+
+
+def sticky_waits(lab: Cluster, ns: str, app: str) -> int:
+    """ADDs of `app`'s pods the agents answered 11 because the reservation was still
+    bound to a sandbox not torn down yet (on the same node: its runtime lists it; on
+    another: its DEL has not detached it)."""
+    return sum(
+        1
+        for e in agent_log(lab)
+        if e.get("code") == 11
+        and e.get("msg", "").startswith(f"sticky/pods/{ns}/{app}-")
+        and ("teardown is over" in e["msg"] or "DEL detaches it" in e["msg"])
+    )
+
+
+# -- the cluster's own parts, for the stories ---------------------------------------------------
+
+
+def ipward_pods(lab: Cluster, name: str) -> list[dict[str, Any]]:
+    """The pods of ipward's `ipward-agent` or `ipward-controller`."""
+    query = f"labelSelector=app.kubernetes.io%2Fname%3D{name}"
+    items: list[dict[str, Any]] = lab.api(f"/api/v1/namespaces/ipward-system/pods?{query}")["items"]
+    return items
+
+
+def quiet_node(lab: Cluster) -> str:
+    """A node no ipward controller runs on (so breaking it leaves the leader alone),
+    else the last."""
+    busy = {p["spec"].get("nodeName") for p in ipward_pods(lab, "ipward-controller")}
+    free = [n.name for n in lab.nodes if n.name not in busy]
+    return free[0] if free else lab.nodes[-1].name
+
+
+def leader_metrics(lab: Cluster) -> tuple[str, dict[str, float]]:
+    """The leading controller's pod name and its metrics."""
+
+    def leader() -> tuple[str, dict[str, float]] | None:
+        for pod in ipward_pods(lab, "ipward-controller"):
+            ip = pod["status"].get("podIP")
+            if pod["status"].get("phase") != "Running" or not ip:
+                continue
+            with contextlib.suppress(OSError):
+                samples = lab.metrics(ip, 9311)
+                if samples.get("ipward_controller_leader") == 1.0:
+                    return pod["metadata"]["name"], samples
+        return None
+
+    found: tuple[str, dict[str, float]] = wait_for("a leading controller", leader, 60.0, 0.5)
+    return found
+
+
+def wait_gc_passes(lab: Cluster, passes: int, timeout: float = 60.0) -> None:
+    """Until the leading controller has made `passes` more garbage-collection passes
+    (counted from now; a new leader's from its start)."""
+    name, samples = leader_metrics(lab)
+    start = {name: samples.get("ipward_gc_pass_seconds_count", 0.0)}
+
+    def done() -> bool:
+        now, samples = leader_metrics(lab)
+        return samples.get("ipward_gc_pass_seconds_count", 0.0) - start.get(now, 0.0) >= passes
+
+    wait_for(f"{passes} garbage-collection passes", done, timeout, 0.5)
+
+
+def registered(lab: Cluster) -> set[str]:
+    """The nodes with a registered agent."""
+    return set(json.loads(lab.ipward_run("status", "--json").stdout)["nodes"])
+
+
+def records_of(lab: Cluster, ns: str) -> dict[str, dict[str, Any]]:
+    """ipward's records of the pods of namespace `ns`, by pod name (a detached sticky
+    one too)."""
+    records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+    return {r["pod"]["name"]: r for r in records if r["pod"].get("namespace") == ns}
+
+
+def wait_past_grace(s: Story, names: list[str]) -> None:
+    """Until the records of pods `names` are JUDGED_AGE old (by the clock that wrote
+    them, this machine's): the controller judges them at the next change of their pods."""
+
+    def old() -> bool:
+        records = records_of(s.lab, s.ns)
+        return all(
+            n in records and time.time() - records[n]["created_at"] > JUDGED_AGE for n in names
+        )
+
+    wait_for(f"records of {names} past the ADD grace", old, 60.0, 0.5)
+
+
+def agent_down(lab: Cluster, node: str) -> None:
+    """The node's agent stopped and kept down as a failed agent stays down: its image
+    removed from the node, its pod deleted (the DaemonSet's new pod cannot start);
+    until its registration is gone."""
+    from ipward_lab.images import IPWARD_IMAGE
+
+    n = lab.node(node)
+    kubecluster.run(
+        ["ctr", f"--address={n.containerd_socket}", "-n", "k8s.io", "images", "rm", IPWARD_IMAGE]
+    )
+    for pod in ipward_pods(lab, "ipward-agent"):
+        if pod["spec"].get("nodeName") == node:
+            lab.kubectl("--namespace=ipward-system", "delete", "pod", pod["metadata"]["name"])
+    wait_for(f"{node}'s agent unregistered", lambda: node not in registered(lab), 60.0, 0.5)
+
+
+def agent_up(lab: Cluster, node: str) -> None:
+    """The node's agent back (`agent_down` undone): its image loaded again, its pod
+    made again; until it is ready."""
+    from ipward_lab.images import build_ipward_image
+
+    lab.import_images(lab.node(node), [build_ipward_image(kubecluster.CHECKOUT, lambda t: None)])
+    for pod in ipward_pods(lab, "ipward-agent"):
+        if pod["spec"].get("nodeName") == node:
+            lab.kubectl(
+                "--namespace=ipward-system",
+                "delete",
+                "pod",
+                pod["metadata"]["name"],
+                "--wait=false",
+            )
+    wait_agent_ready(lab, node)
+
+
+def wait_agent_ready(lab: Cluster, node: str, timeout: float = 120.0) -> None:
+    def ready() -> bool:
+        for pod in ipward_pods(lab, "ipward-agent"):
+            if pod["spec"].get("nodeName") == node and not pod["metadata"].get("deletionTimestamp"):
+                conditions = pod["status"].get("conditions", [])
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+                    return node in registered(lab)
+        return False
+
+    wait_for(f"{node}'s agent ready and registered", ready, timeout, 0.5)
+
+
+def events(s: Story, pod: str, reason: str) -> list[dict[str, Any]]:
+    query = f"fieldSelector=involvedObject.name%3D{pod},reason%3D{reason}"
+    items: list[dict[str, Any]] = s.lab.api(f"/api/v1/namespaces/{s.ns}/events?{query}")["items"]
+    return items
+
+
+def failures(s: Story, pod: str) -> int:
+    """How often the kubelet failed to make `pod`'s sandbox."""
+    return sum(e.get("count", 1) for e in events(s, pod, "FailedCreatePodSandBox"))
+
+
+def test_add_retried_after_bridge_failed_past_ipam_keeps_its_address(stories: Stories) -> None:
+    """`bridge` fails after its IPAM answered (the node's cni0 holds another IPv4 address
+    first: "already has an IP address different from"), so the kubelet retries the
+    sandbox: a StatefulSet's pods keep the address their first ADD got, which no other
+    pod gets meanwhile, and run with it once the bridge is repaired; a plain pod too
+    runs in the end."""
+    lab = stories.lab
+    with story(stories, "retry") as s:
+        node = quiet_node(lab)
+        netns = lab.node(node).netns
+        broken = "10.99.99.1/24"
+        bridge_addr = f"{kubecluster.POD_GATEWAY}/{kubecluster.POD_NET.prefixlen}"
+        # Another address first on the bridge, the gateway's kept (its pods stay up).
+        kubecluster.run(
+            [
+                "nsenter", f"--net={netns}", "sh", "-ec",
+                f"ip addr add {broken} dev {kubecluster.BRIDGE};"
+                f" ip addr del {bridge_addr} dev {kubecluster.BRIDGE};"
+                f" ip addr add {bridge_addr} dev {kubecluster.BRIDGE}",
+            ]
+        )  # fmt: skip
+        try:
+            s.apply(statefulset("db", 2, node=node), bare_pod("plain", node=node))
+            wait_for(
+                "the kubelet retried each pod's sandbox",
+                lambda: all(failures(s, p) >= 2 for p in ("db-0", "db-1", "plain")),
+                90.0,
+                1.0,
+            )
+            message = events(s, "db-0", "FailedCreatePodSandBox")[0]["message"]
+            assert "already has an IP address different from" in message, message
+            reserved = {n: r["ip"] for n, r in records_of(lab, s.ns).items() if r["sticky"]}
+            assert set(reserved) == {"db-0", "db-1"}, reserved
+            s.say(f"{failures(s, 'db-0')} failed ADDs of db-0; reserved {reserved}")
+            reading = s.checks.sample("retry: bridge failing")
+            for name, ip in reserved.items():
+                assert reading.by_ip[ip]["sticky"].endswith(f"/{s.ns}/{name}"), reading.by_ip[ip]
+            assert not s.running()
+        finally:
+            kubecluster.run(
+                [
+                    "nsenter",
+                    f"--net={netns}",
+                    "ip",
+                    "addr",
+                    "del",
+                    broken,
+                    "dev",
+                    kubecluster.BRIDGE,
+                ]
+            )
+        running = s.wait_running("db", 2)
+        s.wait_running("plain", 1)
+        assert addresses(running) == reserved
+        s.checks.sample("retry: running")
+
+
+def test_pods_deleted_while_their_agent_is_down_are_freed_once_it_is_back(
+    stories: Stories,
+) -> None:
+    """A node's agent down (its image gone, its pod deleted: unregistered), then pods of
+    that node deleted: two force-deleted (the kubelet's DEL is refused and, the pods
+    gone from the API, never retried), one gracefully (retried while it terminates).
+    Their sandboxes stay, not ready (`bridge` 1.1 removed their links before it asked
+    the IPAM). Their records stay through the controller's passes, the node listed and
+    its agent unregistered: nothing of it is freed on the cluster's word alone. Once the
+    agent is back, the addresses are freed and the sandboxes' networks torn down
+    (containerd closes their namespaces; the stopped sandboxes stay listed until the
+    kubelet's garbage collection), though no kubelet retries a deleted pod's DEL."""
+    lab = stories.lab
+    with story(stories, "agent-down") as s:
+        node = quiet_node(lab)
+        names = ["gone-0", "gone-1", "graceful"]
+        s.apply(*(bare_pod(n, node=node) for n in names))
+        pods = {n: s.wait_running(n, 1)[n] for n in names}
+        uids = {p["metadata"]["uid"] for p in pods.values()}
+        wait_past_grace(s, names)
+        held = {n: r["ip"] for n, r in records_of(lab, s.ns).items()}
+        s.checks.sample("agent-down: running")
+        agent_down(lab, node)
+        s.say(f"{node}'s agent down")
+
+        def sandboxes() -> dict[str, tuple[bool, bool]]:
+            """The deleted pods' sandboxes on the node, by id: (ready, network torn down)."""
+            return {
+                sb.id: (sb.ready, sb.net_closed)
+                for sb in runtime_sandboxes(lab, node)
+                if sb.uid in uids
+            }
+
+        try:
+            s.kubectl("delete", "pod", "gone-0", "gone-1", "--force", "--grace-period=0")
+            s.kubectl("delete", "pod", "graceful", "--wait=false")
+            wait_for("the force-deleted pods gone", lambda: len(s.pods()) == 1, 60.0, 0.5)
+            wait_for(
+                "their sandboxes stopped, their DELs refused (networks not torn down)",
+                lambda: (
+                    (found := sandboxes())
+                    and len(found) == 3
+                    and not any(ready or closed for ready, closed in found.values())
+                ),
+                60.0,
+                0.5,
+            )
+            wait_gc_passes(lab, 3)
+            s.checks.sample("agent-down: pods deleted, agent down")
+            left = {n: r["ip"] for n, r in records_of(lab, s.ns).items()}
+            assert left == held, (
+                f"freed while {node}'s agent was down and their sandboxes not torn down:"
+                f" {sorted(set(held) - set(left))}"
+            )
+        finally:
+            agent_up(lab, node)
+        s.say(f"{node}'s agent back")
+
+        def done() -> bool:
+            torn_down = all(closed for _, closed in sandboxes().values())
+            return not records_of(lab, s.ns) and torn_down and not s.pods()
+
+        try:
+            wait_for("the deleted pods' addresses freed, their networks torn down", done, 90.0, 1.0)
+        except ClusterError as e:
+            raise AssertionError(
+                f"{e}: records {sorted(records_of(lab, s.ns))}, sandboxes {sandboxes()},"
+                f" pods {[p['metadata']['name'] for p in s.pods()]}"
+            ) from None
+        s.checks.sample("agent-down: agent back")
+
+
+def agent_pid(lab: Cluster, node: str) -> int:
+    """The pid of the node's agent (its container's main process)."""
+    for pid in lab.node_pids(lab.node(node)):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"agent" in argv and f"--node={node}".encode() in argv:
+                return pid
+    raise AssertionError(f"no agent process on {node}")
+
+
+def test_node_rebooted_keeps_what_runs_and_frees_the_leftovers(stories: Stories) -> None:
+    """A node's kubelet, containerd and agent killed (SIGKILL) with one pod's sandbox
+    (its pause process) and restarted, one pod deleted meanwhile: the pods that ran
+    keep their records, sandbox and address throughout; the deleted pod's address and
+    the dead sandbox's are freed, that pod running again in a new sandbox."""
+    lab = stories.lab
+    with story(stories, "reboot") as s:
+        node = quiet_node(lab)
+        n = lab.node(node)
+        s.apply(
+            deployment("keep", 3, node=node),
+            bare_pod("left", node=node),
+            bare_pod("crashed", node=node),
+        )
+        s.wait_running("keep", 3)
+        s.wait_running("left", 1)
+        crashed = s.wait_running("crashed", 1)["crashed"]
+        wait_past_grace(s, ["left", "crashed"])
+        before = records_of(lab, s.ns)
+        kept = {k: (r["ip"], r["container"]) for k, r in before.items() if k.startswith("keep-")}
+        assert len(kept) == 3
+        s.checks.sample("reboot: running")
+        pause = lab.sandbox_pid(n, crashed["metadata"]["uid"])
+        agent = agent_pid(lab, node)
+        lab.kill(f"{node}-kubelet")
+        lab.kill(f"{node}-containerd")
+        os.kill(agent, 9)
+        os.kill(pause, 9)
+        s.say(f"{node}'s kubelet, containerd, agent and crashed's sandbox killed")
+        try:
+            s.kubectl("delete", "pod", "left", "--wait=false")
+            wait_gc_passes(lab, 3)
+            s.checks.sample("reboot: node down")
+            now = records_of(lab, s.ns)
+            assert {k: (r["ip"], r["container"]) for k, r in now.items() if k in kept} == kept
+        finally:
+            lab.power_on(n)
+        s.say(f"{node}'s containerd and kubelet restarted")
+        wait_agent_ready(lab, node)
+        s.wait_gone("left")
+        again = s.wait_running("crashed", 1)["crashed"]
+        assert again["metadata"]["uid"] == crashed["metadata"]["uid"]
+
+        def leftovers_freed() -> bool:
+            records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+            mine = [r for r in records if r["pod"].get("namespace") == s.ns]
+            left = [r for r in mine if r["pod"]["name"] == "left"]
+            crashed = [r["container"] for r in mine if r["pod"]["name"] == "crashed"]
+            return not left and len(crashed) == 1 and crashed[0] != before["crashed"]["container"]
+
+        wait_for("the leftovers freed", leftovers_freed, 90.0, 1.0)
+        now = records_of(lab, s.ns)
+        assert {k: (r["ip"], r["container"]) for k, r in now.items() if k in kept} == kept
+        s.checks.sample("reboot: back")
+
+
+def test_pods_churning_on_every_node_while_surplus_blocks_go_back(stories: Stories) -> None:
+    """A Deployment spread over every node scaled 18 -> 3 -> 18, CHURN_ROUNDS times: each
+    scale-down leaves blocks empty beyond the warm target, which the controller asks
+    back after the release delay (5 s); the scale-up comes as soon as it has started
+    asking (a node that needs the space takes the block back). Every pod starts within
+    the kubelet's retries, no address doubles, no record is lost, and blocks did go
+    back."""
+    lab = stories.lab
+    with story(stories, "churn") as s:
+
+        def handshakes() -> dict[str, float]:
+            _, samples = leader_metrics(lab)
+            return {
+                result: samples.get(f'ipward_controller_handshakes_total{{result="{result}"}}', 0.0)
+                for result in ("started", "completed", "aborted")
+            }
+
+        before = handshakes()
+        s.apply(deployment("churn", 18, spread="churn"))
+        s.wait_running("churn", 18)
+        for r in range(CHURN_ROUNDS):
+            s.checks.sample(f"churn round {r + 1}: 18 running")
+            asked = handshakes()["started"]
+            s.scale("deployment", "churn", 3)
+            s.wait_running("churn", 3)
+            wait_for(
+                "the controller asking a block back",
+                lambda asked=asked: handshakes()["started"] > asked,  # type: ignore[misc]
+                60.0,
+                0.5,
+            )
+            s.scale("deployment", "churn", 18)
+            s.wait_running("churn", 18)
+        after = handshakes()
+        s.say(f"handshakes {before} -> {after}")
+        assert after["completed"] > before["completed"], "no block went back"
+        s.checks.sample("churn: done")
+
+
+def test_job_pods_hold_no_address_once_completed(stories: Stories) -> None:
+    """A Job's pods run to completion (Succeeded, still listed): their addresses are
+    freed, by the kubelet's DEL of their sandboxes or as pod-terminal."""
+    lab = stories.lab
+    with story(stories, "job") as s:
+        spec = pod_spec()
+        spec["restartPolicy"] = "Never"
+        spec["containers"] = [container(args=["1"])]
+        s.apply(
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": "once"},
+                "spec": {
+                    "completions": 6,
+                    "parallelism": 6,
+                    "template": {"metadata": {"labels": {"app": "once"}}, "spec": spec},
+                },
+            }
+        )
+
+        def completed() -> bool:
+            pods = s.pods("once")
+            return len(pods) == 6 and all(p["status"].get("phase") == "Succeeded" for p in pods)
+
+        wait_for("the Job's 6 pods Succeeded", completed, RUNNING_TIMEOUT, 0.5)
+        wait_for(
+            "the completed pods' addresses freed", lambda: not records_of(lab, s.ns), 60.0, 0.5
+        )
+        assert len(s.pods("once")) == 6, "the completed pods are still listed"
+        s.checks.sample("job: completed")
+
+
+def test_drained_node_moves_its_pods_and_a_statefulset_pod_keeps_its_address(
+    stories: Stories,
+) -> None:
+    """`kubectl drain` of a node with pods of a StatefulSet and a Deployment: the pods
+    are evicted and made again on the other nodes, the StatefulSet's with its address
+    (a sticky address moving across nodes); the node is uncordoned after."""
+    lab = stories.lab
+    with story(stories, "drain") as s:
+        s.apply(statefulset("db", 3, spread="db"), deployment("web", 3, spread="web"))
+        db = s.wait_running("db", 3)
+        s.wait_running("web", 3)
+        node = db["db-1"]["spec"]["nodeName"]
+        try:
+            s.say(f"draining {node}")
+            lab.kubectl(
+                "drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--force",
+                "--timeout=120s", timeout=180,
+            )  # fmt: skip
+            moved = s.wait_running("db", 3)
+            web = s.wait_running("web", 3)
+            assert addresses(moved) == addresses(db)
+            assert all(p["spec"]["nodeName"] != node for p in [*moved.values(), *web.values()])
+            s.checks.sample("drain: drained")
+        finally:
+            lab.kubectl("uncordon", node)
+
+
+NODE_GONE_FREED = 'ipward_gc_freed_total{reason="node-gone"}'
+
+
+def test_deleted_node_frees_its_addresses_as_node_gone(stories: Stories) -> None:
+    """A node goes down for good (every process of it killed, what a reboot clears
+    cleared) and is deleted from the cluster: its agent's registration expires, its pods
+    are collected (kube-controller-manager's pod GC) and made again elsewhere, the
+    StatefulSet's with its address once the node is gone, and its records freed as
+    node-gone. Then the node comes back and joins again."""
+    lab = stories.lab
+    with story(stories, "node-gone") as s:
+        s.apply(statefulset("db", 3, spread="db"), deployment("web", 3, spread="web"))
+        db = s.wait_running("db", 3)
+        s.wait_running("web", 3)
+        node = quiet_node(lab)
+        on_node = [n for n, p in s.running().items() if p["spec"]["nodeName"] == node]
+        wait_past_grace(s, on_node)
+        _, samples = leader_metrics(lab)
+        gone_before = samples.get(NODE_GONE_FREED, 0.0)
+        n = lab.node(node)
+        s.say(f"{node} down for good, with {on_node}")
+        lab.power_off(n)
+        try:
+            lab.kubectl("delete", "node", node)
+            wait_for(f"{node}'s agent unregistered", lambda: node not in registered(lab), 60.0, 0.5)
+            moved = s.wait_running("db", 3, timeout=180.0)
+            s.wait_running("web", 3, timeout=180.0)
+            assert addresses(moved) == addresses(db)
+            s.checks.sample("node-gone: pods elsewhere")
+
+            def freed() -> bool:
+                records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+                return not [r for r in records if r["node"] == node and r["container"]]
+
+            wait_for(f"{node}'s records freed", freed, 60.0, 1.0)
+            _, samples = leader_metrics(lab)
+            frees = samples.get(NODE_GONE_FREED, 0.0) - gone_before
+            s.say(f"records freed as node-gone: {frees:g}")
+        finally:
+            lab.power_on(n)
+            wait_for(
+                f"{node} Ready again",
+                lambda: any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in lab.api(f"/api/v1/nodes/{node}")
+                    .get("status", {})
+                    .get("conditions", [])
+                ),
+                120.0,
+                1.0,
+            )
+            wait_agent_ready(lab, node)
+        s.checks.sample("node-gone: node back")
+
+
+STATIC_POD = "static-web"
+
+
+def test_static_pod_on_the_pod_network_is_addressed_and_freed(stories: Stories) -> None:
+    """A static pod (a manifest in a node's /etc/kubernetes/manifests) on the pod
+    network: its ADD is served through its mirror pod, its address recorded for its own
+    UID; its manifest removed, its address is freed."""
+    lab = stories.lab
+    with story(stories, "static") as s:
+        node = quiet_node(lab)
+        n = lab.node(node)
+        manifest = bare_pod(STATIC_POD)
+        manifest["metadata"]["namespace"] = s.ns
+        path = f"/etc/kubernetes/manifests/{s.ns}-{STATIC_POD}.json"
+        lab_run = lambda script, text="": kubecluster.run(  # noqa: E731
+            lab.in_node(n, ["sh", "-ec", script]), input=text or None
+        )
+        lab_run(f"cat > {path}", json.dumps(manifest))
+        try:
+            mirror = s.wait_running(STATIC_POD, 1)[f"{STATIC_POD}-{node}"]
+            uid = mirror["metadata"]["annotations"]["kubernetes.io/config.mirror"]
+            record = records_of(lab, s.ns)[f"{STATIC_POD}-{node}"]
+            assert record["pod"]["uid"] == uid != mirror["metadata"]["uid"]
+            assert record["ip"] == mirror["status"]["podIP"]
+            s.checks.sample("static: running")
+        finally:
+            lab_run(f"rm -f {path}")
+        s.wait_gone(STATIC_POD)
+        wait_for("the static pod's address freed", lambda: not records_of(lab, s.ns), 60.0, 0.5)
+
+
+def roll_agents(lab: Cluster, strategy: dict[str, Any]) -> None:
+    """The agent DaemonSet given `strategy` and a new template (an annotation), so that
+    it rolls."""
+    patch = {
+        "spec": {
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": strategy},
+            "template": {"metadata": {"annotations": {"ipward.test/roll": str(time.time())}}},
+        }
+    }
+    lab.kubectl(
+        "--namespace=ipward-system", "patch", "daemonset", "ipward-agent",
+        "--type=strategic", f"--patch={json.dumps(patch)}",
+    )  # fmt: skip
+
+
+def agents_rolled(lab: Cluster) -> str | None:
+    """ "rolled" once every node runs an updated, available agent; why not, when a pod
+    of it cannot be scheduled (the roll is stuck); None meanwhile."""
+    for pod in ipward_pods(lab, "ipward-agent"):
+        for c in pod["status"].get("conditions", []):
+            if c["type"] == "PodScheduled" and c["status"] == "False" and c.get("message"):
+                return f"{pod['metadata']['name']} cannot be scheduled: {c['message']}"
+    ds = lab.kubectl_json("--namespace=ipward-system", "get", "daemonset", "ipward-agent")
+    status, want = ds["status"], ds["status"].get("desiredNumberScheduled", -1)
+    if (
+        status.get("observedGeneration") == ds["metadata"]["generation"]
+        and status.get("updatedNumberScheduled") == want
+        and status.get("numberAvailable") == want
+        and status.get("numberUnavailable", 0) == 0
+        and status.get("currentNumberScheduled") == want
+    ):
+        return "rolled"
+    return None
+
+
+def test_agent_daemonset_rolled_with_surge_under_churn(stories: Stories) -> None:
+    """The agent DaemonSet rolled with `maxSurge: 1` (each node's new agent starts
+    beside the old one, which holds the node until it stops) while pods come and go on
+    every node: the roll completes, no address doubles, no record is lost. (Rolled back
+    to deploy/'s strategy after, whatever happened.)"""
+    lab = stories.lab
+    with story(stories, "roll") as s:
+        s.apply(deployment("churn", 9, spread="churn"))
+        s.wait_running("churn", 9)
+        stop = threading.Event()
+
+        def churn() -> None:
+            while not stop.is_set():
+                pods = sorted(s.running("churn"))
+                if pods:
+                    s.kubectl("delete", "pod", pods[0], "--wait=false")
+                s.wait_running("churn", 9, timeout=180.0)
+
+        errors: list[BaseException] = []
+        worker = in_thread(errors, churn)
+        outcome: list[str] = []
+        try:
+            roll_agents(lab, {"maxSurge": 1, "maxUnavailable": 0})
+            roll = in_thread(
+                errors,
+                lambda: outcome.append(
+                    wait_for("the agents rolled", lambda: agents_rolled(lab), 300.0, 1.0)
+                ),
+            )
+            sampling(s, "roll", [roll])
+            stop.set()
+            worker.join(timeout=200)
+            if errors:
+                raise errors[0]
+            assert outcome == ["rolled"], outcome
+            s.checks.sample("roll: rolled")
+        finally:
+            stop.set()
+            if outcome != ["rolled"]:
+                roll_agents(lab, {"maxSurge": 0, "maxUnavailable": 1})
+                wait_for(
+                    "the agents rolled back to deploy/'s strategy",
+                    lambda: agents_rolled(lab) == "rolled",
+                    300.0,
+                    1.0,
+                )
+                for node in lab.nodes:
+                    wait_agent_ready(lab, node.name)
+        s.wait_running("churn", 9)
+
+
+SECOND_NET = ipaddress.ip_network("10.245.0.0/24")
+NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
+NETWORK_STATUS_ANNOTATION = "k8s.v1.cni.cncf.io/network-status"
+
+
+def second_network(ipam_type: str) -> dict[str, Any]:
+    """A NetworkAttachmentDefinition: `bridge` on each node's `cni1` (no gateway, not
+    routed), its `ipam` on SECOND_NET; host-local or ipward by `type` alone (ipward
+    names the same range an inline pool, named after the network; host-local ignores
+    `agentSocket`)."""
+    config = {
+        "cniVersion": "0.3.1",
+        "name": "second",
+        "type": "bridge",
+        "bridge": "cni1",
+        "ipam": {
+            "type": ipam_type,
+            "ranges": [[{"subnet": str(SECOND_NET)}]],
+            "agentSocket": kubecluster.AGENT_SOCKET,
+        },
+    }
+    return {
+        "apiVersion": "k8s.cni.cncf.io/v1",
+        "kind": "NetworkAttachmentDefinition",
+        "metadata": {"name": "second"},
+        "spec": {"config": json.dumps(config)},
+    }
+
+
+def interfaces(pod: dict[str, Any]) -> dict[str, str]:
+    """The pod's interfaces and their first addresses, as Multus wrote them."""
+    status = json.loads(pod["metadata"].get("annotations", {}).get(NETWORK_STATUS_ANNOTATION, "[]"))
+    return {s["interface"]: s["ips"][0] for s in status if s.get("interface") and s.get("ips")}
+
+
+def test_multus_secondary_network_switched_from_host_local_to_ipward(stories: Stories) -> None:
+    """Multus (its thin plugin) in front of the pod network, and a second network (a
+    NetworkAttachmentDefinition, `bridge` on `cni1`) asked for by pods: on host-local,
+    then switched to ipward by its `type` alone. Pods get two interfaces, both
+    addressed by ipward (the pod network's pool and the second network's inline pool,
+    one range for every node), and both addresses are freed with the pods."""
+    lab = stories.lab
+    lab.install_multus()
+    try:
+        with story(stories, "multus") as s:
+            s.apply(second_network("host-local"))
+            pod = deployment("multi", 1, node=lab.nodes[0].name)
+            pod["spec"]["template"]["metadata"]["annotations"] = {NETWORKS_ANNOTATION: "second"}
+            s.apply(pod)
+            try:
+                first = next(iter(s.wait_running("multi", 1, timeout=60.0).values()))
+            except AssertionError:
+                lab.remove_multus()  # so that the pods' DELs pass and the teardown ends
+                raise
+            assert set(interfaces(first)) == {"eth0", "net1"}, interfaces(first)
+            assert ipaddress.ip_address(interfaces(first)["net1"]) in SECOND_NET
+            s.checks.sample("multus: host-local")
+
+            s.scale("deployment", "multi", 0)
+            s.wait_gone("multi")
+            s.apply(second_network("ipward"))
+            s.checks.networks.append(SECOND_NET)  # ipward's to account for from now on
+            pod["spec"]["replicas"] = 6
+            pod["spec"]["template"]["spec"] = pod_spec(spread="multi", strict=True)
+            s.apply(pod)  # on every node now
+            pods = s.wait_running("multi", 6)
+            records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+            mine = {
+                (r["pod"]["uid"], r["ifname"]): r
+                for r in records
+                if r["pod"].get("namespace") == s.ns
+            }
+            for p in pods.values():
+                found = interfaces(p)
+                assert set(found) == {"eth0", "net1"}, found
+                for ifname, pool in (("eth0", kubecluster.POOL), ("net1", "second")):
+                    record = mine.get((p["metadata"]["uid"], ifname))
+                    assert record is not None, f"{p['metadata']['name']} {ifname}: no record"
+                    assert (record["pool"], record["ip"]) == (pool, found[ifname])
+            assert len({p["spec"]["nodeName"] for p in pods.values()}) == len(lab.nodes)
+            s.checks.sample("multus: ipward")
+            s.scale("deployment", "multi", 0)
+            s.wait_gone("multi")
+            wait_for(
+                "both interfaces' addresses freed", lambda: not records_of(lab, s.ns), 60.0, 0.5
+            )
+    finally:
+        lab.remove_multus()
