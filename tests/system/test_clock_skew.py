@@ -276,20 +276,20 @@ def test_the_view_measures_offsets_and_keeps_first_sightings_across_a_whole_read
             put_record(store, "10.0.0.2")
             view.sync()
             view.take_changes()
-            loose = view.clock_offsets()[NODE]
+            loose = view.registrations().offsets[NODE]
             assert loose.low == -HOUR and loose.high is not None and loose.high > loose.low
             assert [h.seen for h in view.held()] == [None]
             wall.now, mono.now = wall.now + 30, mono.now + 30
             put_registration(store, clock=wall.now - HOUR)
             put_record(store, "10.0.0.3")
             view.sync()
-            assert view.clock_offsets()[NODE] == clocks.Offset(-HOUR, -HOUR)
+            assert view.registrations().offsets[NODE] == clocks.Offset(-HOUR, -HOUR)
             assert not view.take_changes().nodes
             first_seen = {h.ip: h.seen for h in view.held()}
             assert first_seen == {"10.0.0.2": None, "10.0.0.3": 80.0}
             mono.now += 600  # the view's timer: read whole
             view.sync()
-            assert view.clock_offsets()[NODE] == clocks.Offset(-HOUR, -HOUR)
+            assert view.registrations().offsets[NODE] == clocks.Offset(-HOUR, -HOUR)
             assert {h.ip: h.seen for h in view.held()} == first_seen
         finally:
             view.close()

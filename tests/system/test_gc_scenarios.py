@@ -235,6 +235,31 @@ def test_controller_restart_between_the_two_gc_passes(world: World) -> None:
     w.assert_invariants()
 
 
+def test_force_deleted_pod_slow_to_stop_is_freed_by_its_teardown_not_on_pod_gone(
+    world: World,
+) -> None:
+    """`kubectl delete --force` of a pod whose containers ignore SIGTERM: the API forgets
+    it at once, its sandbox runs on, ready, until its kubelet kills it after the grace
+    period. Its node's agent reads the runtime, so the controller, whose `k8s://` source
+    has no runtime view, does not free the address on `pod-gone` (found on a real
+    cluster: a StatefulSet's next pod took the address on another node while the old
+    sandbox still held it); the teardown's DEL frees it."""
+    w = world
+    w.pool("--range", "10.69.0.0/24")
+    w.node("n1")
+    ctl = w.controller("c1")
+    w.sim.create_pod(NS, "slow")
+    ip = w.running("ns/slow")
+    w.wait_past_grace([ip])
+    w.sim.delete_pod("ns/slow", grace=8.0, force=True)
+    w.gone("ns/slow")
+    wait_for(lambda: ip not in w.records(), "the address freed once the sandbox is torn down")
+    [free] = w.frees_logged({ip})
+    assert free["by"] == "agent-n1" and "pod-gone" not in free["reason"], free
+    assert ctl.metric("ipward_gc_freed_total", reason="pod-gone") == 0
+    w.assert_invariants()
+
+
 def test_completed_job_freed_after_grace_never_before(world: World) -> None:
     w = world
     w.pool("--range", "10.66.0.0/24")

@@ -28,7 +28,7 @@ def held(created_at: float, seen: float | None = None) -> gc.Held:
 def evidence(as_of: float, clock: clocks.Clock) -> gc.Evidence:
     view = NodeView(NODE, as_of, {})  # the runtime lists no sandbox
     cluster = ClusterView(as_of, {}, frozenset({NODE}))
-    return gc.Evidence(GRACE, {NODE: view}, cluster, frozenset({NODE}), clock)
+    return gc.Evidence(GRACE, {NODE: view}, cluster, frozenset({NODE}), clock=clock)
 
 
 def test_a_writers_measured_offset_corrects_the_age_both_ways() -> None:

@@ -67,8 +67,17 @@ def evidence(
     node: NodeView | str = "runtime unreachable",
     cluster_view: ClusterView | str = "cluster unreachable",
     registered: tuple[str, ...] = ("n1",),
+    runtimes: tuple[str, ...] = (),
 ) -> gc.Evidence:
-    return gc.Evidence(GRACE, {"n1": node}, cluster_view, frozenset(registered))
+    """`runtimes`: nodes whose agent judges by its runtime; given, in cluster mode."""
+    return gc.Evidence(
+        GRACE,
+        {"n1": node},
+        cluster_view,
+        frozenset(registered),
+        frozenset(runtimes),
+        agents=bool(runtimes),
+    )
 
 
 READY = Sandbox("sb1", ready=True, namespace="ns", name="web-0", uid="u1")
@@ -121,6 +130,29 @@ OTHER = Sandbox("sb2", ready=True, namespace="ns", name="web-0", uid="u2")
         ),
         pytest.param(
             evidence(cluster_view=cluster(pod()), registered=()), None, id="node-still-listed"
+        ),
+        pytest.param(
+            evidence(cluster_view=cluster(), runtimes=("n1",)),
+            None,
+            id="pod-gone-on-a-node-whose-agent-judges-by-its-runtime",
+        ),
+        pytest.param(
+            evidence(
+                cluster_view=cluster(pod(phase="Succeeded", finished_at=T0, grace=1)),
+                runtimes=("n1",),
+            ),
+            gc.POD_TERMINAL,
+            id="terminal-pod-on-a-node-whose-agent-judges-by-its-runtime",
+        ),
+        pytest.param(
+            evidence(runtime(OTHER), cluster(), runtimes=("n1",)),
+            gc.SANDBOX_GONE,
+            id="that-agent-with-its-runtime-view",
+        ),
+        pytest.param(
+            evidence(cluster_view=cluster(), runtimes=("n2",)),
+            gc.POD_GONE,
+            id="pod-gone-on-a-node-whose-agent-has-no-runtime",
         ),
     ],
 )

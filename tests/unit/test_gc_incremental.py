@@ -81,13 +81,14 @@ class World:
         self.ledger(self.pods[i].node).free(Attachment("net", f"sb-{i}", "eth0"))
         self.allocated.discard(i)
 
-    def register(self, node: str, registered: bool) -> None:
-        op = self._registration(node) if registered else Delete(keys.node_key(node))
+    def register(self, node: str, registered: bool, runtime: bool = False) -> None:
+        op = self._registration(node, runtime) if registered else Delete(keys.node_key(node))
         self.store.txn([], [op])
 
-    def _registration(self, node: str) -> Put:
-        """As its agent puts it, its clock the world's."""
-        value = rec.NodeRegistration(node, 1, self.now, self.now, 60.0).encode()
+    def _registration(self, node: str, runtime: bool = False) -> Put:
+        """As its agent puts it, its clock the world's; `runtime`: the agent judges its
+        node by its runtime (the controller leaves the node to it without a runtime view)."""
+        value = rec.NodeRegistration(node, 1, self.now, self.now, 60.0, runtime).encode()
         return Put(keys.node_key(node), value)
 
     def clock(self) -> float:
@@ -200,7 +201,7 @@ def churn(world: World, rng: random.Random, next_pod: int) -> int:
             node = rng.choice(NODES)
             world.runtimes_down ^= {node}
         elif what < 0.86:
-            world.register(rng.choice(NODES), rng.random() < 0.5)
+            world.register(rng.choice(NODES), rng.random() < 0.5, rng.random() < 0.5)
         elif what < 0.94:
             world.unlisted ^= {rng.choice(NODES)}
         elif what < 0.97:
@@ -239,12 +240,12 @@ def test_the_incremental_pass_finds_and_frees_what_a_full_look_does(
         full = gc.look_at(
             view.held(),
             [],
-            frozenset(view.registered),
+            view.registrations(),
             source,
             controller.collection.grace,
-            view.clock_offsets(),
             view.clock,
             view.monotonic,
+            agents=True,  # as the controller judges
         )
         answered = isinstance(full.evidence.cluster, ClusterView) or any(
             isinstance(a, NodeView) for a in full.evidence.nodes.values()

@@ -44,9 +44,11 @@ class NodeDuties:
         ttl: int,
         refresh: float = REGISTRATION_REFRESH,
         clock: Callable[[], float] = time.time,
+        runtime: bool = False,
     ) -> None:
         self.store = store
         self.node = node
+        self.runtime = runtime  # published: this agent judges its node by its runtime
         self.interval = interval
         self.ttl = ttl
         self.refresh = refresh
@@ -128,7 +130,9 @@ class NodeDuties:
         if not self.session.lease:
             self.session.grant(now)
         wall = self.clock()
-        value = NodeRegistration(self.node, os.getpid(), self.since, wall, self.refresh)
+        value = NodeRegistration(
+            self.node, os.getpid(), self.since, wall, self.refresh, self.runtime
+        )
         compare = absent(key) if kv is None else at_revision(key, kv.mod_revision)
         if not self.store.txn([compare], [Put(key, value.encode(), lease=self.lease)]).succeeded:
             return False  # changed since read: looked at again at the next keepalive

@@ -81,7 +81,14 @@ def run_agent(
             return 0
         http = _start_http(agent, metrics_address, directory, drain_seconds)
         agent.start()
-        duties = NodeDuties(store, node, duty_interval, node_ttl, registration_refresh)
+        duties = NodeDuties(
+            store,
+            node,
+            duty_interval,
+            node_ttl,
+            registration_refresh,
+            runtime=source is not None and source.covers_runtimes,
+        )
         duties.start()
         reconciler = None
         if source is not None:

@@ -234,8 +234,7 @@ def _judged_gone(
         return "its record holds no sandbox"  # detached: its reservation keeps it
     source = open_listed_source(liveness, node, timeout)
     try:
-        registered, offsets = gc_rules.registrations(c.store)
-        look = gc_rules.look_at(held, [], registered, source, grace, offsets)
+        look = gc_rules.look_at(held, [], gc_rules.registrations(c.store), source, grace)
         verdict = look.verdicts[0]
         if verdict.reason is None:
             raise InvalidConfig(

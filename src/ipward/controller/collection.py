@@ -170,7 +170,7 @@ class Collection:
         view = self.view
         view.sync()
         changes = view.take_changes()
-        registered = frozenset(view.registered)
+        registered = view.registrations()
         everything = changes.everything or not self._known
         self._known = False  # until this look is done: one that fails leaves no half memory
         if everything:
@@ -183,9 +183,10 @@ class Collection:
             source,
             nodes,
             grace=self.grace,
-            registered=registered,
+            registered=registered.nodes,
+            runtimes=registered.runtimes,
             agents=True,  # a controller serves agents: cluster mode
-            offsets=view.clock_offsets(),
+            offsets=registered.offsets,
             clock=view.clock,
             monotonic=view.monotonic,
         )

@@ -46,9 +46,15 @@ from typing import TYPE_CHECKING, cast
 
 from ipward.core import keys, log
 from ipward.core.policy import CLOCK_SKEW_BOUND
-from ipward.core.records import AddressRecord, BlockRecord, FillRecord, ReservationRecord
+from ipward.core.records import (
+    AddressRecord,
+    BlockRecord,
+    FillRecord,
+    NodeRegistration,
+    ReservationRecord,
+)
 from ipward.gc.clocks import Offset, measure
-from ipward.gc.rules import Held, Reservation
+from ipward.gc.rules import Held, Registrations, Reservation
 from ipward.store.base import DELETE, Event, KeyValue
 from ipward.store.follower import SyncedFollower
 
@@ -122,6 +128,7 @@ class StoreView:
         self.records: dict[str, Held] = {}  # `ips/` key -> the record as held
         self.reservations: dict[str, Reservation] = {}
         self.registered: set[str] = set()  # nodes holding a registration
+        self.runtimes: set[str] = set()  # of those, nodes whose agent judges by its runtime
         # node -> its clock's offset, measured from its registration at the revision
         self.offsets: dict[str, tuple[int, Offset]] = {}
         self.affinity: dict[str, str] = {}  # affinity key -> the node it names
@@ -156,9 +163,11 @@ class StoreView:
         }
         return revision
 
-    def clock_offsets(self) -> dict[str, Offset]:
-        """Each registered node's clock offset, where its registration tells it."""
-        return {node: offset for node, (_, offset) in self.offsets.items()}
+    def registrations(self) -> Registrations:
+        """The registered nodes, those whose agent judges by its runtime, and each
+        one's clock offset where its registration tells it."""
+        offsets = {node: offset for node, (_, offset) in self.offsets.items()}
+        return Registrations(frozenset(self.registered), frozenset(self.runtimes), offsets)
 
     def block_nodes(self) -> set[str]:
         """Nodes some block is assigned to (by the affinity index)."""
@@ -223,6 +232,7 @@ class StoreView:
         self.records.clear()
         self.reservations.clear()
         self.registered.clear()
+        self.runtimes.clear()
         self.offsets.clear()
         self.affinity.clear()
 
@@ -265,13 +275,24 @@ class StoreView:
             log.error("record unreadable; left out of the controller's view", key=key, error=str(e))
 
     def _register(self, kv: KeyValue, stamp: Stamp, fresh: bool) -> None:
-        """A registration put: its node is registered (noted when it was not: a put
-        again, with the agent's clock, changes no verdict), with its clock's offset."""
+        """A registration put: its node is registered, judged by its agent's runtime or
+        not (noted when either changes: a put again, with the agent's clock, changes no
+        verdict), with its clock's offset."""
         node = keys.registered_node(kv.key)
         if node is None:
             return
         if node not in self.registered:
             self.registered.add(node)
+            self._note_node(node)
+        try:
+            runtime = NodeRegistration.decode(kv.value).runtime
+        except ValueError:
+            runtime = False  # judged by the cluster's word, as an agent that says nothing
+        if runtime and node not in self.runtimes:
+            self.runtimes.add(node)
+            self._note_node(node)
+        elif not runtime and node in self.runtimes:
+            self.runtimes.discard(node)
             self._note_node(node)
         before = self._before[1].get(node) if self._before is not None else self.offsets.get(node)
         if before is not None and before[0] == kv.mod_revision:
@@ -323,6 +344,7 @@ class StoreView:
             self.reservations.pop(key, None)
         elif prefix == keys.NODES and (registered := keys.registered_node(key)) is not None:
             self.registered.discard(registered)
+            self.runtimes.discard(registered)
             self.offsets.pop(registered, None)
             self._note_node(registered)
 

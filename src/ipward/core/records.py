@@ -582,18 +582,27 @@ class NodeRegistration:
     is the agent's wall clock when it put the key, put again every `refresh` seconds:
     a judge reading it measures the node's clock offset (`ipward.gc.clocks`). A
     registration written before `clock` existed has only `since`, which was the clock at
-    its put too, and no `refresh`."""
+    its put too, and no `refresh`. `runtime`: the agent judges its node's records by its
+    runtime (it reconciles), so the cluster's word alone frees nothing there (the
+    `ipward.gc.rules` docstring, rule 4); absent in older registrations (False)."""
 
-    __slots__ = ("clock", "node", "pid", "refresh", "since")
+    __slots__ = ("clock", "node", "pid", "refresh", "runtime", "since")
 
     def __init__(
-        self, node: str, pid: int, since: float, clock: float, refresh: float | None
+        self,
+        node: str,
+        pid: int,
+        since: float,
+        clock: float,
+        refresh: float | None,
+        runtime: bool = False,
     ) -> None:
         self.node = node
         self.pid = pid
         self.since = since
         self.clock = clock
         self.refresh = refresh
+        self.runtime = runtime
 
     def encode(self) -> bytes:
         return encode(
@@ -603,6 +612,7 @@ class NodeRegistration:
                 "since": _stamp(self.since),
                 "clock": _stamp(self.clock),
                 "refresh": self.refresh,
+                "runtime": self.runtime,
             }
         )
 
@@ -619,6 +629,7 @@ class NodeRegistration:
             since,
             since if clock is None else clock,
             refresh if refresh is not None and refresh > 0 else None,
+            d.get("runtime") is True,
         )
 
 

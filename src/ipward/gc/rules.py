@@ -29,7 +29,14 @@ sandbox ID, ifname; created_at = when its ADD committed):
      agent, once back, has the runtime finish it, and the DEL frees the address
      (`agent/reconcile.py`); until then the cluster's word frees nothing there;
    - no pod with the record's UID: candidate, `pod-gone` (a pod with the same name and
-     another UID is another pod; a sticky reservation, when there is one, keeps it). A
+     another UID is another pod; a sticky reservation, when there is one, keeps it),
+     except in cluster mode on a node whose registered agent judges its records by its
+     runtime (`NodeRegistration.runtime`) when no runtime view was given here (the
+     controller's `k8s://` has none): kept, left to that agent. A pod the API no longer
+     lists may still run: force-deleted, its sandbox runs until its kubelet kills it (a
+     whole grace period later), its address in its network namespace until the
+     teardown's DEL, which frees it (or that agent, as `sandbox-gone`). A finished pod's
+     time is known: `pod-terminal` below waits out its grace after it. A
      static pod's record holds its own UID, which the cluster lists only as the
      `kubernetes.io/config.mirror` annotation of its mirror pod: that pod is its pod
      (`ClusterView.pod`, and the live confirmation likewise);
@@ -67,7 +74,7 @@ from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.errors import OwnerChanged
 from ipward.core.names import node_name_problem
-from ipward.core.records import AddressRecord, PodInfo, ReservationRecord
+from ipward.core.records import AddressRecord, NodeRegistration, PodInfo, ReservationRecord
 from ipward.gc.clocks import Clock, Offset, measure_all
 
 TYPE_CHECKING = False
@@ -182,13 +189,33 @@ def held_records(kvs: Iterable[KeyValue]) -> list[Held]:
     return held
 
 
-def registrations(store: Store) -> tuple[frozenset[str], dict[str, Offset]]:
-    """Nodes whose agent holds a live registration (`nodes/<node>` under a lease), and
-    the clock offset each shows (`clocks.measure_all`)."""
+@dataclass(frozen=True)
+class Registrations:
+    """The nodes whose agent holds a live registration (`nodes/<node>` under a lease),
+    those of them whose agent judges its records by its runtime
+    (`NodeRegistration.runtime`), and the clock offset each shows (`clocks`)."""
+
+    nodes: frozenset[str] = frozenset()
+    runtimes: frozenset[str] = frozenset()
+    offsets: Mapping[str, Offset] = field(default_factory=dict)
+
+
+def registrations(store: Store) -> Registrations:
+    """The store's registrations, read now."""
     kvs = store.range(keys.NODES)[0]
     read_at = time.time()
-    names = frozenset(name for kv in kvs if (name := keys.registered_node(kv.key)))
-    return names, measure_all(kvs, read_at)
+    nodes, runtimes = set(), set()
+    for kv in kvs:
+        name = keys.registered_node(kv.key)
+        if name is None:
+            continue
+        nodes.add(name)
+        try:
+            if NodeRegistration.decode(kv.value).runtime:
+                runtimes.add(name)
+        except ValueError:
+            pass  # judged by the cluster's word, as an agent that says nothing
+    return Registrations(frozenset(nodes), frozenset(runtimes), measure_all(kvs, read_at))
 
 
 @dataclass
@@ -199,6 +226,7 @@ class Evidence:
     nodes: dict[str, NodeView | str] = field(default_factory=dict)
     cluster: ClusterView | str = "not asked"
     registered: frozenset[str] = frozenset()  # nodes holding a live lease
+    runtimes: frozenset[str] = frozenset()  # of those, nodes whose agent judges by its runtime
     clock: Clock | None = None  # the judge's clocks after the reads (None: `created_at` as is)
     agents: bool = False  # cluster mode: a listed node without a live agent waits (rule 4)
 
@@ -216,6 +244,7 @@ def gather(
     *,
     grace: float,
     registered: frozenset[str] = frozenset(),
+    runtimes: frozenset[str] = frozenset(),
     agents: bool = False,
     ask_cluster: bool = True,
     offsets: Mapping[str, Offset] | None = None,
@@ -225,9 +254,9 @@ def gather(
     """Read liveness for `nodes` (after the records were read). A node whose runtime
     lists two ready sandboxes for one pod UID gets no view: that runtime is not
     trusted (docs/design.md 5.5). `offsets`: the writers' clocks, measured (`clocks`); the
-    judge's own (`clock`, `monotonic`) are read after liveness. `agents`: cluster mode
-    (rule 4)."""
-    evidence = Evidence(grace=grace, registered=registered, agents=agents)
+    judge's own (`clock`, `monotonic`) are read after liveness. `agents`: cluster mode;
+    `runtimes`: the nodes left to their agents (rule 4)."""
+    evidence = Evidence(grace=grace, registered=registered, runtimes=runtimes, agents=agents)
     if source is None:
         evidence.cluster = "no liveness source configured"
         for node in nodes:
@@ -320,6 +349,15 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
     if pod is None:
         if stopped:
             return Verdict(held, None, "sandbox stopped, pod gone: the runtime will DEL it", True)
+        if evidence.agents and not isinstance(runtime, NodeView) and held.node in evidence.runtimes:
+            return Verdict(
+                held,
+                None,
+                f"pod gone, but node {held.node}'s agent judges its sandboxes by its runtime"
+                " (a pod gone from the API may still run): its teardown's DEL, or that"
+                " agent, frees it",
+                True,
+            )
         return Verdict(
             held,
             POD_GONE,
@@ -445,32 +483,33 @@ class Look:
 
 def look(store: Store, source: LivenessSource | None, grace: float) -> Look:
     held, reserved = snapshot(store), reservations(store)
-    registered, offsets = registrations(store)
-    return look_at(held, reserved, registered, source, grace, offsets)
+    return look_at(held, reserved, registrations(store), source, grace)
 
 
 def look_at(
     held: list[Held],
     reserved: list[Reservation],
-    registered: frozenset[str],
+    registered: Registrations,
     source: LivenessSource | None,
     grace: float,
-    offsets: Mapping[str, Offset] | None = None,
     clock: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
+    agents: bool | None = None,
 ) -> Look:
     """`look` on records, reservations and registrations (with the clock offsets they
     show) already read (rule 1: all of them before liveness, which is read here). A
     store where some node is registered is in cluster mode (rule 4); with none (single-
-    node mode, or every agent down), the cluster's word is taken as is."""
+    node mode, or every agent down), the cluster's word is taken as is. `agents`: cluster
+    mode or not, as the judge knows it (a controller always is)."""
     nodes = sorted({h.node for h in held})
     evidence = gather(
         source,
         nodes,
         grace=grace,
-        registered=registered,
-        agents=bool(registered),
-        offsets=offsets,
+        registered=registered.nodes,
+        runtimes=registered.runtimes,
+        agents=bool(registered.nodes) if agents is None else agents,
+        offsets=registered.offsets,
         clock=clock,
         monotonic=monotonic,
     )

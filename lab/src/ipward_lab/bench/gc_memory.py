@@ -150,7 +150,7 @@ def gc_pass_times(stores: Sequence[RecordStore], repeats: int) -> dict[int, dict
                         source,
                         sorted({h.node for h in held}),
                         grace=ADD_GRACE,
-                        registered=gc.registrations(store)[0],
+                        registered=gc.registrations(store).nodes,
                     )
                 with timed("judge_s"):
                     for h in held:

@@ -124,7 +124,7 @@ class SimSandbox:
     ready: bool = False
     stopped: bool = False  # StopPodSandbox done
     busy: bool = False  # a kubelet task holds it
-    retry_at: float = 0.0
+    retry_at: float = 0.0  # the kubelet acts on it again not before (a retry, a slow stop)
     drop_del: bool = False  # its teardown sends no DEL
     del_delay: float | None = None  # its teardown sends the DELs this much later
     del_mode: str = ""  # chosen when its teardown starts: "del", "drop" or "delay"
@@ -385,10 +385,15 @@ class ClusterModel:
         """Delete a pod: `deleted_at` is set and the kubelet terminates it (see the
         module docstring); `grace` overrides the pod's. `force` removes it from the API
         at once, as `kubectl delete --force` does: the kubelet then finds an orphan
-        sandbox and tears it down (with both DELs) when it can."""
+        sandbox and tears it down (with both DELs) when it can; with `grace`, its
+        containers ignore SIGTERM and take that long to be killed, so the sandbox runs
+        on, ready, until then (a real kubelet still waits the pod's grace period)."""
         with self._mutate():
             pod = self._resolve(ref)
             if force:
+                sandbox = self._sandbox_of(pod)
+                if grace is not None and sandbox is not None:
+                    sandbox.retry_at = max(sandbox.retry_at, self.clock() + grace)
                 self._forget(pod, "force-deleted")
             else:
                 self._delete(pod, self.clock(), grace)
