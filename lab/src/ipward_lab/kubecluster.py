@@ -109,8 +109,9 @@ _PATH = os.pathsep.join(
 WHERE_TO_GET = (
     "kubelet, kube-controller-manager and kube-scheduler 1.26 (one binary, `kube-node`) and"
     " kube-apiserver 1.26 are not in any package registry: put `kube-node` and"
-    " `kube-apiserver` in a directory named by KUBE_BIN_DIR, or beside the checkout in"
-    " ../shared/kube/ and ../shared/kube-apiserver/ (their READMEs say how they were built)"
+    " `kube-apiserver` in the directories named by KUBE_BIN_DIR (separated by ':'), or"
+    " beside the checkout in ../shared/kube/ and ../shared/kube-apiserver/ (their READMEs"
+    " say how they were built)"
 )
 REQUIRED_TOOLS = {
     "containerd": "containerd",
@@ -153,32 +154,44 @@ class Binaries:
     kube_apiserver: str
 
 
+def _search_dirs() -> list[Path]:
+    """Where the Kubernetes binaries are looked for: the directories of KUBE_BIN_DIR
+    (separated by ':', as PATH), else ../shared/kube and ../shared/kube-apiserver beside
+    the checkout."""
+    bin_dirs = os.environ.get("KUBE_BIN_DIR")
+    if bin_dirs:
+        return [Path(d) for d in bin_dirs.split(os.pathsep) if d]
+    shared = CHECKOUT.parent / "shared"
+    return [shared / "kube", shared / "kube-apiserver"]
+
+
+def _find(name: str) -> Path | None:
+    for place in _search_dirs():
+        if os.access(place / name, os.X_OK):
+            return place / name
+    return None
+
+
 def find_binaries() -> Binaries:
-    """The Kubernetes binaries: in KUBE_BIN_DIR, else ../shared/kube and
-    ../shared/kube-apiserver beside the checkout; ClusterError saying where to get them."""
-    bin_dir = os.environ.get("KUBE_BIN_DIR")
-    if bin_dir:
-        places = {"kube-node": Path(bin_dir), "kube-apiserver": Path(bin_dir)}
-    else:
-        shared = CHECKOUT.parent / "shared"
-        places = {"kube-node": shared / "kube", "kube-apiserver": shared / "kube-apiserver"}
-    found = {name: place / name for name, place in places.items()}
-    missing = [str(path) for path in found.values() if not os.access(path, os.X_OK)]
+    """The Kubernetes binaries (`_search_dirs`); ClusterError saying where to get them."""
+    found = {name: _find(name) for name in ("kube-node", "kube-apiserver")}
+    missing = [name for name, path in found.items() if path is None]
     if missing:
-        raise ClusterError(f"not found: {', '.join(missing)}. {WHERE_TO_GET}")
+        places = ", ".join(str(d) for d in _search_dirs())
+        raise ClusterError(f"not found: {', '.join(missing)} (in {places}). {WHERE_TO_GET}")
     return Binaries(str(found["kube-node"]), str(found["kube-apiserver"]))
 
 
 def find_multus() -> str:
-    """The Multus thin plugin (4.0): in KUBE_BIN_DIR, else ../shared/kube beside the
-    checkout; ClusterError saying where to get it."""
-    bin_dir = os.environ.get("KUBE_BIN_DIR")
-    path = Path(bin_dir) / "multus" if bin_dir else CHECKOUT.parent / "shared" / "kube" / "multus"
-    if not os.access(path, os.X_OK):
+    """The Multus thin plugin (4.0), `multus` (`_search_dirs`); ClusterError saying where
+    to get it."""
+    path = _find("multus")
+    if path is None:
         raise ClusterError(
-            f"not found: {path}. Multus CNI 4.0's thin plugin (`cmd/multus` of"
-            " k8snetworkplumbingwg/multus-cni v4.0.2, built with Go): put `multus` in the"
-            " directory of KUBE_BIN_DIR or ../shared/kube/"
+            f"not found: multus (in {', '.join(str(d) for d in _search_dirs())}). Multus"
+            " CNI 4.0's thin plugin (`cmd/multus` of k8snetworkplumbingwg/multus-cni"
+            " v4.0.2, built with Go): put `multus` in a directory of KUBE_BIN_DIR or in"
+            " ../shared/kube/"
         )
     return str(path)
 
