@@ -10,7 +10,9 @@ from pathlib import Path
 
 import click
 
+from ipward_lab.images import ImageError, build_ipward_image
 from ipward_lab.kubecluster import (
+    CHECKOUT,
     DEFAULT_STATE,
     Cluster,
     ClusterError,
@@ -35,7 +37,7 @@ def _say(text: str) -> None:
     click.echo(text, err=True)
 
 
-def _fail(e: ClusterError, code: int = EXIT_FAILED) -> None:
+def _fail(e: ClusterError | ImageError, code: int = EXIT_FAILED) -> None:
     click.echo(f"ipward cluster: {e}", err=True)
     sys.exit(code)
 
@@ -76,7 +78,18 @@ def deploy_command(state: Path) -> None:
     switch every node's network to ipward."""
     try:
         Cluster.load(state).deploy(_say)
-    except ClusterError as e:
+    except (ClusterError, ImageError) as e:
+        _fail(e)
+
+
+@cluster_command.command("image")
+def image_command() -> None:
+    """Build the ipward image from the checkout's Containerfile (what `deploy` loads),
+    kept in the lab's cache and built again only when its inputs change; print its
+    tarball's path. `deploy` builds it too: this is for doing it ahead (CI does)."""
+    try:
+        click.echo(build_ipward_image(CHECKOUT, _say))
+    except ImageError as e:
         _fail(e)
 
 
