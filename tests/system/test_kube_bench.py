@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -28,7 +29,8 @@ def test_bench_kube_quick_measures_both_ipams_and_removes_its_cluster() -> None:
         pytest.skip(reason)
     before = set(glob.glob("/tmp/ipwb-*"))
     result = CliRunner().invoke(bench_command, ["--kube", "--quick", "--json"])
-    assert result.exit_code == 0, f"{result.stderr}\n{result.exception!r}"
+    sys.stderr.write(result.stderr)  # its progress and table, shown when a check fails
+    assert result.exit_code == 0, repr(result.exception)
     figures = json.loads(result.stdout)
     for ipam in ("host-local", "ipward"):
         f = figures[ipam]
