@@ -77,12 +77,22 @@ def test_command_options() -> None:
         "--records",
         "--k8s",
         "--pods",
+        "--kube",
+        "--rounds",
     ):
         assert option in result.output
     for wrong, named in (
         (["--records", "2000"], "--scale"),
         (["--pods", "2000"], "--k8s"),
+        (["--k8s", "--pods", "109"], "110"),
+        (["--rounds", "3"], "--kube"),
         (["--k8s", "--scale"], "--scale"),
+        (["--kube", "--k8s"], "--k8s"),
+        (["--kube", "--scale"], "--scale"),
+        (["--kube", "--cluster"], "--cluster"),
+        (["--kube", "--report", "/nonexistent/x"], "--report"),
+        (["--kube", "--no-etcd"], "--no-etcd"),
+        (["--kube", "--pods", "0"], "--pods"),
         (["--scale", "--cluster"], "--cluster"),
         (["--scale", "--no-etcd"], "--no-etcd"),
     ):

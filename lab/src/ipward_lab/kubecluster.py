@@ -1122,9 +1122,12 @@ class Cluster:
             )
         )
         env = {"PATH": _PATH, "HOME": "/root"}
+        # At debug level its log brackets each sandbox's CNI ADD ("begin cni setup",
+        # "cni result"): `ipward bench --kube` times the ADDs from it.
+        containerd = [which("containerd") or "containerd", "--config", str(config)]
         self.launch(
             f"{node.name}-containerd",
-            self.in_node(node, [which("containerd") or "containerd", "--config", str(config)]),
+            self.in_node(node, [*containerd, "--log-level", "debug"]),
             env=env,
         )
         self.wait_containerd(node)

@@ -32,10 +32,17 @@ and the controller leave it: `PoolFill`); at each stage a real probe agent (memo
 reconcile pass), a real controller (memory, first and steady pass) and real agents under
 plugin ADD/DEL churn with the controller running and paused; a table and a plot.
 
+`ipward bench --kube` instead (`kube.run_kube`): pod start on a real cluster of 3 nodes
+made on this machine (`ipward_lab.kubecluster`), host-local then ipward in the same run:
+N pods of a Deployment at once (until all are Running, each pod's time, each sandbox's
+CNI ADD from containerd's debug log) and rounds of a StatefulSet scaled 5->0->5 (their
+time, the addresses kept); a table with the ratios.
+
 Modules, one a figure: `throughput` (1), `plugin_exec` (2), `latency` (3, 4, 5), `fill`
 (pools filled in bulk for them), `gc_memory` (6, 7), `cluster` (--cluster), `scale` and
-`scale_cluster` (--scale), `report` (--report), `run` (the default run and the growth
-part, section by section), `command`, and `common` (what they share, `Results` among it).
+`scale_cluster` (--scale), `kube` (--kube), `report` (--report), `run` (the default run
+and the growth part, section by section), `command`, and `common` (what they share,
+`Results` among it).
 """
 
 from ipward_lab.bench.cluster import agent_exec_latency, run_cluster

@@ -14,6 +14,8 @@ from ipward_lab.bench.report import run_report
 from ipward_lab.bench.run import run
 from ipward_lab.bench.scale import run_scale, scale_sizes
 
+K8S_MIN_PODS = 110  # the agent's scope holds one node's 110 pods
+
 
 @click.command("bench")
 @click.option(
@@ -68,9 +70,24 @@ from ipward_lab.bench.scale import run_scale, scale_sizes
     " 100,000 pods).",
 )
 @click.option(
+    "--kube",
+    is_flag=True,
+    help="Instead: pod start on a real cluster of 3 nodes made on this machine (`ipward"
+    " cluster`), host-local and then ipward in the same run: --pods pods at once (time"
+    " until all Running, each pod's, the CNI ADD's p50/p99 from containerd's log) and"
+    " --rounds rounds of a StatefulSet scaled 5->0->5 (seconds, addresses kept); needs"
+    " what `ipward cluster` needs (~6 min; --quick: 30 pods, 3 rounds, ~2.5 min).",
+)
+@click.option(
     "--pods",
-    type=click.IntRange(110),
-    help="--k8s: the cluster's pods (default 100,000; --quick 10,000).",
+    type=click.IntRange(1),
+    help="--k8s: the cluster's pods (default 100,000; --quick 10,000; at least 110);"
+    " --kube: pods started at once (default 100; --quick 30).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1),
+    help="--kube: StatefulSet rounds 5->0->5 (default 10; --quick 3).",
 )
 @click.option(
     "--report",
@@ -91,7 +108,9 @@ def bench_command(
     scale: bool,
     records: int | None,
     k8s: bool,
+    kube: bool,
     pods: int | None,
+    rounds: int | None,
     report_dir: str | None,
 ) -> None:
     """Measure allocation throughput and latency against references from the same run."""
@@ -105,10 +124,18 @@ def bench_command(
         raise click.UsageError("--cluster measures agents on etcd: it does not go with --no-etcd")
     if records is not None and not scale:
         raise click.UsageError("--records goes with --scale")
-    if pods is not None and not k8s:
-        raise click.UsageError("--pods goes with --k8s")
+    if pods is not None and not (k8s or kube):
+        raise click.UsageError("--pods goes with --k8s or --kube")
+    if k8s and pods is not None and pods < K8S_MIN_PODS:
+        raise click.UsageError(f"--pods: --k8s needs at least {K8S_MIN_PODS} (one node's pods)")
+    if rounds is not None and not kube:
+        raise click.UsageError("--rounds goes with --kube")
     if k8s and (scale or cluster or report_dir):
         raise click.UsageError("--k8s is a run of its own: drop --scale, --cluster and --report")
+    if kube and (k8s or scale or cluster or report_dir or no_etcd):
+        raise click.UsageError(
+            "--kube is a run of its own: drop --k8s, --scale, --cluster, --report and --no-etcd"
+        )
     if scale and (cluster or no_etcd):
         raise click.UsageError("--scale is a run of its own on etcd: drop --cluster and --no-etcd")
     if cluster and report_dir:
@@ -116,7 +143,15 @@ def bench_command(
             "--report runs the cluster part itself (unless --no-etcd): drop --cluster"
         )
     try:
-        if k8s:
+        if kube:
+            from ipward_lab.bench.kube import run_kube
+
+            result = run_kube(
+                pods or (30 if quick else 100),
+                rounds or (3 if quick else 10),
+                out=report,
+            )
+        elif k8s:
             from ipward_lab import kubemem
 
             result = kubemem.measure(pods or (10_000 if quick else 100_000))
