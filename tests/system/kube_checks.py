@@ -31,6 +31,7 @@ from typing import Any
 
 from ipward_lab.clusterwatch import AddressWitness
 from ipward_lab.kubecluster import POD_NET, Cluster, ClusterError, Tuning, wait_for
+from ipward_lab.kubeworkloads import is_running
 
 CONFIRM_SECONDS = 3.0
 ADD_GRACE = 10.0
@@ -129,22 +130,6 @@ def read_all(lab: Cluster) -> Reading:
     start = time.monotonic()
     records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
     return Reading(sandboxes, pods, nodes, records, (start, time.monotonic()))
-
-
-def is_running(pod: dict[str, Any]) -> bool:
-    """Running, every container of it running, not being deleted. Not the phase alone:
-    a kubelet 1.26 reports a StatefulSet's new pod Running, with the address of the pod
-    of that name it replaces, while its own sandbox is not made yet (its container
-    statuses are the old pod's, terminated)."""
-    status = pod["status"]
-    containers = status.get("containerStatuses", [])
-    return (
-        status.get("phase") == "Running"
-        and bool(status.get("podIP"))
-        and not pod["metadata"].get("deletionTimestamp")
-        and bool(containers)
-        and all("running" in c.get("state", {}) for c in containers)
-    )
 
 
 def running_pods(reading: Reading, networks: Iterable[Any] = (POD_NET,)) -> list[dict[str, Any]]:

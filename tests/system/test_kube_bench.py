@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from ipward_lab import kubecluster
 from ipward_lab.bench import bench_command
 
-pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
+# `slow` too: a cluster of its own (~2.5 min), not in CI's 15 minutes of kube tests.
+pytestmark = [pytest.mark.kube, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 QUICK_PODS = 30
 QUICK_ROUNDS = 3

@@ -34,9 +34,16 @@ import pytest
 
 from ipward_lab import kubecluster
 from ipward_lab.clusterwatch import AddressWitness
-from ipward_lab.images import SLEEP_IMAGE
 from ipward_lab.kubecluster import Cluster, ClusterError, wait_for
-from kube_checks import ADD_GRACE, StoryChecks, is_running, runtime_sandboxes, say
+from ipward_lab.kubeworkloads import (
+    bare_pod,
+    container,
+    deployment,
+    is_running,
+    pod_spec,
+    statefulset,
+)
+from kube_checks import ADD_GRACE, StoryChecks, runtime_sandboxes, say
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
 
@@ -74,82 +81,7 @@ def stories(kube_cluster: Cluster) -> Iterator[Stories]:
         )
 
 
-# -- workloads -----------------------------------------------------------------------------
-
-
-def container(env: dict[str, str] | None = None, args: list[str] | None = None) -> dict[str, Any]:
-    c: dict[str, Any] = {"name": "sleep", "image": SLEEP_IMAGE, "imagePullPolicy": "Never"}
-    if env:
-        c["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    if args:
-        c["args"] = args
-    return c
-
-
-def pod_spec(
-    node: str | None = None,
-    slow_stop: bool = False,
-    grace: int = 2,
-    spread: str = "",
-    strict: bool = False,
-) -> dict[str, Any]:
-    """A test pod: the static `sleep`; `slow_stop`: it ignores SIGTERM, so the kubelet
-    kills it only after `grace` seconds (its sandbox's teardown comes that late);
-    `spread`: the pods labelled app=SPREAD spread over the nodes, `strict`ly or not (then
-    they still go elsewhere when a node is drained or gone)."""
-    spec: dict[str, Any] = {
-        "terminationGracePeriodSeconds": grace,
-        "containers": [container({"SLEEP_IGNORE_TERM": "1"} if slow_stop else None)],
-    }
-    if node:
-        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
-    if spread:
-        spec["topologySpreadConstraints"] = [
-            {
-                "maxSkew": 1,
-                "topologyKey": "kubernetes.io/hostname",
-                "whenUnsatisfiable": "DoNotSchedule" if strict else "ScheduleAnyway",
-                "labelSelector": {"matchLabels": {"app": spread}},
-            }
-        ]
-    return spec
-
-
-def statefulset(name: str, replicas: int, policy: str = "Parallel", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": replicas,
-            "podManagementPolicy": policy,
-            "serviceName": name,
-            "selector": {"matchLabels": {"app": name}},
-            "template": {"metadata": {"labels": {"app": name}}, "spec": pod_spec(**spec)},
-        },
-    }
-
-
-def deployment(name: str, replicas: int, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app": name}},
-            "template": {"metadata": {"labels": {"app": name}}, "spec": pod_spec(**spec)},
-        },
-    }
-
-
-def bare_pod(name: str, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": name}},
-        "spec": pod_spec(**spec),
-    }
+# -- workloads: ipward_lab.kubeworkloads ---------------------------------------------------
 
 
 @dataclass

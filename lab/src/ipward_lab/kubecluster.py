@@ -1367,7 +1367,9 @@ class Cluster:
             self.kubectl("apply", "--filename=-", input=manifest)
         # Nothing runs on the pod network yet: switching now is README's "drain each
         # node before switching it". The controllers' pods then get their addresses
-        # from ipward (their ADDs answered 11 until their node's agent serves).
+        # from ipward: their first sandboxes fail (no `ipward` plugin until the
+        # DaemonSet's init container installs it, then code 11 until the agent serves)
+        # and the kubelet retries them.
         say(f"switching every node's network to ipward (pool {POOL}) and its routes")
         self.use_ipam("ipward")
         kustomization = tuning.kustomization(self.state / "deploy")
