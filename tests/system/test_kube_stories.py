@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
 
 RUNNING_TIMEOUT = 120.0
 PARALLEL_ROUNDS = 10
-ORDERED_ROUNDS = 3  # an OrderedReady round is ~12 s: ten would not fit the kube tests' time
+ORDERED_ROUNDS = 3  # ~12 s a round; ten: test_statefulset_ordered_ready_ten_rounds_... (slow)
 FORCE_ROUNDS = 1
 CHURN_ROUNDS = 2
 # How old a record must be for the controller to judge it at once: the ADD grace from
@@ -253,8 +253,9 @@ def addresses(pods: dict[str, dict[str, Any]]) -> dict[str, str]:
 def test_statefulset_scaled_fast_and_force_deleted_keeps_every_address(
     stories: Stories,
 ) -> None:
-    """5->0->5, ten rounds, Parallel (scaled up again at once, while its pods terminate)
-    and OrderedReady (once they are gone), side by side; then pods that stop slowly,
+    """5->0->5, ten rounds Parallel (scaled up again at once, while its pods terminate)
+    and three OrderedReady (once they are gone; ten in the slow story after this one),
+    side by side; then pods that stop slowly,
     force-deleted: each new pod waits (answered 11) until the old sandbox is torn down,
     and every pod keeps its address throughout."""
     with story(stories, "sts") as s:
@@ -270,20 +271,13 @@ def test_statefulset_scaled_fast_and_force_deleted_keeps_every_address(
         assert len({ip for a in first.values() for ip in a.values()}) == 13
         s.say(f"first addresses {first}")
 
-        def rounds(app: str, count: int, wait_gone: bool) -> None:
-            for r in range(count):
-                s.scale("statefulset", app, 0)
-                if wait_gone:
-                    s.wait_gone(app)
-                s.scale("statefulset", app, 5)
-                now = addresses(s.wait_running(app, 5))
-                assert now == first[app], f"{app} round {r + 1}: {now} != {first[app]}"
-            s.say(f"{app}: {count} rounds, every address kept")
-
         errors: list[BaseException] = []
         workers = [
-            in_thread(errors, lambda: rounds("par", PARALLEL_ROUNDS, False)),
-            in_thread(errors, lambda: rounds("ord", ORDERED_ROUNDS, True)),
+            in_thread(errors, lambda: scale_rounds(s, "par", PARALLEL_ROUNDS, first["par"])),
+            in_thread(
+                errors,
+                lambda: scale_rounds(s, "ord", ORDERED_ROUNDS, first["ord"], wait_gone=True),
+            ),
         ]
         sampling(s, "sts rounds", workers)
         if errors:
@@ -301,6 +295,35 @@ def test_statefulset_scaled_fast_and_force_deleted_keeps_every_address(
             f"force-deleted {FORCE_ROUNDS} times; ADDs answered 11 waiting for a teardown: {waits}"
         )
         assert waits > 0, "no new sandbox waited for its predecessor's teardown"
+
+
+def scale_rounds(
+    s: Story, app: str, count: int, first: dict[str, str], wait_gone: bool = False
+) -> None:
+    """`count` rounds of StatefulSet `app` scaled 5->0->5 (`wait_gone`: up again only
+    once its pods are gone, else at once); every pod back with its `first` address."""
+    for r in range(count):
+        s.scale("statefulset", app, 0)
+        if wait_gone:
+            s.wait_gone(app)
+        s.scale("statefulset", app, 5)
+        now = addresses(s.wait_running(app, 5))
+        assert now == first, f"{app} round {r + 1}: {now} != {first}"
+    s.say(f"{app}: {count} rounds, every address kept")
+
+
+@pytest.mark.slow  # ~2.5 min: not in CI's 15 minutes of kube tests, which run 3 rounds
+def test_statefulset_ordered_ready_ten_rounds_keeps_every_address(stories: Stories) -> None:
+    """5->0->5 ten times, OrderedReady: pods made one after the other, each once its
+    predecessor is Ready; every pod keeps its address."""
+    with story(stories, "ordered") as s:
+        s.apply(statefulset("ord", 5, "OrderedReady"))
+        first = addresses(s.wait_running("ord", 5))
+        errors: list[BaseException] = []
+        worker = in_thread(errors, lambda: scale_rounds(s, "ord", 10, first, wait_gone=True))
+        sampling(s, "ordered rounds", [worker])
+        if errors:
+            raise errors[0]
 
 
 def test_force_deleted_pods_slow_to_stop_hold_their_addresses_until_their_sandboxes_go(
