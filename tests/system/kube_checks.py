@@ -309,7 +309,7 @@ class StoryChecks:
             )
 
         try:
-            wait_for(f"every pool back to {baseline}, nothing of {namespace}", back, timeout, 1.0)
+            wait_for(back, f"every pool back to {baseline}, nothing of {namespace}", timeout, 1.0)
         except ClusterError:
             records = json.loads(self.lab.ipward_run("alloc", "list", "--json").stdout)
             left = [

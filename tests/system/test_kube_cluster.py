@@ -74,11 +74,11 @@ def test_down_after_a_crash_of_up_removes_what_it_made() -> None:
     try:
         try:
             kubecluster.wait_for(
-                "the kubelet started",
                 lambda: (
                     any(e.get("name") == "n1-kubelet" for e in lab.journal.entries())
                     or up.poll() is not None
                 ),
+                "the kubelet started",
                 120.0,
                 0.1,
             )
@@ -109,8 +109,8 @@ def test_deployment_spread_over_nodes_gets_addresses_from_ipward(kube_cluster: C
     started = time.monotonic()
     lab.kubectl("apply", "-f", "-", input=json.dumps(SPREAD))
     pods = kubecluster.wait_for(
-        f"{REPLICAS} pods Running",
         lambda: (found := running_pods(lab, "app=spread")) and len(found) == REPLICAS and found,
+        f"{REPLICAS} pods Running",
         RUNNING_TIMEOUT,
         1.0,
     )

@@ -134,7 +134,7 @@ class Story:
 
         try:
             found: dict[str, dict[str, Any]] = wait_for(
-                f"{count} pods of {app} Running", ready, timeout, 0.3
+                ready, f"{count} pods of {app} Running", timeout, 0.3
             )
         except ClusterError as e:
             states = {p["metadata"]["name"]: self.pod_state(p) for p in self.pods(app)}
@@ -158,7 +158,7 @@ class Story:
         return state
 
     def wait_gone(self, app: str, timeout: float = RUNNING_TIMEOUT) -> None:
-        wait_for(f"no pod of {app}", lambda: not self.pods(app), timeout, 0.3)
+        wait_for(lambda: not self.pods(app), f"no pod of {app}", timeout, 0.3)
 
     def scale(self, kind: str, name: str, replicas: int) -> None:
         self.kubectl("scale", kind, name, f"--replicas={replicas}")
@@ -176,11 +176,12 @@ def story(stories: Stories, name: str, networks: tuple[Any, ...] = ()) -> Iterat
     ns = f"story-{name}"
     lab.kubectl("create", "namespace", ns)
     wait_for(
-        f"{ns}'s default ServiceAccount",
         lambda: (
             lab.kubectl(f"--namespace={ns}", "get", "sa", "default", check=False).returncode == 0
         ),
+        f"{ns}'s default ServiceAccount",
         60.0,
+        0.5,
     )
     s = Story(name, lab, ns, checks)
     passed = False
@@ -371,14 +372,14 @@ def test_force_deleted_pods_slow_to_stop_hold_their_addresses_until_their_sandbo
                 n += 1
                 s.checks.sample(f"slow-stop: old sandboxes stopping, sample {n}")
         finally:  # the next story starts without them, whatever happened
-            wait_for("the old sandboxes torn down", torn_down, 90.0, 0.5)
+            wait_for(torn_down, "the old sandboxes torn down", 90.0, 0.5)
         s.say(f"old sandboxes torn down after {n} samples")
         moved = s.wait_running("far", 1, not_uids=old)
         assert addresses(moved) == first
         assert moved["far-0"]["spec"]["nodeName"] == there
         wait_for(
-            "lingering's address freed",
             lambda: "lingering" not in records_of(lab, s.ns),
+            "lingering's address freed",
             60.0,
             0.5,
         )
@@ -430,7 +431,7 @@ def leader_metrics(lab: Cluster) -> tuple[str, dict[str, float]]:
                     return pod["metadata"]["name"], samples
         return None
 
-    found: tuple[str, dict[str, float]] = wait_for("a leading controller", leader, 60.0, 0.5)
+    found: tuple[str, dict[str, float]] = wait_for(leader, "a leading controller", 60.0, 0.5)
     return found
 
 
@@ -444,7 +445,7 @@ def wait_gc_passes(lab: Cluster, passes: int, timeout: float = 60.0) -> None:
         now, samples = leader_metrics(lab)
         return samples.get("ipward_gc_pass_seconds_count", 0.0) - start.get(now, 0.0) >= passes
 
-    wait_for(f"{passes} garbage-collection passes", done, timeout, 0.5)
+    wait_for(done, f"{passes} garbage-collection passes", timeout, 0.5)
 
 
 def registered(lab: Cluster) -> set[str]:
@@ -469,7 +470,7 @@ def wait_past_grace(s: Story, names: list[str]) -> None:
             n in records and time.time() - records[n]["created_at"] > JUDGED_AGE for n in names
         )
 
-    wait_for(f"records of {names} past the ADD grace", old, 60.0, 0.5)
+    wait_for(old, f"records of {names} past the ADD grace", 60.0, 0.5)
 
 
 def agent_down(lab: Cluster, node: str) -> None:
@@ -485,7 +486,7 @@ def agent_down(lab: Cluster, node: str) -> None:
     for pod in ipward_pods(lab, "ipward-agent"):
         if pod["spec"].get("nodeName") == node:
             lab.kubectl("--namespace=ipward-system", "delete", "pod", pod["metadata"]["name"])
-    wait_for(f"{node}'s agent unregistered", lambda: node not in registered(lab), 60.0, 0.5)
+    wait_for(lambda: node not in registered(lab), f"{node}'s agent unregistered", 60.0, 0.5)
 
 
 def agent_up(lab: Cluster, node: str) -> None:
@@ -515,7 +516,7 @@ def wait_agent_ready(lab: Cluster, node: str, timeout: float = 120.0) -> None:
                     return node in registered(lab)
         return False
 
-    wait_for(f"{node}'s agent ready and registered", ready, timeout, 0.5)
+    wait_for(ready, f"{node}'s agent ready and registered", timeout, 0.5)
 
 
 def events(s: Story, pod: str, reason: str) -> list[dict[str, Any]]:
@@ -553,8 +554,8 @@ def test_add_retried_after_bridge_failed_past_ipam_keeps_its_address(stories: St
         try:
             s.apply(statefulset("db", 2, node=node), bare_pod("plain", node=node))
             wait_for(
-                "the kubelet retried each pod's sandbox",
                 lambda: all(failures(s, p) >= 2 for p in ("db-0", "db-1", "plain")),
+                "the kubelet retried each pod's sandbox",
                 90.0,
                 1.0,
             )
@@ -622,14 +623,14 @@ def test_pods_deleted_while_their_agent_is_down_are_freed_once_it_is_back(
         try:
             s.kubectl("delete", "pod", "gone-0", "gone-1", "--force", "--grace-period=0")
             s.kubectl("delete", "pod", "graceful", "--wait=false")
-            wait_for("the force-deleted pods gone", lambda: len(s.pods()) == 1, 60.0, 0.5)
+            wait_for(lambda: len(s.pods()) == 1, "the force-deleted pods gone", 60.0, 0.5)
             wait_for(
-                "their sandboxes stopped, their DELs refused (networks not torn down)",
                 lambda: (
                     (found := sandboxes())
                     and len(found) == 3
                     and not any(ready or closed for ready, closed in found.values())
                 ),
+                "their sandboxes stopped, their DELs refused (networks not torn down)",
                 60.0,
                 0.5,
             )
@@ -649,7 +650,7 @@ def test_pods_deleted_while_their_agent_is_down_are_freed_once_it_is_back(
             return not records_of(lab, s.ns) and torn_down and not s.pods()
 
         try:
-            wait_for("the deleted pods' addresses freed, their networks torn down", done, 90.0, 1.0)
+            wait_for(done, "the deleted pods' addresses freed, their networks torn down", 90.0, 1.0)
         except ClusterError as e:
             raise AssertionError(
                 f"{e}: records {sorted(records_of(lab, s.ns))}, sandboxes {sandboxes()},"
@@ -718,7 +719,7 @@ def test_node_rebooted_keeps_what_runs_and_frees_the_leftovers(stories: Stories)
             crashed = [r["container"] for r in mine if r["pod"]["name"] == "crashed"]
             return not left and len(crashed) == 1 and crashed[0] != before["crashed"]["container"]
 
-        wait_for("the leftovers freed", leftovers_freed, 90.0, 1.0)
+        wait_for(leftovers_freed, "the leftovers freed", 90.0, 1.0)
         now = records_of(lab, s.ns)
         assert {k: (r["ip"], r["container"]) for k, r in now.items() if k in kept} == kept
         s.checks.sample("reboot: back")
@@ -750,8 +751,8 @@ def test_pods_churning_on_every_node_while_surplus_blocks_go_back(stories: Stori
             s.scale("deployment", "churn", 3)
             s.wait_running("churn", 3)
             wait_for(
-                "the controller asking a block back",
                 lambda asked=asked: handshakes()["started"] > asked,  # type: ignore[misc]
+                "the controller asking a block back",
                 60.0,
                 0.5,
             )
@@ -788,9 +789,9 @@ def test_job_pods_hold_no_address_once_completed(stories: Stories) -> None:
             pods = s.pods("once")
             return len(pods) == 6 and all(p["status"].get("phase") == "Succeeded" for p in pods)
 
-        wait_for("the Job's 6 pods Succeeded", completed, RUNNING_TIMEOUT, 0.5)
+        wait_for(completed, "the Job's 6 pods Succeeded", RUNNING_TIMEOUT, 0.5)
         wait_for(
-            "the completed pods' addresses freed", lambda: not records_of(lab, s.ns), 60.0, 0.5
+            lambda: not records_of(lab, s.ns), "the completed pods' addresses freed", 60.0, 0.5
         )
         assert len(s.pods("once")) == 6, "the completed pods are still listed"
         s.checks.sample("job: completed")
@@ -847,7 +848,7 @@ def test_deleted_node_frees_its_addresses_as_node_gone(stories: Stories) -> None
         lab.power_off(n)
         try:
             lab.kubectl("delete", "node", node)
-            wait_for(f"{node}'s agent unregistered", lambda: node not in registered(lab), 60.0, 0.5)
+            wait_for(lambda: node not in registered(lab), f"{node}'s agent unregistered", 60.0, 0.5)
             moved = s.wait_running("db", 3, timeout=180.0)
             s.wait_running("web", 3, timeout=180.0)
             assert addresses(moved) == addresses(db)
@@ -857,20 +858,20 @@ def test_deleted_node_frees_its_addresses_as_node_gone(stories: Stories) -> None
                 records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
                 return not [r for r in records if r["node"] == node and r["container"]]
 
-            wait_for(f"{node}'s records freed", freed, 60.0, 1.0)
+            wait_for(freed, f"{node}'s records freed", 60.0, 1.0)
             _, samples = leader_metrics(lab)
             frees = samples.get(NODE_GONE_FREED, 0.0) - gone_before
             s.say(f"records freed as node-gone: {frees:g}")
         finally:
             lab.power_on(n)
             wait_for(
-                f"{node} Ready again",
                 lambda: any(
                     c["type"] == "Ready" and c["status"] == "True"
                     for c in lab.api(f"/api/v1/nodes/{node}")
                     .get("status", {})
                     .get("conditions", [])
                 ),
+                f"{node} Ready again",
                 120.0,
                 1.0,
             )
@@ -906,7 +907,7 @@ def test_static_pod_on_the_pod_network_is_addressed_and_freed(stories: Stories) 
         finally:
             lab_run(f"rm -f {path}")
         s.wait_gone(STATIC_POD)
-        wait_for("the static pod's address freed", lambda: not records_of(lab, s.ns), 60.0, 0.5)
+        wait_for(lambda: not records_of(lab, s.ns), "the static pod's address freed", 60.0, 0.5)
 
 
 def roll_agents(lab: Cluster, strategy: dict[str, Any]) -> None:
@@ -970,7 +971,7 @@ def test_agent_daemonset_rolled_with_surge_under_churn(stories: Stories) -> None
             roll = in_thread(
                 errors,
                 lambda: outcome.append(
-                    wait_for("the agents rolled", lambda: agents_rolled(lab), 300.0, 1.0)
+                    wait_for(lambda: agents_rolled(lab), "the agents rolled", 300.0, 1.0)
                 ),
             )
             sampling(s, "roll", [roll])
@@ -985,8 +986,8 @@ def test_agent_daemonset_rolled_with_surge_under_churn(stories: Stories) -> None
             if outcome != ["rolled"]:
                 roll_agents(lab, {"maxSurge": 0, "maxUnavailable": 1})
                 wait_for(
-                    "the agents rolled back to deploy/'s strategy",
                     lambda: agents_rolled(lab) == "rolled",
+                    "the agents rolled back to deploy/'s strategy",
                     300.0,
                     1.0,
                 )
@@ -1079,7 +1080,7 @@ def test_multus_secondary_network_switched_from_host_local_to_ipward(stories: St
             s.scale("deployment", "multi", 0)
             s.wait_gone("multi")
             wait_for(
-                "both interfaces' addresses freed", lambda: not records_of(lab, s.ns), 60.0, 0.5
+                lambda: not records_of(lab, s.ns), "both interfaces' addresses freed", 60.0, 0.5
             )
     finally:
         lab.remove_multus()

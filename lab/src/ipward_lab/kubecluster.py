@@ -40,6 +40,7 @@ process found in the lab's namespaces or cgroups), namespaces, mounts, cgroups, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import json
 import os
@@ -57,6 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ipward_lab import waiting
 from ipward_lab.containerd import containerd_config
 from ipward_lab.etcdlab import EtcdServer
 from ipward_lab.images import (
@@ -281,20 +283,11 @@ def run(args: Sequence[str], timeout: float = CALL_TIMEOUT, **kw: Any) -> str:
     return proc.stdout
 
 
-def wait_for(what: str, condition: Callable[[], Any], timeout: float, poll: float = 0.5) -> Any:
-    """`condition()`'s first truthy value, polled until `timeout`; ClusterError after."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while True:
-        try:
-            value = condition()
-            if value:
-                return value
-        except (OSError, ValueError, ClusterError) as e:
-            last = e
-        if time.monotonic() > deadline:
-            raise ClusterError(f"{what}: not after {timeout:g}s" + (f" ({last})" if last else ""))
-        time.sleep(poll)
+# The lab's waits: a ClusterError after the timeout; a poll failing to reach a daemon
+# yet (an OSError, a refused call, half-written output) means "not yet".
+wait_for = functools.partial(
+    waiting.wait_for, failure=ClusterError, passing=(OSError, ValueError, ClusterError)
+)
 
 
 def _start_time(pid: int) -> str | None:
@@ -581,7 +574,7 @@ class Cluster:
             os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-        wait_for(f"{name} gone", lambda: _start_time(pid) != started or _zombie(pid), timeout, 0.05)
+        wait_for(lambda: _start_time(pid) != started or _zombie(pid), f"{name} gone", timeout, 0.05)
 
     def restart(self, name: str) -> int:
         """Kill the daemon `name` and start it again with the same command line (a
@@ -705,9 +698,10 @@ class Cluster:
         self.write_kubeconfig()
         self.wait_nodes_ready()
         wait_for(
-            "the default ServiceAccount",
             lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
+            "the default ServiceAccount",
             READY_TIMEOUT,
+            0.5,
         )
         self.write_info(up_seconds=round(time.monotonic() - started, 1))
         say(f"up in {time.monotonic() - started:.1f}s: kubeconfig {self.kubeconfig}")
@@ -921,9 +915,10 @@ class Cluster:
         ]
         self.launch("kube-apiserver", self.in_cp(apiserver))
         wait_for(
-            "kube-apiserver ready",
             lambda: self._alive("kube-apiserver") and self.api("/readyz", timeout=3) == "ok",
+            "kube-apiserver ready",
             READY_TIMEOUT,
+            0.5,
         )
         kcm_config = self._client_kubeconfig(
             p / "controller-manager.kubeconfig",
@@ -1052,12 +1047,13 @@ class Cluster:
             input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rbac}),
         )
         wait_for(
-            "the NetworkAttachmentDefinition CRD served",
             lambda: (
                 self.kubectl("get", "network-attachment-definitions", "-A", check=False).returncode
                 == 0
             ),
+            "the NetworkAttachmentDefinition CRD served",
             60.0,
+            0.5,
         )
         token = self.kubectl(
             "--namespace=kube-system", "create", "token", "multus", "--duration=24h"
@@ -1213,7 +1209,7 @@ class Cluster:
             }
             return ready >= {n.name for n in self.nodes}
 
-        wait_for("every node Ready", ready, timeout, 1.0)
+        wait_for(ready, "every node Ready", timeout, 1.0)
 
     # -- pods, as the nodes' runtimes see them ------------------------------------------
 
@@ -1325,7 +1321,7 @@ class Cluster:
                     return False
             return True
 
-        wait_for(f"{node.name}: containerd answering", answers, READY_TIMEOUT, 0.1)
+        wait_for(answers, f"{node.name}: containerd answering", READY_TIMEOUT, 0.1)
 
     # -- deploy ---------------------------------------------------------------------------
 
@@ -1423,7 +1419,7 @@ class Cluster:
             have = {r["dst"]: r.get("gateway") for r in json.loads(out or "[]")}
             return want.items() <= have.items()
 
-        wait_for("the route syncer's routes for every address", caught_up, timeout, 0.1)
+        wait_for(caught_up, "the route syncer's routes for every address", timeout, 0.1)
 
     def make_store(self, pool_args: Sequence[str] = ()) -> None:
         """The store with the pool `pods` (POD_NET, gateway POD_GATEWAY), as README's
@@ -1458,7 +1454,7 @@ class Cluster:
             )
             return bool(deployment.get("status", {}).get("availableReplicas", 0) >= 2)
 
-        wait_for("ipward deployed (agents ready, controllers available)", ready, timeout, 2.0)
+        wait_for(ready, "ipward deployed (agents ready, controllers available)", timeout, 2.0)
 
     # -- down -----------------------------------------------------------------------------
 

@@ -265,9 +265,10 @@ class _Part:
     def create(self) -> None:
         self.lab.kubectl("create", "namespace", self.ns)
         wait_for(
-            f"{self.ns}'s default ServiceAccount",  # a pod before it is refused
             lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
+            f"{self.ns}'s default ServiceAccount",  # a pod before it is refused
             60.0,
+            0.5,
         )
 
     def kubectl(self, *args: str, check: bool = True, input: str = "") -> Any:
@@ -341,7 +342,7 @@ class _Part:
                 return not any(r["pod"].get("namespace") == self.ns for r in records)
 
             try:
-                wait_for(f"no address recorded for {self.ns}", released, GONE_TIMEOUT, 0.5)
+                wait_for(released, f"no address recorded for {self.ns}", GONE_TIMEOUT, 0.5)
             except ClusterError as e:
                 raise BenchError(str(e)) from None
 
