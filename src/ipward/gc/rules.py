@@ -349,7 +349,7 @@ def judge(held: Held, evidence: Evidence) -> Verdict:
     if pod is None:
         if stopped:
             return Verdict(held, None, "sandbox stopped, pod gone: the runtime will DEL it", True)
-        if evidence.agents and not isinstance(runtime, NodeView) and held.node in evidence.runtimes:
+        if held.node in evidence.runtimes:  # (no runtime view here: it would have answered)
             return Verdict(
                 held,
                 None,
