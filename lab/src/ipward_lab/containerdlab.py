@@ -34,7 +34,6 @@ import io
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import time
@@ -48,12 +47,12 @@ import grpc
 from ipward.cluster.cri import CriClient, CriError
 from ipward_lab.containerd import containerd_config
 from ipward_lab.images import PAUSE_IMAGE, ImageError, build_pause, build_pause_image
+from ipward_lab.machine import SYSTEM_PATH, cgroup_hierarchies, mounts_under, which
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 NETNS_DIR = Path("/var/run/netns")
 CNI_CACHE_DIR = Path("/var/lib/cni")
 RUN_CONTAINERD = Path("/run/containerd")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 MACHINE_LOCK = Path("/run/ipward-containerd-lab.lock")
 
 
@@ -110,9 +109,9 @@ def missing_requirements() -> list[str]:
     missing = [
         f"{binary} (Debian package {package})"
         for binary, package in REQUIRED.items()
-        if shutil.which(binary, path=_PATH) is None
+        if which(binary) is None
     ]
-    gcc = shutil.which("gcc", path=_PATH)
+    gcc = which("gcc")
     if gcc:
         libc = subprocess.run(
             [gcc, "-print-file-name=libc.a"], capture_output=True, text=True, timeout=30
@@ -127,13 +126,8 @@ def missing_requirements() -> list[str]:
     return missing
 
 
-_PATH = os.pathsep.join(
-    [os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin"]
-)
-
-
 def _which(binary: str) -> str:
-    found = shutil.which(binary, path=_PATH)
+    found = which(binary)
     if found is None:
         raise LabError(f"{binary} not found")
     return found
@@ -178,17 +172,6 @@ def _listdir(path: Path) -> set[str]:
         return set()
 
 
-def _mounts_under(prefix: Path) -> list[str]:
-    """Mount points at or below `prefix` in this mount namespace, deepest first."""
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split()[4].replace("\\040", " ")
-            if point == str(prefix) or point.startswith(f"{prefix}/"):
-                points.append(point)
-    return sorted(points, key=lambda p: p.count("/"), reverse=True)
-
-
 def _pids_referring_to(marker: str) -> list[int]:
     """Live processes whose command line mentions `marker` or whose root directory is
     under it (shims carry `-address <socket>`; a pause process's root is its rootfs)."""
@@ -205,13 +188,6 @@ def _pids_referring_to(marker: str) -> list[int]:
         if marker in cmdline or root.startswith(marker):
             pids.append(int(entry))
     return pids
-
-
-def _cgroup_hierarchies() -> list[Path]:
-    """The root of every mounted cgroup hierarchy (v1 controllers, v2 unified)."""
-    if (CGROUP_ROOT / "cgroup.procs").exists():  # cgroup v2 only
-        return [CGROUP_ROOT]
-    return [d for d in sorted(CGROUP_ROOT.iterdir()) if (d / "cgroup.procs").exists()]
 
 
 def machine_state() -> dict[str, Any]:
@@ -233,7 +209,7 @@ def machine_state() -> dict[str, Any]:
         "cni_cache": CNI_CACHE_DIR.exists() and walk(CNI_CACHE_DIR),
         "cgroups": sorted(
             str(d)
-            for h in _cgroup_hierarchies()
+            for h in cgroup_hierarchies()
             for d in h.iterdir()
             if d.is_dir() and (d.name.startswith("ipward-lab-") or d.name == K8S_NAMESPACE)
         ),
@@ -317,7 +293,7 @@ class ContainerdLab:
             RUN_CONTAINERD,
             CNI_CACHE_DIR / "results",
             CNI_CACHE_DIR,
-            *(h / K8S_NAMESPACE for h in _cgroup_hierarchies()),
+            *(h / K8S_NAMESPACE for h in cgroup_hierarchies()),
         ):
             self._existed[path] = path.exists()
 
@@ -361,7 +337,7 @@ class ContainerdLab:
         _run([_which("ip"), "-n", self.netns_name, "link", "set", "lo", "up"])
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IPWARD_", "CNI_"))}
-        env["PATH"] = _PATH
+        env["PATH"] = SYSTEM_PATH
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [
@@ -587,7 +563,7 @@ class ContainerdLab:
 
     def _kill_containers_and_shims(self) -> None:
         runc_root = self.runc_root / K8S_NAMESPACE
-        runc = shutil.which("runc", path=_PATH)
+        runc = which("runc")
         if runc:
             for cid in _listdir(runc_root):
                 for args in (["kill", "--all", cid, "KILL"], ["delete", "--force", cid]):
@@ -611,7 +587,7 @@ class ContainerdLab:
     def _unmount_all(self) -> None:
         """Rootfs overlays, sandbox shm, and the sandboxes' network namespaces (mounted
         under the state dir: `netns_mounts_under_state_dir`)."""
-        for point in _mounts_under(self.workdir):
+        for point in mounts_under(self.workdir):
             proc = subprocess.run(
                 ["umount", "--lazy", point], capture_output=True, text=True, timeout=30
             )
@@ -658,7 +634,7 @@ class ContainerdLab:
         """The lab's cgroup parent, and sandboxes' cgroups made under the runtime's
         default parent (/k8s.io/<id>) by a RunPodSandbox without one."""
         ids = self._known_sandbox_ids()
-        for hierarchy in _cgroup_hierarchies():
+        for hierarchy in cgroup_hierarchies():
             tops = [hierarchy / self.cgroup_parent.strip("/")]
             tops += [hierarchy / K8S_NAMESPACE / i for i in ids]
             for top in tops:

@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ipward_lab import machine
+
 PAUSE_IMAGE = "ipward.test/pause:lab"
 SLEEP_IMAGE = "ipward.test/sleep:lab"
 IPWARD_IMAGE = "localhost/ipward:0.1.0"  # deploy/base/kustomization.yaml's `images:`
@@ -36,17 +38,13 @@ SUITE = "bookworm"
 BASE_PACKAGES = ("python3", "python3-venv")  # venv: the Containerfile makes /opt/ipward
 BUILD_TIMEOUT = 1200.0
 
-_PATH = os.pathsep.join(
-    [os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin"]
-)
-
 
 class ImageError(RuntimeError):
     """An image could not be built (a missing tool, a failed step)."""
 
 
 def which(binary: str, package: str) -> str:
-    found = shutil.which(binary, path=_PATH)
+    found = machine.which(binary)
     if found is None:
         raise ImageError(f"{binary} not found (Debian package {package})")
     return found
@@ -250,7 +248,7 @@ def missing_build_tools() -> list[str]:
     return [
         f"{tool} (Debian package {package})"
         for tool, package in BUILD_TOOLS.items()
-        if shutil.which(tool, path=_PATH) is None
+        if machine.which(tool) is None
     ]
 
 

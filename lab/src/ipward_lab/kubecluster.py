@@ -66,6 +66,13 @@ from ipward_lab.images import (
     SLEEP_IMAGE,
     build_test_images,
 )
+from ipward_lab.machine import (
+    CGROUP_ROOT,
+    SYSTEM_PATH,
+    cgroup_hierarchies,
+    mounts_under,
+    which,
+)
 from ipward_lab.nsenter import in_netns
 from ipward_lab.pki import openssl
 
@@ -99,14 +106,9 @@ KUBELET_SYSCTLS = {
     "kernel/keys/root_maxbytes": "25000000",
 }
 NODE_MOUNTS = ("run", "var/lib", "var/log", "opt")  # bind-mounted from the node's dir
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 READY_TIMEOUT = 180.0
 CALL_TIMEOUT = 60.0
 KUBECTL_TIMEOUT = 120.0
-
-_PATH = os.pathsep.join(
-    [os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin"]
-)
 
 WHERE_TO_GET = (
     "kubelet, kube-controller-manager and kube-scheduler 1.26 (one binary, `kube-node`) and"
@@ -132,10 +134,6 @@ REQUIRED_TOOLS = {
 
 class ClusterError(RuntimeError):
     """The cluster could not be made, reached or removed; the message says why."""
-
-
-def which(binary: str) -> str | None:
-    return shutil.which(binary, path=_PATH)
 
 
 def kubectl_binary() -> str:
@@ -306,29 +304,6 @@ def _ns_id(path: str | os.PathLike[str]) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
-
-
-def _is_mount_point(path: Path) -> bool:
-    target = str(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4].replace("\\040", " ") == target for line in f)
-
-
-def _mounts_under(prefix: Path) -> list[str]:
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split()[4].replace("\\040", " ")
-            if point == str(prefix) or point.startswith(f"{prefix}/"):
-                points.append(point)
-    return sorted(points, key=lambda p: p.count("/"), reverse=True)
-
-
-def cgroup_hierarchies() -> list[Path]:
-    """Every mounted cgroup hierarchy: the v1 controllers and the v2 tree beside them."""
-    if (CGROUP_ROOT / "cgroup.procs").exists():
-        return [CGROUP_ROOT]
-    return [d for d in sorted(CGROUP_ROOT.iterdir()) if (d / "cgroup.procs").exists()]
 
 
 class Journal:
@@ -1117,7 +1092,7 @@ class Cluster:
                 runc=which("runc") or "runc",
             )
         )
-        env = {"PATH": _PATH, "HOME": "/root"}
+        env = {"PATH": SYSTEM_PATH, "HOME": "/root"}
         # At debug level its log brackets each sandbox's CNI ADD ("begin cni setup",
         # "cni result"): `ipward bench --kube` times the ADDs from it.
         containerd = [which("containerd") or "containerd", "--config", str(config)]
@@ -1477,7 +1452,7 @@ class Cluster:
         say("stopping processes")
         self._kill_all(ns_files, cgroups, processes, left)
         say("removing mounts, namespaces and cgroups")
-        for point in _mounts_under(self.state):
+        for point in mounts_under(self.state):
             proc = subprocess.run(
                 ["umount", "--lazy", point], capture_output=True, text=True, timeout=30
             )
@@ -1598,7 +1573,7 @@ def leftovers(state: Path, cluster_id: str, ns_ids: set[tuple[int, int]]) -> lis
         held = [k for k in ("net", "mnt") if _ns_id(f"/proc/{entry}/ns/{k}") in ns_ids]
         if held or str(state) in cmdline:
             found.append(f"process {entry} ({cmdline.strip()[:120]}) {' '.join(held)}")
-    found += [f"mount {point}" for point in _mounts_under(state)]
+    found += [f"mount {point}" for point in mounts_under(state)]
     for hierarchy in cgroup_hierarchies():
         found += [f"cgroup {d}" for d in hierarchy.glob(f"ipward-cluster-{cluster_id}-*")]
     if state.exists():
