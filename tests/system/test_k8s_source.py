@@ -23,6 +23,7 @@ from ipward.ipam.ledger import Ledger
 from ipward.store import open_store
 from ipward_lab.fleet import run_cli
 from ipward_lab.kubeadmin import KubeApi
+from ipward_lab.pki import token_kubeconfig
 from ipward_lab.waiting import wait_for
 
 
@@ -556,22 +557,8 @@ def test_live_confirmation_keeps_when_the_server_is_down(kube_server: KubeApi) -
         source.meta("ns", "p", "u")
 
 
-def _kubeconfig(kube: KubeApi, path: Any, token: str) -> Any:
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "c",
-                "cluster": {"server": kube.url, "certificate-authority": str(kube.ca_file)},
-            }
-        ],
-        "users": [{"name": "u", "user": {"token": token}}],
-        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-        "current-context": "x",
-    }
-    path.write_text(json.dumps(config))
-    return path
+def _kubeconfig(kube: KubeApi, path: Path, token: str) -> Path:
+    return token_kubeconfig(path, kube.url, kube.ca_file, token)
 
 
 def test_gc_judges_on_the_kubernetes_view(kube: KubeApi) -> None:

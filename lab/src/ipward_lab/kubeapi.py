@@ -56,7 +56,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ipward.cluster.liveness import MIRROR_ANNOTATION
 from ipward_lab.etcdlab import free_port
-from ipward_lab.pki import CLIENT_USER, client_pki, serving_cert
+from ipward_lab.pki import CLIENT_USER, client_pki, serving_cert, token_kubeconfig
 
 
 @dataclass(frozen=True)
@@ -775,21 +775,7 @@ class KubeApiServer:
         self._thread: threading.Thread | None = None
 
     def kubeconfig(self, path: Path, token: str = ADMIN_TOKEN) -> Path:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "test",
-                    "cluster": {"server": self.url, "certificate-authority": str(self.ca_file)},
-                }
-            ],
-            "users": [{"name": "u", "user": {"token": token}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "u"}}],
-            "current-context": "test",
-        }
-        path.write_text(json.dumps(config))
-        return path
+        return token_kubeconfig(path, self.url, self.ca_file, token)
 
     # -- running ---------------------------------------------------------------------------
 

@@ -74,7 +74,7 @@ from ipward_lab.machine import (
     which,
 )
 from ipward_lab.nsenter import in_netns
-from ipward_lab.pki import openssl
+from ipward_lab.pki import openssl, token_kubeconfig
 
 if TYPE_CHECKING:
     from ipward.cluster.cri import CriSandboxStatus
@@ -812,24 +812,7 @@ class Cluster:
         self._tokens = {user: t for t, (user, _) in tokens.items()}
 
     def _client_kubeconfig(self, path: Path, user: str, token: str, server: str) -> Path:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "lab",
-                    "cluster": {
-                        "server": server,
-                        "certificate-authority": str(self.pki / "ca.crt"),
-                    },
-                }
-            ],
-            "users": [{"name": user, "user": {"token": token}}],
-            "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": user}}],
-            "current-context": "lab",
-        }
-        path.write_text(json.dumps(config, indent=2))  # JSON is YAML
-        return path
+        return token_kubeconfig(path, server, self.pki / "ca.crt", token, user)
 
     def write_kubeconfig(self) -> None:
         self._client_kubeconfig(self.kubeconfig, "admin", self.info["admin_token"], self.api_url)

@@ -14,7 +14,6 @@ namespace's `default` ServiceAccount.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import ssl
@@ -26,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ipward_lab.etcdlab import etcd_server, first_start, free_port, wait_serving
-from ipward_lab.pki import ClientPki, client_pki, openssl
+from ipward_lab.pki import ClientPki, client_pki, openssl, token_kubeconfig
 
 READY_TIMEOUT = 90.0
 # token -> (user, groups). system:masters may do anything (RBAC); nobody may do nothing.
@@ -103,20 +102,7 @@ class KubeLab:
             return False  # not listening yet, or the certificate not written yet
 
     def write_kubeconfig(self) -> None:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "lab",
-                    "cluster": {"server": self.url, "certificate-authority": str(self.ca_file)},
-                }
-            ],
-            "users": [{"name": "admin", "user": {"token": ADMIN_TOKEN}}],
-            "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "admin"}}],
-            "current-context": "lab",
-        }
-        self.kubeconfig.write_text(json.dumps(config))  # JSON is YAML
+        token_kubeconfig(self.kubeconfig, self.url, self.ca_file, ADMIN_TOKEN, "admin")
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
 """Certificates for the labs, made with `openssl`: a self-signed serving certificate, and
 a client CA with one client certificate (the API server takes the user from its CN and
-the groups from its O)."""
+the groups from its O); and the kubeconfig that gives a client a token and the CA to
+trust."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,3 +57,20 @@ def client_pki(directory: Path) -> ClientPki:
         "-CAcreateserial", "-days", "2", "-out", str(pki.cert),
     )  # fmt: skip
     return pki
+
+
+def token_kubeconfig(path: Path, server: str, ca_file: Path, token: str, user: str = "lab") -> Path:
+    """Write a kubeconfig at `path` (JSON, which is YAML): `server`, trusted through
+    `ca_file`, as `user` with a bearer `token`."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "lab", "cluster": {"server": server, "certificate-authority": str(ca_file)}}
+        ],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": user}}],
+        "current-context": "lab",
+    }
+    path.write_text(json.dumps(config, indent=2))
+    return path
