@@ -13,9 +13,10 @@ each node's namespace one through the other node for every address that lives
 elsewhere. Each node's `cni0` answers ARP for those (`proxy_arp`), so a pod reaches any
 pod of the /16 through its node.
 
-Its routes carry the protocol ROUTE_PROTO, so a full sync (at start, after a broken or
-compacted watch) compares exactly its own routes. After each change it writes the store
-revision its routes stand at to `STATE/routes.json` (for whoever looks).
+It follows the index as ipward follows its store (`store.follower.BackgroundFollower`:
+read whole, watch from the next revision, read whole again, backing off, when the watch
+ends). Its routes carry the protocol ROUTE_PROTO, so a full sync (at each whole read)
+compares exactly its own routes.
 
 Run by the lab in the control plane's namespace, where the store is reached:
 `python -m ipward_lab.podroutes STATE`.
@@ -27,16 +28,16 @@ import ipaddress
 import json
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 from ipward.core import keys
 from ipward.store import open_store
-from ipward.store.base import DELETE, Compacted, Store, StoreError
+from ipward.store.base import DELETE, Event, KeyValue
+from ipward.store.follower import BackgroundFollower, Stamp
 from ipward_lab.kubecluster import POD_NET
 
 ROUTE_PROTO = "77"  # marks the routes this daemon owns (a number no routing daemon names)
-STATUS_FILE = "routes.json"
 
 
 class Fabric:
@@ -113,38 +114,35 @@ def _routed(ip: str) -> bool:
         return False
 
 
-def write_status(state: Path, revision: int, owners: dict[str, str]) -> None:
-    tmp = state / f"{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps({"revision": revision, "addresses": len(owners)}))
-    tmp.rename(state / STATUS_FILE)
+class Routes:
+    """What the follower keeps current (a `store.follower.Copy`): each routed address's
+    node, and the routes that go with it."""
 
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+        self.owners: dict[str, str] = {}
 
-def follow(store: Store, fabric: Fabric, state: Path) -> None:
-    """Read the node index whole, route it, then follow it by a watch until the watch
-    breaks (StoreError: read whole again)."""
-    prefix = keys.node_ips_prefix()
-    kvs, revision = store.range(prefix)
-    owners: dict[str, str] = {}
-    for kv in kvs:
-        node, _, ip = keys.node_ip_parts(kv.key)
-        if _routed(ip):
-            owners[ip] = node
-    sync_all(fabric, owners)
-    write_status(state, revision, owners)
-    for batch in store.watch(prefix, revision + 1).batches():
+    def load(self, kvs: list[KeyValue], stamp: Stamp, seen: float | None) -> None:
+        self.owners = {}
+        for kv in kvs:
+            node, _, ip = keys.node_ip_parts(kv.key)
+            if _routed(ip):
+                self.owners[ip] = node
+        sync_all(self.fabric, self.owners)
+
+    def apply(self, events: list[Event], stamp: Stamp) -> None:
         changed = set()
-        for event in batch:
+        for event in events:
             node, _, ip = keys.node_ip_parts(event.kv.key)
             if not _routed(ip):
                 continue
             if event.kind == DELETE:
-                if owners.get(ip) == node:  # a move puts the new node's entry too
-                    del owners[ip]
+                if self.owners.get(ip) == node:  # a move puts the new node's entry too
+                    del self.owners[ip]
             else:
-                owners[ip] = node
+                self.owners[ip] = node
             changed.add(ip)
-        sync_changed(fabric, owners, changed)
-        write_status(state, max(e.kv.mod_revision for e in batch), owners)
+        sync_changed(self.fabric, self.owners, changed)
 
 
 def main(argv: list[str]) -> int:
@@ -153,15 +151,18 @@ def main(argv: list[str]) -> int:
     fabric = Fabric(
         info["fabric"]["netns"], {n["name"]: (n["ip"], n["netns"]) for n in info["nodes"]}
     )
-    store = None
-    while True:
-        try:
-            if store is None:
-                store = open_store(info["ipward_store"], create=False)
-            follow(store, fabric, state)
-        except (StoreError, Compacted) as e:
-            print(f"podroutes: {e}; reading the node index again", file=sys.stderr, flush=True)
-            time.sleep(1.0)
+    store = open_store(info["ipward_store"], create=False)
+    follower = BackgroundFollower(
+        store,
+        keys.node_ips_prefix(),
+        Routes(fabric),
+        name="route syncer",
+        counted=lambda reason: None,
+        log_fields={},
+    )
+    follower.start()
+    threading.Event().wait()  # until the lab stops it
+    return 0
 
 
 if __name__ == "__main__":
