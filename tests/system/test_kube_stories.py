@@ -36,11 +36,14 @@ from ipward_lab import kubecluster
 from ipward_lab.clusterwatch import AddressWitness
 from ipward_lab.kubecluster import Cluster, ClusterError, wait_for
 from ipward_lab.kubeworkloads import (
+    addresses,
     bare_pod,
     container,
     deployment,
     is_running,
+    manifest,
     pod_spec,
+    pod_state,
     statefulset,
 )
 from kube_checks import ADD_GRACE, StoryChecks, runtime_sandboxes, say
@@ -96,8 +99,9 @@ class Story:
         say(f"{self.name} +{time.monotonic() - self.started:.0f}s: {text}")
 
     def apply(self, *objects: dict[str, Any]) -> None:
-        manifest = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
-        self.lab.kubectl(f"--namespace={self.ns}", "apply", "-f", "-", input=json.dumps(manifest))
+        self.lab.kubectl(
+            f"--namespace={self.ns}", "apply", "-f", "-", input=json.dumps(manifest(*objects))
+        )
 
     def kubectl(self, *args: str, check: bool = True) -> Any:
         return self.lab.kubectl(f"--namespace={self.ns}", *args, check=check)
@@ -137,20 +141,14 @@ class Story:
                 ready, f"{count} pods of {app} Running", timeout, 0.3
             )
         except ClusterError as e:
-            states = {p["metadata"]["name"]: self.pod_state(p) for p in self.pods(app)}
+            states = {p["metadata"]["name"]: self.state_of(p) for p in self.pods(app)}
             raise AssertionError(f"{e}: {states}") from None
         return found
 
-    def pod_state(self, pod: dict[str, Any]) -> str:
+    def state_of(self, pod: dict[str, Any]) -> str:
         """Its phase, why its containers wait, its node, and the kubelet's last failure to
         make its sandbox."""
-        status = pod["status"]
-        waiting = [
-            c["state"]["waiting"].get("reason", "")
-            for c in status.get("containerStatuses", [])
-            if "waiting" in c.get("state", {})
-        ]
-        state = f"{status.get('phase')} {','.join(waiting)} on {pod['spec'].get('nodeName')}"
+        state = pod_state(pod)
         failed = events(self, pod["metadata"]["name"], "FailedCreatePodSandBox")
         if failed:
             last = max(failed, key=lambda e: e.get("lastTimestamp") or "")
@@ -174,15 +172,7 @@ def story(stories: Stories, name: str, networks: tuple[Any, ...] = ()) -> Iterat
     checks.sample(f"{name}: before")
     baseline = checks.used()
     ns = f"story-{name}"
-    lab.kubectl("create", "namespace", ns)
-    wait_for(
-        lambda: (
-            lab.kubectl(f"--namespace={ns}", "get", "sa", "default", check=False).returncode == 0
-        ),
-        f"{ns}'s default ServiceAccount",
-        60.0,
-        0.5,
-    )
+    lab.make_namespace(ns)
     s = Story(name, lab, ns, checks)
     passed = False
     try:
@@ -242,10 +232,6 @@ def agent_log(lab: Cluster) -> list[dict[str, Any]]:
                     entry["node"] = node.name
                     out.append(entry)
     return out
-
-
-def addresses(pods: dict[str, dict[str, Any]]) -> dict[str, str]:
-    return {name: p["status"]["podIP"] for name, p in pods.items()}
 
 
 # -- stories --------------------------------------------------------------------------------

@@ -237,16 +237,12 @@ class AddressWitness:
                     out.setdefault(span.ip, []).append(span)
             return out
 
-    def doubles(self, network: object = None) -> list[tuple[Span, Span]]:
-        """Pairs of namespaces that held one address at the same time (in `network`, an
-        ip_network, when given)."""
-        import ipaddress
-
+    def doubles(self) -> list[tuple[Span, Span]]:
+        """Pairs of namespaces that held one address at the same time."""
         with self.lock:
             by_ip: dict[str, list[Span]] = {}
             for span in self.spans:
-                if network is None or ipaddress.ip_address(span.ip) in network:  # type: ignore[operator]
-                    by_ip.setdefault(span.ip, []).append(span)
+                by_ip.setdefault(span.ip, []).append(span)
         found = []
         for spans in by_ip.values():
             for i, a in enumerate(spans):

@@ -599,6 +599,22 @@ class Cluster:
             )
         return proc
 
+    def make_namespace(self, name: str) -> None:
+        """Namespace `name`, once its default ServiceAccount exists (a pod made before
+        it is refused)."""
+        self.kubectl("create", "namespace", name)
+        wait_for(
+            lambda: (
+                self.kubectl(
+                    f"--namespace={name}", "get", "serviceaccount", "default", check=False
+                ).returncode
+                == 0
+            ),
+            f"{name}'s default ServiceAccount",
+            60.0,
+            0.5,
+        )
+
     def kubectl_json(self, *args: str) -> Any:
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
 

@@ -49,27 +49,27 @@ def pod_spec(
 
 
 def statefulset(name: str, replicas: int, policy: str = "Parallel", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": replicas,
-            "podManagementPolicy": policy,
-            "serviceName": name,
-            "selector": {"matchLabels": {"app": name}},
-            "template": {"metadata": {"labels": {"app": name}}, "spec": pod_spec(**spec)},
-        },
-    }
+    return _replicated(
+        "StatefulSet", name, replicas, spec, podManagementPolicy=policy, serviceName=name
+    )
 
 
 def deployment(name: str, replicas: int, **spec: Any) -> dict[str, Any]:
+    return _replicated("Deployment", name, replicas, spec)
+
+
+def _replicated(
+    kind: str, name: str, replicas: int, spec: dict[str, Any], **more: Any
+) -> dict[str, Any]:
+    """A workload of `kind` keeping `replicas` test pods (`pod_spec(**spec)`) labelled
+    app=NAME; `more`: the kind's own fields of its spec."""
     return {
         "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "kind": kind,
         "metadata": {"name": name},
         "spec": {
             "replicas": replicas,
+            **more,
             "selector": {"matchLabels": {"app": name}},
             "template": {"metadata": {"labels": {"app": name}}, "spec": pod_spec(**spec)},
         },
@@ -104,3 +104,19 @@ def is_running(pod: dict[str, Any]) -> bool:
         and bool(containers)
         and all("running" in c.get("state", {}) for c in containers)
     )
+
+
+def addresses(pods: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Each pod's address, by name."""
+    return {name: p["status"]["podIP"] for name, p in pods.items()}
+
+
+def pod_state(pod: dict[str, Any]) -> str:
+    """Its phase, why its containers wait, and its node."""
+    status = pod["status"]
+    waiting = [
+        c["state"]["waiting"].get("reason", "")
+        for c in status.get("containerStatuses", [])
+        if "waiting" in c.get("state", {})
+    ]
+    return f"{status.get('phase')} {','.join(waiting)} on {pod['spec'].get('nodeName')}"

@@ -39,7 +39,14 @@ from ipward_lab import kubecluster
 from ipward_lab.bench.common import BenchError, machine, percentile, print_table, version_of
 from ipward_lab.containerdlab import machine_lock
 from ipward_lab.kubecluster import Cluster, ClusterError, wait_for
-from ipward_lab.kubeworkloads import deployment, is_running, manifest, statefulset
+from ipward_lab.kubeworkloads import (
+    addresses,
+    deployment,
+    is_running,
+    manifest,
+    pod_state,
+    statefulset,
+)
 
 NODES = 3
 STS_REPLICAS = 5
@@ -263,13 +270,7 @@ class _Part:
         self.say = say
 
     def create(self) -> None:
-        self.lab.kubectl("create", "namespace", self.ns)
-        wait_for(
-            lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
-            f"{self.ns}'s default ServiceAccount",  # a pod before it is refused
-            60.0,
-            0.5,
-        )
+        self.lab.make_namespace(self.ns)
 
     def kubectl(self, *args: str, check: bool = True, input: str = "") -> Any:
         return self.lab.kubectl(f"--namespace={self.ns}", *args, check=check, input=input)
@@ -294,31 +295,28 @@ class _Part:
 
     def wait_running(self, count: int, timeout: float) -> dict[str, dict[str, Any]]:
         """`count` pods Running and no other pod; by name."""
-        t0 = time.monotonic()
-        for _, pods in self.readings(t0, timeout):
+
+        def ready() -> dict[str, dict[str, Any]] | None:
+            pods = self.pods()
             running = {p["metadata"]["name"]: p for p in pods if is_running(p)}
-            if len(pods) == count and len(running) == count:
-                return running
-        raise BenchError(f"{self.ns}: not {count} pods Running after {timeout:g}s: {self.states()}")
+            return running if len(pods) == count and len(running) == count else None
+
+        found: dict[str, dict[str, Any]] = self.wait(ready, f"{count} pods Running", timeout)
+        return found
 
     def wait_none(self, timeout: float) -> None:
-        t0 = time.monotonic()
-        for _, pods in self.readings(t0, timeout):
-            if not pods:
-                return
-        raise BenchError(f"{self.ns}: pods left after {timeout:g}s: {self.states()}")
+        self.wait(lambda: not self.pods(), "no pod left", timeout)
+
+    def wait(self, condition: Callable[[], Any], what: str, timeout: float) -> Any:
+        """`wait_for` the condition every POLL_SECONDS; BenchError naming the pods' states
+        after `timeout`."""
+        try:
+            return wait_for(condition, f"{self.ns}: {what}", timeout, POLL_SECONDS)
+        except ClusterError as e:
+            raise BenchError(f"{e}: {self.states()}") from None
 
     def states(self) -> dict[str, str]:
-        out = {}
-        for p in self.pods():
-            status = p["status"]
-            waiting = [
-                c["state"]["waiting"].get("reason", "")
-                for c in status.get("containerStatuses", [])
-                if "waiting" in c.get("state", {})
-            ]
-            out[p["metadata"]["name"]] = f"{status.get('phase')} {','.join(waiting)}".strip()
-        return out
+        return {p["metadata"]["name"]: pod_state(p) for p in self.pods()}
 
     def adds(self) -> list[CniAdd]:
         found = []
@@ -341,10 +339,7 @@ class _Part:
                 records = json.loads(self.lab.ipward_run("alloc", "list", "--json").stdout)
                 return not any(r["pod"].get("namespace") == self.ns for r in records)
 
-            try:
-                wait_for(released, f"no address recorded for {self.ns}", GONE_TIMEOUT, 0.5)
-            except ClusterError as e:
-                raise BenchError(str(e)) from None
+            self.wait(released, "no address recorded for it", GONE_TIMEOUT)
 
 
 def measure_start(lab: Cluster, ipam: str, pods: int, say: Callable[[str], object]) -> IpamFigures:
@@ -378,7 +373,7 @@ def measure_rounds(
     part = _Part(lab, f"bench-{ipam}-sts", say)
     part.create()
     part.apply(statefulset(STS_APP, STS_REPLICAS, "Parallel"))
-    first = _addresses(part.wait_running(STS_REPLICAS, ROUND_TIMEOUT))
+    first = addresses(part.wait_running(STS_REPLICAS, ROUND_TIMEOUT))
     done = []
     for n in range(1, rounds + 1):
         began = time.monotonic()
@@ -386,17 +381,13 @@ def measure_rounds(
         part.wait_none(ROUND_TIMEOUT)
         down = time.monotonic() - began
         part.kubectl("scale", "statefulset", STS_APP, f"--replicas={STS_REPLICAS}")
-        now = _addresses(part.wait_running(STS_REPLICAS, ROUND_TIMEOUT))
+        now = addresses(part.wait_running(STS_REPLICAS, ROUND_TIMEOUT))
         done.append(Round(time.monotonic() - began, down, now == first))
         say(f"{ipam}: StatefulSet round {n}: {done[-1].seconds:.1f}s, kept {done[-1].kept}")
     failed = sum(a.ended is None for a in part.adds())
     if clean:
         part.delete(ipward=ipam == "ipward")
     return done, failed
-
-
-def _addresses(pods: dict[str, dict[str, Any]]) -> dict[str, str]:
-    return {name: p["status"]["podIP"] for name, p in pods.items()}
 
 
 def run_kube(
