@@ -68,6 +68,7 @@ def exec_plugin(
         "CNI_NETNS": netns,
         "CNI_PATH": str(plugin.parent),
         "CNI_ARGS": args,
+        "IPWARD_CNI_NOTES": os.environ.get("IPWARD_CNI_NOTES"),  # tests/conftest.py
     }
     full_env.update(env or {})
     full_env = {k: v for k, v in full_env.items() if v is not None}

@@ -35,6 +35,7 @@ ALLOWED_IMPORTS = {
     "ipward",
     "ipward.cni",
     "ipward.cni.cniio",
+    "ipward.cni.notes",
     "ipward.cni.plugin",
     "ipward.cni.standalone",
     "ipward.cni.wire",
@@ -153,10 +154,13 @@ def test_standalone_plugin_serves_every_verb_through_a_real_agent(
 def test_standalone_plugin_answers_11_when_the_agent_is_down(
     standalone: Path, tmp_path: Path
 ) -> None:
-    """No agent behind the socket: 11 for ADD and DEL (the runtime retries), 50 for STATUS."""
+    """No agent behind the socket: 11 for ADD (the runtime retries), 50 for STATUS; a DEL
+    succeeds, since no ADD of it reached an agent (docs/design.md 5.14; the DEL of one
+    that did: `test_del_never_wedges.py`)."""
     config = agent_config("/run/ipward-test-none/agent.sock")
     assert error_code(exec_plugin(standalone, "ADD", config)) == 11
-    assert error_code(exec_plugin(standalone, "DEL", config)) == 11
+    deleted = exec_plugin(standalone, "DEL", config)
+    assert deleted.returncode == 0 and deleted.stdout == b"", deleted
     assert error_code(exec_plugin(standalone, "STATUS", config)) == 50
 
 
@@ -246,7 +250,7 @@ def loaded_from(plugin: Path, python: str = "/usr/bin/python3") -> set[str]:
 # -- no agent: refused ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["ADD", "DEL", "CHECK", "GC", "STATUS"])
+@pytest.mark.parametrize("command", ["ADD", "CHECK", "GC", "STATUS"])
 @pytest.mark.parametrize(
     ("ipam", "named"),
     [
@@ -260,7 +264,8 @@ def loaded_from(plugin: Path, python: str = "/usr/bin/python3") -> set[str]:
 def test_a_config_without_an_agent_socket_is_refused_with_code_7(
     standalone: Path, tmp_path: Path, command: str, ipam: dict, named: str
 ) -> None:
-    """No in-process mode: code 7 naming the field, and no store is opened or made."""
+    """No in-process mode: code 7 naming the field, and no store is opened or made (a
+    DEL of such a config succeeds unless noted: `test_del_never_wedges.py`)."""
     store = tmp_path / "never.db"
     fields = {k: f"sqlite://{store}" if v == "STORE" else v for k, v in ipam.items()}
     config = {"cniVersion": "1.1.0", "name": "n", "ipam": {"type": "ipward", **fields, **RANGES}}

@@ -162,6 +162,39 @@ def test_annotation_naming_an_invalid_pool_name_is_invalid_config(cluster: Clust
     assert res.returncode != 0 and res.json["code"] == 103, res
 
 
+@pytest.mark.parametrize(
+    ("value", "code", "words"),
+    [
+        ("no-such-pool", 103, ["no-such-pool"]),
+        ("green,green", 7, ["green", "twice"]),
+        ("green,blue", 7, ["green", "blue", "IPv4"]),
+        ("prod-only", 105, ["prod-only"]),
+        ("", 7, ["names no pool"]),
+        (" , ", 7, ["names no pool"]),
+    ],
+    ids=["unknown", "doubled", "two-of-one-family", "not-allowed", "empty", "only-commas"],
+)
+def test_an_annotation_refused_names_the_annotation_and_the_pod(
+    cluster: Cluster, value: str, code: int, words: list[str]
+) -> None:
+    """Found on a real cluster: an unknown or doubled pool in `ipward.io/pool` was
+    reported without the annotation or the pod, and an empty one fell back to the
+    network's pool without a word. Of the pod's annotation and of its namespace's."""
+    cluster.namespaces["annotated"] = {"ipward.io/pool": value}
+    cases = (
+        (cluster.pod("web", "p", annotations={"ipward.io/pool": value}), "of pod web/p"),
+        (cluster.pod("annotated", "q"), "of namespace annotated (for pod annotated/q)"),
+    )
+    before = cluster.revision()
+    for pod, whose in cases:
+        res = cluster.add(pod)
+        assert res.returncode != 0 and res.json["code"] == code, res
+        assert f"annotation ipward.io/pool {whose}" in res.json["msg"], res
+        for word in words:
+            assert word in res.json["msg"], res
+    assert cluster.revision() == before
+
+
 def test_an_annotation_pool_on_a_gateway_bridge_is_refused(cluster: Cluster) -> None:
     """Finding (a real cluster): a pool chosen by `ipward.io/pool` on a `bridge` network
     with `isGateway` can never work: the bridge holds one IPv4 gateway (its network's

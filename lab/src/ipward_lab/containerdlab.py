@@ -338,6 +338,7 @@ class ContainerdLab:
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IPWARD_", "CNI_"))}
         env["PATH"] = SYSTEM_PATH
+        env["IPWARD_CNI_NOTES"] = str(self.workdir / "cni-notes")  # plugins' notes: design 5.14
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [

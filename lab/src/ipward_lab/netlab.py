@@ -404,6 +404,8 @@ class NetLab:
             "CNI_PATH": ":".join(cni_path if cni_path is not None else [CNI_BIN_DIR]),
             "CNI_ARGS": pod.cni_args() if cni_args is None else cni_args,
         }
+        if "IPWARD_CNI_NOTES" in os.environ:  # where an agent's plugin keeps its notes
+            env["IPWARD_CNI_NOTES"] = os.environ["IPWARD_CNI_NOTES"]
         env.update(extra_env or {})
         args = [
             "ip", "netns", "exec", self.host, "env", "-i",

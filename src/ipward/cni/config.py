@@ -23,9 +23,16 @@ from ipward.core.policy import ADD_GRACE, DEFAULT_COOLDOWN, STICKY_TTL
 from ipward.core.pool import PoolSpec, check_name, check_routes, default_gateway
 from ipward.core.records import Attachment, PodInfo
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
 DEFAULT_STORE = "sqlite:///var/lib/ipward/ipward.db"
+# The fields of an inline pool, in any dialect (a config has them or `pool`).
+INLINE_FIELDS = ("ranges", "subnet", "range", "ipRanges")
 # Bounds of every field (README: limits). Names and IDs in characters, the rest in bytes.
-MAX_CONTAINER_ID = 256
+MAX_CONTAINER_ID = 255  # a file name: the plugin names a note after it (cni/notes.py)
 MAX_NAME = 253  # network, pool and node names (a DNS subdomain's length)
 MAX_IFNAME = 15  # bytes: IFNAMSIZ less its NUL
 MAX_NETNS = 4096  # bytes: PATH_MAX
@@ -76,53 +83,84 @@ class IpamConfig:
         if not isinstance(raw, dict):
             raise InvalidConfig("network configuration must be a JSON object")
         self.raw = raw
+        # Every field is checked, and all that is wrong said at once: a user fixing a
+        # config should not meet its mistakes one ADD at a time.
+        problems: list[str] = []
+
+        def checked(check: Callable[[], Any], default: Any) -> Any:
+            try:
+                return check()
+            except InvalidConfig as e:
+                problems.append(e.msg)
+                return default
+
         version = raw.get("cniVersion")
         if not isinstance(version, str) or not version:
-            raise InvalidConfig("cniVersion is missing (or not a string)")
-        self.cni_version = version
+            problems.append("cniVersion is missing (or not a string)")
+        self.cni_version = version if isinstance(version, str) else ""
         problem = identifier_problem(raw.get("name"), "name (the network name)", MAX_NAME)
         if problem:
-            raise InvalidConfig(problem)
-        self.network: str = raw["name"]
+            problems.append(problem)
+        self.network: str = "" if problem else raw["name"]
         for field in ("runtimeConfig", "args"):
             if field in raw and not isinstance(raw[field], dict):
-                raise InvalidConfig(f"{field} must be an object")
-        if not isinstance(raw.get("args", {}).get("cni", {}), dict):
-            raise InvalidConfig("args.cni must be an object")
+                problems.append(f"{field} must be an object")
+        args = raw.get("args", {})
+        if isinstance(args, dict) and not isinstance(args.get("cni", {}), dict):
+            problems.append("args.cni must be an object")
         ipam = raw.get("ipam")
         if not isinstance(ipam, dict):
-            raise InvalidConfig("the 'ipam' section is missing or not an object")
-        self.store_url = _path(ipam, "store", DEFAULT_STORE)
+            raise InvalidConfig(
+                "; ".join([*problems, "the 'ipam' section is missing or not an object"])
+            )
+        self.store_url = checked(lambda: _path(ipam, "store", DEFAULT_STORE), "")
         for field in ("agentSocket", "agent_socket"):
             problem = socket_path_problem(ipam[field]) if ipam.get(field, "") != "" else None
             if problem:
-                raise InvalidConfig(f"ipam.{field} {problem}")
+                problems.append(f"ipam.{field} {problem}")
         self.agent_socket = agent_socket(raw) or ""
-        self.node = check_node_name(_str(ipam, "node", "") or posix.uname().nodename, "ipam.node")
-        self.log_file = _path(ipam, "logFile", "") or _path(ipam, "log_file", "")
-        self.log_level = _str(ipam, "logLevel", "info")
+        self.node = checked(
+            lambda: check_node_name(_str(ipam, "node", "") or posix.uname().nodename, "ipam.node"),
+            "",
+        )
+        self.log_file = checked(
+            lambda: _path(ipam, "logFile", "") or _path(ipam, "log_file", ""), ""
+        )
+        self.log_level = checked(lambda: _str(ipam, "logLevel", "info"), "info")
         if self.log_level not in LEVELS:
-            raise InvalidConfig(f"ipam.logLevel must be one of {', '.join(LEVELS)}")
-        self.routes = _routes(ipam.get("routes", []))
-        self.gc_grace = _seconds(ipam, "gcGrace", ADD_GRACE)
+            problems.append(f"ipam.logLevel must be one of {', '.join(LEVELS)}")
+        self.routes = checked(lambda: _routes(ipam.get("routes", [])), [])
+        self.gc_grace = checked(lambda: _seconds(ipam, "gcGrace", ADD_GRACE), ADD_GRACE)
         self.sticky = ipam.get("sticky", False)
         if not isinstance(self.sticky, bool):
-            raise InvalidConfig("ipam.sticky must be true or false")
-        self.sticky_ttl = _seconds(ipam, "stickyTTL", STICKY_TTL)
-        self.dns = _dns(ipam.get("dns", {}))
+            problems.append("ipam.sticky must be true or false")
+        self.sticky_ttl = checked(lambda: _seconds(ipam, "stickyTTL", STICKY_TTL), STICKY_TTL)
+        self.dns = checked(lambda: _dns(ipam.get("dns", {})), {})
         pool = ipam.get("pool")
-        self.inline_pool = _inline_pool(self.network, ipam, self.routes)
-        if pool is not None and self.inline_pool is not None:
-            raise InvalidConfig("ipam has both 'pool' and inline ranges; use one")
-        if pool is None and self.inline_pool is None:
-            raise InvalidConfig(
+        self.inline_pool = checked(
+            lambda: _inline_pool(self.network or "network", ipam, self.routes), None
+        )
+        inline = self.inline_pool is not None or any(k in ipam for k in INLINE_FIELDS)
+        if pool is not None and inline:
+            problems.append("ipam has both 'pool' and inline ranges; use one")
+        if pool is None and not inline:
+            problems.append(
                 "ipam needs 'pool' (a pool made with 'ipward pool create') or inline"
                 " 'ranges' / 'subnet' / 'range' / 'ipRanges'"
             )
         names = pool.split(",") if isinstance(pool, str) else pool
         if "pool" in ipam and not (isinstance(names, list) and names):
-            raise InvalidConfig("ipam.pool must be a pool name or a list of names")
-        self.pool_names = [pool_name(n, "ipam.pool") for n in (names or [])]
+            problems.append("ipam.pool must be a pool name or a list of names")
+            names = []
+        self.pool_names: list[str] = []
+        for n in names or []:
+            try:
+                self.pool_names.append(pool_name(n, "ipam.pool"))
+            except InvalidConfig as e:
+                problems.append(e.msg)
+        if problems:
+            count = f"{len(problems)} problems: " if len(problems) > 1 else ""
+            raise InvalidConfig(count + "; ".join(problems))
 
     def requested_ips(self, cni_args: dict[str, str]) -> list[str]:
         """Addresses asked for by the runtime: `runtimeConfig.ips`, `args.cni.ips`, or

@@ -27,7 +27,7 @@ from ipward.core.startpath import json_loads
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import _socket
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
     from typing import NoReturn
 
 _S_IFMT, _S_IFSOCK = 0o170000, 0o140000
@@ -48,11 +48,17 @@ def trusted_uids() -> tuple[int, ...]:
 
 
 def forward(
-    path: str, env: Mapping[str, str | bytes], stdin: bytes, timeout: float = CALL_TIMEOUT
+    path: str,
+    env: Mapping[str, str | bytes],
+    stdin: bytes,
+    timeout: float = CALL_TIMEOUT,
+    before_sending: Callable[[], None] | None = None,
 ) -> tuple[int, bytes]:
     """Send one call to the agent at `path`; its exit status and stdout. Raises
     PermissionError when the socket or the process behind it is not root's or ours
-    (nothing is sent then), other OSErrors and `wire.WireError` when no answer comes."""
+    (nothing is sent then), other OSErrors and `wire.WireError` when no answer comes.
+    `before_sending` runs once the agent is trusted, before a byte is sent (an ADD's
+    note); what it raises, nothing is sent."""
     import _socket
 
     from ipward.cni.wire import NO_ANSWER, WireError, encode_request, read_answer
@@ -79,6 +85,8 @@ def forward(
                 f"the process listening on {path} (pid {peer_pid}) runs as uid {peer_uid};"
                 f" the plugin talks only to an agent of root or of its own uid {trusted[-1]}"
             )
+        if before_sending is not None:
+            before_sending()
         try:
             sock.sendall(request)
         except (BrokenPipeError, ConnectionResetError):
@@ -110,12 +118,15 @@ def _connect(sock: _socket.socket, path: str, timeout: float) -> None:
 def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exception) -> bytes:
     """The error object when the agent gave no answer (never success: nothing was done)."""
     from ipward.cni.cniio import error_output
+    from ipward.cni.notes import NoteFailure
     from ipward.core.errors import IoFailure, IpwardError, NotAvailable, TryAgainLater
 
     reason = f"{type(error).__name__}: {error}"
     answer: IpwardError
     if command == b"STATUS":
         answer = NotAvailable(f"cannot serve ADD: ipward agent at {path}: {reason}")
+    elif isinstance(error, NoteFailure):
+        answer = TryAgainLater(f"ADD not sent to the ipward agent at {path}: {error.strerror}")
     elif isinstance(error, PermissionError):  # retrying cannot help
         answer = IoFailure(f"ipward agent at {path} not usable ({reason}); nothing was sent")
     else:
@@ -124,26 +135,52 @@ def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exceptio
     return error_output(answer, stdin).encode()
 
 
-def configured_socket(stdin: bytes, command: bytes | None) -> str | None:
-    """The agent socket a call goes to: the `ipam.agentSocket` of a config within its
-    limit that parses. None for VERSION (it needs no agent) and for anything else."""
+def configured(stdin: bytes, command: bytes | None) -> tuple[str | None, object]:
+    """The agent socket a call goes to, with the parsed config: the `ipam.agentSocket`
+    of a config within its limit that parses. No socket for VERSION (it needs no agent)
+    and for anything else."""
     if len(stdin) > MAX_CONFIG or command == b"VERSION":
-        return None
+        return None, None
     try:
-        return agent_socket(json_loads(stdin))
+        config = json_loads(stdin)
     except Exception:  # not JSON: answered without an agent (code 6)
-        return None
+        return None, None
+    return agent_socket(config), config
 
 
-def send(path: str, stdin: bytes, command: bytes | None) -> NoReturn:
+def attachment_note(config: object) -> bytes | None:
+    """The note of the call's attachment (docs/design.md 5.14), if it names one."""
+    from ipward.cni import notes
+
+    network = config.get("name") if isinstance(config, dict) else None
+    return notes.note_path(network, posix.environ)
+
+
+def send(path: str, stdin: bytes, command: bytes | None, config: object) -> NoReturn:
     """Forward the call to the agent at `path`, print its answer (or why none came) and
-    exit with its status."""
+    exit with its status. An ADD notes its attachment before it is sent; a DEL served
+    removes the note, and a DEL that got no answer succeeds when there is none (nothing
+    can be held: docs/design.md 5.14)."""
+    from ipward.cni import notes
+
     environ = posix.environ
     env = {name: environ[name.encode()] for name in FORWARDED if name.encode() in environ}
+    note = attachment_note(config) if command in (b"ADD", b"DEL") else None
+    before_sending = None
+    if command == b"ADD" and note is not None:
+        agent, note_of_add = path, note
+
+        def before_sending() -> None:
+            notes.write(note_of_add, agent)
+
     try:
-        status, out = forward(path, env, stdin)
+        status, out = forward(path, env, stdin, before_sending=before_sending)
     except Exception as e:  # any failure to get an answer is an error, never success
+        if command == b"DEL" and not notes.held(note):
+            finish(0, b"")
         status, out = 1, _unreachable(stdin, path, command, e)
+    if command == b"DEL" and status == 0:
+        notes.remove(note)
     finish(status, out)
 
 
@@ -156,10 +193,10 @@ def finish(status: int, out: bytes) -> NoReturn:
 def main() -> None:
     stdin = read_stdin()
     command = posix.environ.get(b"CNI_COMMAND")
-    path = configured_socket(stdin, command)
+    path, config = configured(stdin, command)
     if path is None:
         from ipward.cni.verbs import main as in_process
 
         in_process(stdin)
         return
-    send(path, stdin, command)
+    send(path, stdin, command, config)

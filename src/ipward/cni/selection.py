@@ -69,7 +69,15 @@ def choose(
     except IpwardError:
         # Maybe judged on pool specs a long-lived ledger remembers (an agent's): a
         # refusal is only given on the pools as stored now.
-        pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=True)
+        try:
+            pools = _pools(ledger, config, annotated, requested, pod.namespace, fresh=True)
+        except TryAgainLater:
+            raise
+        except IpwardError as refusal:
+            if not annotated:
+                raise
+            # The annotation chose: its refusal says which annotation of which pod.
+            raise type(refusal)(f"{where}: {refusal.msg}", refusal.details) from None
     if annotated:
         _check_gateway_bridge(config, pools, where)
     return pools, _sticky(config, call, meta, directory, sandboxes)
@@ -101,17 +109,26 @@ def _pools(
 
 def _annotated(meta: PodMeta | None, namespace: str, name: str) -> tuple[list[str], str]:
     """The pool names of the pod's annotation, else of its namespace's, and which
-    annotation that is; a name no pool can have is the annotation's mistake (7), not an
-    unknown pool (103)."""
+    annotation of which pod that is; a name no pool can have is the annotation's mistake
+    (7), not an unknown pool (103), and so is an annotation that names no pool at all
+    (`""`, `" , "`): it would otherwise fall back to the next choice without a word."""
     if meta is None:
         return [], ""
-    value, whose = meta.annotations.get(POOL_ANNOTATION), f"pod {namespace}/{name}"
-    if not value:
-        value, whose = meta.namespace_annotations.get(POOL_ANNOTATION), f"namespace {namespace}"
-    if not value:
+    pod = f"pod {namespace}/{name}"
+    value, whose = meta.annotations.get(POOL_ANNOTATION), pod
+    if value is None:
+        value = meta.namespace_annotations.get(POOL_ANNOTATION)
+        whose = f"namespace {namespace} (for {pod})"
+    if value is None:
         return [], ""
     where = f"annotation {POOL_ANNOTATION} of {whose}"
-    return [pool_name(n, where) for n in value.split(",") if n.strip()], where
+    names = [pool_name(n, where) for n in value.split(",") if n.strip()]
+    if not names:
+        raise InvalidConfig(
+            f"{where} is {value!r}: it names no pool; name one (or a comma list, one per"
+            " family), or remove it to use the namespace's or the network's pool"
+        )
+    return names, where
 
 
 def _check_gateway_bridge(config: IpamConfig, pools: list[PoolSpec], where: str) -> None:

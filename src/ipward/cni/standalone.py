@@ -8,15 +8,17 @@ plugin does in cluster mode (`plugin.send`), and answers VERSION itself. It has 
 in-process mode (no ledger, no store client): a config that names no agent socket is
 refused with code 7 (invalid network configuration), naming `ipam.agentSocket`. Not 11
 (retrying the same config cannot help) and not 5 (nothing was tried: the config is what
-is wrong, and fixing it is the remedy).
+is wrong, and fixing it is the remedy). A DEL of such a config succeeds unless the
+attachment has a note (docs/design.md 5.14): no ADD of it reached an agent.
 """
 
 from __future__ import annotations
 
 import posix
 
+from ipward.cni import notes
 from ipward.cni.cniio import check_size, decode, error_output, version_output
-from ipward.cni.plugin import configured_socket, finish, read_stdin, send
+from ipward.cni.plugin import attachment_note, configured, finish, read_stdin, send
 from ipward.cni.wire import socket_path_problem
 from ipward.core.errors import DecodeFailure, InvalidConfig, IpwardError
 
@@ -51,9 +53,11 @@ def answer_here(stdin: bytes, command: bytes | None) -> str:
 def main() -> None:
     stdin = read_stdin()
     command = posix.environ.get(b"CNI_COMMAND")
-    path = configured_socket(stdin, command)
+    path, config = configured(stdin, command)
     if path is not None:
-        send(path, stdin, command)
+        send(path, stdin, command, config)
+    if command == b"DEL" and not notes.held(attachment_note(config)):
+        finish(0, b"")  # no ADD of it reached an agent: nothing is held (design 5.14)
     try:
         status, out = 0, answer_here(stdin, command)
     except IpwardError as e:

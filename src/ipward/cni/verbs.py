@@ -25,10 +25,15 @@ from ipward.cni.cniio import (
     version_output,
 )
 from ipward.cni.config import (
+    DEFAULT_STORE,
+    MAX_NAME,
+    MAX_PATH,
     Call,
     IpamConfig,
     container_id_problem,
+    identifier_problem,
     ifname_problem,
+    text_problem,
 )
 from ipward.cni.wire import environment
 from ipward.core import log
@@ -37,6 +42,7 @@ from ipward.core.errors import (
     DecodeFailure,
     IncompatibleStore,
     IncompatibleVersion,
+    InputTooLarge,
     InvalidConfig,
     InvalidEnvironment,
     IpwardError,
@@ -72,25 +78,16 @@ def run(
     of pods ADD reads annotations and owners from, and with a runtime `sandboxes`
     (whether it lists a sandbox: a sticky take-over waits for the old one's teardown);
     the plugin opens a ledger on SQLite."""
-    check_size(stdin)
     command = env.get("CNI_COMMAND", "")
+    if command == "DEL":
+        return _delete(env, stdin, ledger)
+    check_size(stdin)
     if command not in COMMANDS:
         raise InvalidEnvironment(f"CNI_COMMAND {command!r} is not one of {', '.join(COMMANDS)}")
-    raw = decode(stdin)
-    if ledger is None:
-        # In-process only: the agent keeps its own log; a config's logFile must not
-        # redirect (or reopen, per request) the log of a process serving many calls.
-        _configure_log(raw)
+    raw = _decoded(stdin, ledger)
     if command == "VERSION":
         return version_output(raw)
-    if raw is None:
-        raise DecodeFailure("no network configuration on stdin")
-    config = IpamConfig(raw)
-    if config.cni_version not in SUPPORTED_VERSIONS:
-        raise IncompatibleVersion(
-            f"cniVersion {config.cni_version} is not supported",
-            f"supported: {', '.join(SUPPORTED_VERSIONS)}",
-        )
+    config = _config(raw)
     if command == "CHECK" and _version_key(config.cni_version) < (0, 4, 0):
         raise IncompatibleVersion(
             f"CHECK needs cniVersion 0.4.0 or later, not {config.cni_version}"
@@ -104,17 +101,120 @@ def run(
         _status(config, ledger)
         return ""
     if command == "GC":
-        _gc(config, raw, ledger)
+        _gc(config, config.raw, ledger)
         return ""
     call = Call(env, config.network)
     ledger = ledger or _ledger(config)
     if command == "ADD":
         return dump(_add(ledger, config, call, directory, sandboxes))
-    if command == "DEL":
-        ledger.free(call.attachment)
-        return ""
-    _check(ledger, call, raw)
+    _check(ledger, call, config.raw)
     return ""
+
+
+def _decoded(stdin: bytes, ledger: Ledger | None) -> object:
+    raw = decode(stdin)
+    if ledger is None:
+        # In-process only: the agent keeps its own log; a config's logFile must not
+        # redirect (or reopen, per request) the log of a process serving many calls.
+        _configure_log(raw)
+    return raw
+
+
+def _config(raw: object) -> IpamConfig:
+    if raw is None:
+        raise DecodeFailure("no network configuration on stdin")
+    config = IpamConfig(raw)  # type: ignore[arg-type]  # it refuses what is not a dict
+    if config.cni_version not in SUPPORTED_VERSIONS:
+        raise IncompatibleVersion(
+            f"cniVersion {config.cni_version} is not supported",
+            f"supported: {', '.join(SUPPORTED_VERSIONS)}",
+        )
+    return config
+
+
+def _delete(env: dict[str, str], stdin: bytes, ledger: Ledger | None) -> str:
+    """DEL: free what the attachment holds. It is refused only while an address may be
+    held (docs/design.md 5.14): a config that fails its checks still names the
+    attachment by its `name`, and what that identity holds is freed; a config that
+    names no network, or an in-process store no ADD could have used, holds nothing."""
+    raw: object = None
+    try:
+        check_size(stdin)
+        raw = _decoded(stdin, ledger)
+        config = _config(raw)
+    except (InputTooLarge, DecodeFailure, InvalidConfig, IncompatibleVersion) as problem:
+        return _delete_by_identity(env, raw, ledger, problem)
+    call = Call(env, config.network)
+    if ledger is None:
+        try:
+            ledger = _ledger(config)
+        except InvalidConfig as problem:  # a store the plugin cannot run on: no ADD did
+            log.warning(
+                "DEL answered: no ADD of this config could have allocated",
+                attachment=repr(call.attachment),
+                reason=problem.msg,
+            )
+            return ""
+    ledger.free(call.attachment)
+    return ""
+
+
+def _delete_by_identity(
+    env: dict[str, str], raw: object, ledger: Ledger | None, problem: IpwardError
+) -> str:
+    network = raw.get("name") if isinstance(raw, dict) else None
+    if identifier_problem(network, "name", MAX_NAME):
+        log.warning(
+            "DEL answered: a network config that names no network holds nothing",
+            container=env.get("CNI_CONTAINERID"),
+            reason=problem.msg,
+        )
+        return ""
+    assert isinstance(network, str)
+    call = Call(env, network)  # the runtime's own input is checked as for any DEL
+    if ledger is None:
+        ledger = _unchecked_ledger(raw, problem)
+    reason = f"CNI DEL of an invalid network config ({problem.msg})"
+    freed = ledger.free(call.attachment, reason) if ledger is not None else []
+    log.warning(
+        "DEL of an invalid network config: the attachment's addresses freed by its identity",
+        attachment=repr(call.attachment),
+        freed=freed,
+        reason=problem.msg,
+    )
+    return ""
+
+
+def _unchecked_ledger(raw: object, problem: IpwardError) -> Ledger | None:
+    """In-process, the ledger an invalid config's ADD could have used, or None when
+    none (then it holds nothing). A config naming an agent socket was the agent's:
+    only the plugin's note says whether an ADD of it reached one (design 5.14)."""
+    from ipward.cni import notes
+    from ipward.cni.plugin import attachment_note
+    from ipward.store import StoreError, StoreMissing, open_store
+
+    ipam = raw.get("ipam") if isinstance(raw, dict) else None
+    ipam = ipam if isinstance(ipam, dict) else {}
+    if "agentSocket" in ipam or "agent_socket" in ipam:
+        if notes.held(attachment_note(raw)):
+            raise problem  # an ADD of it reached an agent: the config must be fixed
+        return None
+    url = ipam.get("store", DEFAULT_STORE)
+    if (
+        not isinstance(url, str)
+        or not url.startswith("sqlite://")
+        or text_problem(url, "ipam.store", MAX_PATH)
+    ):
+        return None
+    from ipward.ipam.ledger import Ledger
+
+    try:
+        store = open_store(url, create=False, short_lived=True)
+    except StoreMissing:
+        return None
+    except StoreError as e:
+        raise IncompatibleStore(f"store not usable: {e}") from e
+    return Ledger(store, posix.uname().nodename, short_lived=True)
 
 
 def _configure_log(raw: object) -> None:

@@ -400,6 +400,7 @@ STANDALONE_MODULES = (
     "__init__",
     "cni/__init__",
     "cni/cniio",
+    "cni/notes",
     "cni/plugin",
     "cni/standalone",
     "cni/wire",

@@ -28,6 +28,15 @@ from ipward_lab.simcluster.model import (
 )
 
 
+def _passed_on() -> dict[str, str]:
+    """What a runtime's own environment gives the plugins it execs: PATH, and where
+    the plugin keeps its notes when the lab's user says (docs/design.md 5.14)."""
+    env = {"PATH": os.environ.get("PATH", os.defpath)}
+    if "IPWARD_CNI_NOTES" in os.environ:
+        env["IPWARD_CNI_NOTES"] = os.environ["IPWARD_CNI_NOTES"]
+    return env
+
+
 class Kubelet(ClusterModel):
     def exec_plugin(
         self, node: str, command: str, env: dict[str, str], stdin: bytes
@@ -38,7 +47,7 @@ class Kubelet(ClusterModel):
         proc = subprocess.run(
             [self.plugin_path],
             input=stdin,
-            env={"PATH": os.environ.get("PATH", os.defpath), **env},
+            env={**_passed_on(), **env},
             capture_output=True,
             timeout=self.cni_timeout,
         )
