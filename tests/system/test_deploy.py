@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from ipward.cluster.k8s.client import ApiError
+from ipward.kubeapi.client import ApiError
 from ipward_lab.fleet import run_cli
 from ipward_lab.waiting import wait_for
 from support import REPO, exec_plugin
@@ -435,8 +435,8 @@ def test_agent_healthz_reports_its_cluster_source_refused(
     import json
     import uuid
 
-    from ipward.cluster.k8s.client import ApiClient
-    from ipward.cluster.k8s.config import from_kubeconfig
+    from ipward.kubeapi.client import ApiClient
+    from ipward.kubeapi.config import from_kubeconfig
     from ipward_lab import fleet
     from ipward_lab.kubeadmin import KubeAdmin
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from ipward.cluster.k8s.client import ApiClient, ApiError, ApiUnreachable
-from ipward.cluster.k8s.config import from_kubeconfig, in_cluster
 from ipward.cluster.k8s.source import Settings
 from ipward.cluster.liveness import LivenessUnavailable, open_source
 from ipward.core.errors import InvalidConfig
+from ipward.kubeapi.client import ApiClient, ApiError, ApiUnreachable
+from ipward.kubeapi.config import from_kubeconfig, in_cluster
 from ipward_lab.kubeadmin import KubeApi
 from ipward_lab.waiting import wait_for
 from test_k8s_source import wait_watching

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from ipward.cluster.k8s.client import ApiClient
-from ipward.cluster.k8s.config import from_kubeconfig
 from ipward.cluster.k8s.reflector import Reflector
 from ipward.cluster.k8s.source import NODES
 from ipward.cluster.liveness import LivenessUnavailable, Pod
+from ipward.kubeapi.client import ApiClient
+from ipward.kubeapi.config import from_kubeconfig
 from ipward_lab.fleet import run_cli
 from ipward_lab.kubeadmin import KubeAdmin, KubeApi
 from ipward_lab.simcluster import SimCluster, SimFileSource

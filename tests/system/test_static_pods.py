@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from ipward.agent.directory import ClusterDirectory
-from ipward.cluster.k8s.client import ApiError
 from ipward.cluster.liveness import MIRROR_ANNOTATION, Pod
 from ipward.controller.collection import Collection
 from ipward.controller.election import Election
@@ -29,6 +28,7 @@ from ipward.core import keys
 from ipward.core.records import Attachment, NodeRegistration, PodInfo
 from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
+from ipward.kubeapi.client import ApiError
 from ipward.store import Store, open_store
 from ipward.store.base import Put
 from ipward_lab import fleet

@@ -14,8 +14,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ipward.cluster.k8s.client import ApiClient
-from ipward.cluster.k8s.config import from_kubeconfig
+from ipward.kubeapi.client import ApiClient
+from ipward.kubeapi.config import from_kubeconfig
 
 if TYPE_CHECKING:
     from ipward.cluster.liveness import LivenessSource

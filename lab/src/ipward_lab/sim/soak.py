@@ -19,13 +19,13 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
-from ipward.cluster.k8s.client import ApiClient
-from ipward.cluster.k8s.config import from_kubeconfig
 from ipward.cluster.liveness import Pod
 from ipward.core import keys
 from ipward.core.pool import PoolSpec
 from ipward.core.startpath import write_launcher
 from ipward.ipam.pools import create_pool
+from ipward.kubeapi.client import ApiClient
+from ipward.kubeapi.config import from_kubeconfig
 from ipward.store import Store, StoreError, open_store
 from ipward_lab import fleet, kubelab
 from ipward_lab.etcdlab import EtcdCluster, EtcdServer, first_start

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ipward.cluster.k8s.client import ApiError
+from ipward.kubeapi.client import ApiError
 from ipward_lab.kubeadmin import KubeAdmin, api_time
 
 

@@ -12,8 +12,8 @@ import time
 import traceback
 from typing import Any
 
-from ipward.cluster.k8s.client import ApiError, ApiUnreachable
 from ipward.cluster.liveness import Pod, Sandbox
+from ipward.kubeapi.client import ApiError, ApiUnreachable
 from ipward_lab.simcluster.mirror import Wanted, WantedPod, replica_set_name, status_of
 from ipward_lab.simcluster.model import TICK, ClusterModel, SimPod, Snapshot, StatefulSet
 from ipward_lab.simcluster.source import write_sim_state

@@ -1,4 +1,3 @@
-"""The Kubernetes API as a cluster source (`k8s://`): config (`config`), an HTTP client
-over urllib3 (`client`), objects reduced as parsed (`objects`), list+watch caches
-(`reflector`), and the source itself (`source`). docs/design.md 5.13 says why it is
-built this way."""
+"""The Kubernetes API as a cluster source (`k8s://`): objects reduced as parsed
+(`objects`), list+watch caches (`reflector`), and the source itself (`source`), over the
+API client of `ipward.kubeapi`. docs/design.md 5.13 says why it is built this way."""

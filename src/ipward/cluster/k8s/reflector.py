@@ -48,7 +48,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from ipward.cluster.k8s.client import (
+from ipward.cluster.liveness import LivenessUnavailable
+from ipward.core import log
+from ipward.kubeapi.client import (
     JSON,
     METADATA,
     METADATA_LIST,
@@ -57,8 +59,6 @@ from ipward.cluster.k8s.client import (
     ApiUnreachable,
     WatchStream,
 )
-from ipward.cluster.liveness import LivenessUnavailable
-from ipward.core import log
 
 V = TypeVar("V")
 

@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, quote
 
-from ipward.cluster.k8s.client import METADATA, ApiClient, ApiError, ApiUnreachable
-from ipward.cluster.k8s.config import Connection, from_kubeconfig, in_cluster
 from ipward.cluster.k8s.objects import (
     parse_namespace,
     parse_node,
@@ -43,6 +41,8 @@ from ipward.cluster.liveness import (
 )
 from ipward.cluster.pods import PodDirectory, PodMeta
 from ipward.core.errors import InvalidConfig, TryAgainLater
+from ipward.kubeapi.client import METADATA, ApiClient, ApiError, ApiUnreachable
+from ipward.kubeapi.config import Connection, from_kubeconfig, in_cluster
 
 NAMESPACES = Resource("namespaces", "/api/v1/namespaces", parse_namespace, metadata_only=True)
 NODES = Resource("nodes", "/api/v1/nodes", parse_node, metadata_only=True)

@@ -19,8 +19,8 @@ from urllib.parse import urlencode, urlsplit
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from ipward.cluster.k8s.config import Connection
 from ipward.core.errors import InvalidConfig
+from ipward.kubeapi.config import Connection
 
 JSON = "application/json"
 # Metadata only (nodes, namespaces): a list asks for the List kind, a watch for the item.
