@@ -109,6 +109,17 @@ def real_kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
 
 
 @pytest.fixture(scope="session")
+def kube_store_url(real_kube_apiserver: Any) -> str:
+    """A `k8s://` store on the real kube-apiserver (ipward's CRDs installed, a namespace
+    of its own): the session's; tests keep to keys of their own."""
+    from ipward_lab import kubestore
+
+    namespace = f"store-{uuid.uuid4().hex[:8]}"
+    kubestore.install(real_kube_apiserver.kubeconfig, namespace)
+    return kubestore.store_url(real_kube_apiserver.kubeconfig, namespace)
+
+
+@pytest.fixture(scope="session")
 def kube_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Certificates for the test API servers, made once per session (RSA keys are slow)."""
     return tmp_path_factory.mktemp("kube-certs")

@@ -43,10 +43,12 @@ from ipward_lab.waiting import wait_for
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=["sqlite", "etcd", "k8s"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/s.db"
+    if request.param == "k8s":
+        return str(request.getfixturevalue("kube_store_url"))
     return str(request.getfixturevalue("etcd").url)
 
 

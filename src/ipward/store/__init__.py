@@ -105,4 +105,10 @@ def open_backend(url: str, *, create: bool = True, short_lived: bool = False) ->
         from ipward.store.etcd import EtcdStore
 
         return EtcdStore.from_url(url)
-    raise StoreError(f"unknown store URL {url!r}: expected sqlite:///PATH or etcd://HOST:PORT")
+    if url.startswith("k8s://"):
+        from ipward.store.kube import KubeStore
+
+        return KubeStore(url, create=create)
+    raise StoreError(
+        f"unknown store URL {url!r}: expected sqlite:///PATH, etcd://HOST:PORT or k8s://"
+    )
