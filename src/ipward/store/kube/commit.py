@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from ipward.core import shards
+from ipward.core import shards, testpoints
 from ipward.store.base import (
     Compare,
     Delete,
@@ -194,21 +194,27 @@ class Committer:
 
     # -- fates -----------------------------------------------------------------------------
 
-    def fate(self, txn: str, primary: str, expires: float, fresh: bool = True) -> Fate | None:
-        """The outcome of `txn` as its primary says (None: in progress). A transaction
-        its primary has no record of, whose lock is past its expiry, did not commit
-        (records stay until their locks are resolved), and is reported aborted."""
+    def fate(self, txn: str, primary: str) -> Fate | None:
+        """The outcome of `txn` as its primary says now: committed (at its revision) or
+        aborted; None while it says neither (in progress, or a writer that died: only
+        a writer past the lock's expiry decides that, by marking it aborted, `abort`).
+        A reader treats None as not committed: a later commit has a later revision."""
         with self._lock:
             known = self._fates.get(txn)
         if known is not None:
             return known
-        shard = self.read(primary) if fresh else self.cached(primary)
-        found = _fate_in(shard, txn)
-        if found is None and self.clock() > expires + ABORT_MARGIN:
-            found = ABORTED
+        found = _fate_in(self.read(primary), txn)
         if found is not None:
             self._learned(txn, found)
         return found
+
+    def outcome(self, txn: str, lock: Lock) -> Fate | None:
+        """The fate of a lock's transaction, settled if need be: one its primary says
+        nothing of, past the lock's expiry, is marked aborted there (`abort`)."""
+        fate = self.fate(txn, lock.primary)
+        if fate is None and self.clock() > lock.expires + ABORT_MARGIN:
+            fate = self.abort(txn, lock.primary)
+        return fate
 
     def _learned(self, txn: str, fate: Fate) -> None:
         with self._lock:
@@ -235,7 +241,7 @@ class Committer:
             if batch is not None and lock.primary in batch:
                 fate = _fate_in(batch[lock.primary], txn)
             if fate is None:
-                fate = self.fate(txn, lock.primary, lock.expires)
+                fate = self.outcome(txn, lock)
             if fate is None or not fate.committed or (at is not None and fate.rev > at):
                 continue
             for key, write in lock.writes.items():
@@ -271,9 +277,7 @@ class Committer:
                 set(lock.reads) & wanted_writes
             )
             if conflicts:
-                fate = self.fate(txn, lock.primary, lock.expires)
-                if fate is None and self.clock() > lock.expires + ABORT_MARGIN:
-                    fate = self.abort(txn, lock.primary)
+                fate = self.outcome(txn, lock)
                 if fate is None:
                     raise MustWait(txn, lock.primary)
             else:
@@ -305,6 +309,7 @@ class Committer:
             except Conflict:
                 continue
             self._learned(txn, ABORTED)
+            testpoints.pause("kube-aborted")
             return ABORTED
         raise StoreUnreachable(f"Kubernetes store {self.objects.where}: cannot settle {txn}")
 
@@ -454,6 +459,8 @@ class Committer:
                     checks,
                 )
                 locked.append(sid)
+                testpoints.pause("kube-locking")
+            testpoints.pause("kube-locked")
             if self.clock() > expires:
                 raise Restart(f"transaction {txn} outlived its locks")
             rev = self._commit(
@@ -463,6 +470,7 @@ class Committer:
             self._let_go(txn, locked)
             raise
         self._learned(txn, Fate(True, rev))
+        testpoints.pause("kube-committed")
         if locked:
             with self._lock:
                 self._unresolved[txn] = set(locked)

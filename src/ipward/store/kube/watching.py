@@ -137,7 +137,7 @@ class KubeWatch(Watch):
             for txn, lock in shard.locks.items():
                 if lock.primary in self.states or not lock.writes:
                     continue
-                fate = self.committer.fate(txn, lock.primary, lock.expires)
+                fate = self.committer.fate(txn, lock.primary)
                 if fate is not None and fate.committed and self.last < fate.rev < rv:
                     found.setdefault(fate.rev, set()).add(shard_id)
         for revision in sorted(found):

@@ -1,0 +1,209 @@
+"""The Kubernetes store's commit protocol under crashes (docs/design.md 5.15, "Windows
+and who closes them"), on the real kube-apiserver: a writer killed (SIGKILL) at each
+step of a transaction over three shards, and an aborter killed after its abort mark;
+what readers then see and what the next writer does. And the bank: processes moving
+amounts between accounts in different shards, killed at random, while snapshots keep
+checking the total: nothing is ever half done."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ipward.store import open_backend
+from ipward.store.base import Put, Store, at_revision
+from ipward.store.kube import commit
+from ipward_lab.waiting import wait_for
+from support import Gate
+
+pytestmark = pytest.mark.timeout(240)
+
+# One transaction over three shards (keys of three directories: `other:` shards), its
+# lock life short, so a test waits seconds, not the production 15.
+WRITER = """
+import sys
+from ipward.store import open_backend
+from ipward.store.base import Put
+from ipward.store.kube import commit
+commit.LOCK_TTL = float(sys.argv[3])
+store = open_backend(sys.argv[1])
+keys = sys.argv[2].split(",")
+store.txn([], [Put(k, b"written") for k in keys])
+print("done", flush=True)
+"""
+
+# A writer of one key: after the others' lock expired it aborts their transaction.
+ABORTER = """
+import sys
+from ipward.store import open_backend
+from ipward.store.base import Put
+from ipward.store.kube import commit
+commit.ABORT_MARGIN = 0.5
+store = open_backend(sys.argv[1])
+store.txn([], [Put(sys.argv[2], b"aborter")])
+print("done", flush=True)
+"""
+
+
+@pytest.fixture
+def keys() -> list[str]:
+    run = uuid.uuid4().hex[:8]
+    return [f"/w/{run}/{d}/k" for d in ("a", "b", "c")]
+
+
+@pytest.fixture
+def store(kube_store_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    monkeypatch.setattr(commit, "ABORT_MARGIN", 0.5)
+    with open_backend(kube_store_url) as s:
+        yield s
+
+
+def start(script: str, *args: str, gate: Gate | None = None) -> subprocess.Popen[str]:
+    env = gate.env if gate is not None else dict(os.environ)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE, text=True
+    )
+
+
+def kill_at(gate: Gate, proc: subprocess.Popen[str]) -> None:
+    gate.wait_reached()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+
+
+def values(store: Store, keys: list[str]) -> list[bytes | None]:
+    return [kv.value if (kv := store.get(k)) else None for k in keys]
+
+
+@pytest.mark.parametrize("point", ["kube-locking", "kube-locked"])
+def test_a_writer_killed_before_its_commit_leaves_nothing(
+    store: Store, kube_store_url: str, keys: list[str], tmp_path: Path, point: str
+) -> None:
+    """Locks of a transaction never committed: read as nothing at once; a writer of a
+    locked key waits for the lock's expiry, marks the transaction aborted in its
+    primary and writes; the dead transaction's other keys never appear."""
+    gate = Gate(tmp_path, point)
+    writer = start(WRITER, kube_store_url, ",".join(keys), "2", gate=gate)
+    kill_at(gate, writer)
+    assert values(store, keys) == [None, None, None]
+    assert store.txn([], [Put(keys[2], b"next")]).succeeded  # the last locked: waits, aborts
+    assert values(store, keys) == [None, None, b"next"]
+    snapshot, _ = store.snapshot([k.rsplit("/", 2)[0] + "/" for k in keys[:1]])
+    assert [kv.key for kv in snapshot] == [keys[2]]
+
+
+def test_a_writer_killed_after_its_commit_is_applied_everywhere(
+    store: Store, kube_store_url: str, keys: list[str], tmp_path: Path
+) -> None:
+    """Locks of a committed transaction, never resolved by their writer: every reader
+    reads them as written, and the next writer of a locked key writes over them."""
+    gate = Gate(tmp_path, "kube-committed")
+    writer = start(WRITER, kube_store_url, ",".join(keys), "60", gate=gate)
+    kill_at(gate, writer)
+    assert values(store, keys) == [b"written"] * 3
+    revisions = {store.get(k).mod_revision for k in keys}  # type: ignore[union-attr]
+    assert len(revisions) == 1  # one transaction, one revision: its commit's
+    assert store.txn([at_revision(keys[1], revisions.pop())], [Put(keys[1], b"next")]).succeeded
+    assert values(store, keys) == [b"written", b"next", b"written"]
+
+
+def test_an_aborter_killed_after_its_mark_leaves_the_transaction_aborted(
+    store: Store, kube_store_url: str, keys: list[str], tmp_path: Path
+) -> None:
+    """The writer killed after its locks; another writer, past their expiry, marks the
+    transaction aborted in its primary and is killed before removing the lock: the mark
+    decides, the lock is nothing to readers and goes at the next writer."""
+    locked = Gate(tmp_path, "kube-locked")
+    writer = start(WRITER, kube_store_url, ",".join(keys), "1", gate=locked)
+    kill_at(locked, writer)
+    marked = Gate(tmp_path, "kube-aborted")
+    aborter = start(ABORTER, kube_store_url, keys[2], gate=marked)
+    kill_at(marked, aborter)
+    assert values(store, keys) == [None, None, None]
+    assert store.txn([], [Put(keys[1], b"next")]).succeeded  # knows the fate at once
+    assert values(store, keys) == [None, b"next", None]
+
+
+# -- the bank ----------------------------------------------------------------------------
+
+TELLER = """
+import random, sys
+from ipward.store import open_backend
+from ipward.store.base import Put, at_revision
+from ipward.store.kube import commit
+commit.LOCK_TTL = 2.0
+commit.ABORT_MARGIN = 0.5
+store = open_backend(sys.argv[1])
+accounts = sys.argv[2].split(",")
+rng = random.Random(int(sys.argv[3]))
+while True:
+    a, b = rng.sample(accounts, 2)
+    ka, kb = store.get(a), store.get(b)
+    amount = rng.randint(1, 5)
+    store.txn(
+        [at_revision(a, ka.mod_revision), at_revision(b, kb.mod_revision)],
+        [Put(a, str(int(ka.value) - amount).encode()),
+         Put(b, str(int(kb.value) + amount).encode())],
+    )
+    print("moved", flush=True)
+"""
+
+ACCOUNTS, START = 6, 100
+
+
+def test_the_bank_keeps_its_total_through_kill_9(store: Store, kube_store_url: str) -> None:
+    """Three tellers move amounts between accounts of six shards by two-key
+    transactions; one of them is killed (SIGKILL) every few transfers, wherever it is,
+    and started again. Every snapshot meanwhile, and the end, holds the same total."""
+    run = uuid.uuid4().hex[:8]
+    accounts = [f"/bank/{run}/{i}/balance" for i in range(ACCOUNTS)]
+    for key in accounts:
+        assert store.txn([], [Put(key, str(START).encode())]).succeeded
+    total = ACCOUNTS * START
+    rng = random.Random(7)
+    tellers: list[subprocess.Popen[str]] = []
+    moved = [0]
+
+    def teller(seed: int) -> subprocess.Popen[str]:
+        proc = start(TELLER, kube_store_url, ",".join(accounts), str(seed))
+        threading.Thread(target=_count, args=(proc, moved), daemon=True).start()
+        return proc
+
+    tellers = [teller(i) for i in range(3)]
+    kills = 0
+    try:
+        while kills < 12:
+            target = moved[0] + rng.randint(2, 6)
+            wait_for(lambda target=target: moved[0] >= target, "transfers", timeout=120)
+            victim = rng.randrange(len(tellers))
+            tellers[victim].send_signal(signal.SIGKILL)
+            tellers[victim].wait(30)
+            tellers[victim] = teller(100 + kills)
+            kills += 1
+            kvs, revision = store.snapshot([f"/bank/{run}/"])
+            assert sum(int(kv.value) for kv in kvs) == total, (revision, kvs)
+    finally:
+        for proc in tellers:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+    kvs, _ = store.snapshot([f"/bank/{run}/"])
+    assert len(kvs) == ACCOUNTS and sum(int(kv.value) for kv in kvs) == total
+    assert moved[0] > 12, moved
+    print(json.dumps({"transfers": moved[0], "kills": kills}))
+
+
+def _count(proc: subprocess.Popen[str], moved: list[int]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("moved"):
+            moved[0] += 1
