@@ -454,7 +454,8 @@ class Status:
 
 @dataclass
 class Bad:
-    """A call with one thing wrong: it must get `code` and change nothing."""
+    """A call with one thing wrong: it must get `code` and change nothing (a DEL of a
+    bad config: `Model.bad_delete`)."""
 
     label: str
     command: str
@@ -575,6 +576,12 @@ AT_ONCE = [
     "add-add", "add-add", "add-burst", "add-del", "del-del", "add-pool-delete", "add-gc",
     "create-create", "add-create",
 ]  # fmt: skip
+
+# Bad configs that still name their network: a DEL of one frees the attachment.
+NAMES_ITS_NETWORK = {
+    "no ipam", "cniVersion 9.9.9", "pool a number", "subnet /33", "subnet wider than /8",
+    "route gw of the other family",
+}  # fmt: skip
 
 # Requested addresses are read once the pools are chosen: an unknown pool answers first.
 READ_AFTER_SELECTION = {"IP=banana", "two IPv4 in IP=", "runtimeConfig.ips not an address"}
@@ -771,6 +778,17 @@ class Model:
         self.release(call.att)
         return WRITES
 
+    def bad_delete(self, call: Bad, outcome: Outcome) -> str:
+        """A DEL of a config that fails its checks succeeds (docs/design.md 5.14): what
+        the attachment holds is freed by its identity when the config still names its
+        network; nothing when it names none."""
+        if outcome.code != 0:
+            raise Mismatch(f"a DEL of a bad config must succeed, got {outcome}")
+        if call.label not in NAMES_ITS_NETWORK or call.att not in self.attachments:
+            return NOTHING
+        self.release(call.att)
+        return WRITES
+
     def check(self, call: Check, outcome: Outcome) -> str:
         held = self.attachments.get(call.att)
         prev = {ipaddress.ip_interface(e["address"]).ip for e in call.prev.get("ips", [])}
@@ -849,6 +867,8 @@ class Model:
         if isinstance(call, Status):
             return self.status(call, outcome)
         if isinstance(call, Bad):
+            if call.command == "DEL" and call.code != 4:
+                return self.bad_delete(call, outcome)
             missing = any(n not in self.pools for n in call.net.pools)
             late = call.label in READ_AFTER_SELECTION and missing
             return self.refused(outcome, {call.code, 103} if late else {call.code})

@@ -232,6 +232,8 @@ def test_bridge_refuses_cni_1_1_0(lab: NetLab, tmp_path: Path) -> None:
 @net
 @pytest.mark.net
 def test_cni_env_is_exactly_the_cni_variables(lab: NetLab, tmp_path: Path) -> None:
+    """The CNI variables, and where plugins keep their notes (the runtime's own
+    environment: tests/conftest.py sets it for the run)."""
     pod = lab.add_pod("env")
     out = lab.cni(
         "ADD", pod, "net1", _config(lab, tmp_path), cni_path=["/nonexistent", CNI_BIN_DIR]
@@ -244,6 +246,7 @@ def test_cni_env_is_exactly_the_cni_variables(lab: NetLab, tmp_path: Path) -> No
         "CNI_IFNAME": "net1",
         "CNI_PATH": f"/nonexistent:{CNI_BIN_DIR}",
         "CNI_ARGS": pod.cni_args(),
+        "IPWARD_CNI_NOTES": os.environ["IPWARD_CNI_NOTES"],
     }
     assert lab.addresses(pod, "net1") == out.ips
     assert lab.addresses(pod, "eth0") == []
