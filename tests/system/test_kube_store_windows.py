@@ -26,7 +26,7 @@ from ipward.store.kube import commit
 from ipward_lab.waiting import wait_for
 from support import Gate
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.kstore]
 
 # One transaction over three shards (keys of three directories: `other:` shards), its
 # lock life short, so a test waits seconds, not the production 15.

@@ -40,6 +40,10 @@ OTHER = "other"  # keys of no ipward prefix (the store's own tests): by their di
 # own object first, since only its agent writes it often.
 KINDS = (NODE, ADDR, ATTACH, STICKY, RELEASED, POOL, META, LEASE, OTHER)
 
+# Kinds no one watches without watching every shard (the controller does): a commit's
+# locks in them may wait for the next update of their object (docs/design.md 5.15).
+WATCHED_WITH_EVERYTHING = frozenset((ADDR,))
+
 ADDRESSES_PER_SHARD = 64
 RELEASED_SPAN = {V4: 16, 6: 112}  # prefix length of the span of one released shard
 BUCKETS = 16

@@ -227,6 +227,7 @@ class KubeStore(Store):
 
     def close(self) -> None:
         self._closed.set()
+        self.committer.close()
         self.client.close()
 
 

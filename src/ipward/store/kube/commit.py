@@ -39,6 +39,7 @@ HELD_WAIT = 1.0  # seconds a transaction holding locks waits for another's
 RECORD_HORIZON = 300.0  # seconds commit records and abort marks are kept at least
 MAX_OBJECT = 1 << 20  # bytes of data one object may hold (the API takes 1.5 MiB requests)
 FATES_KEPT = 20_000
+RESOLVE_DELAY = 0.5  # seconds a committed lock waits for an update to resolve it in passing
 
 
 class MustWait(Exception):
@@ -135,6 +136,10 @@ class Committer:
         # commit records that may go once none does (by primary).
         self._unresolved: dict[str, set[str]] = {}
         self._prunable: dict[str, set[str]] = {}
+        self._resolver = Resolver(self)
+
+    def close(self) -> None:
+        self._resolver.stop()
 
     # -- shards, as read and written -----------------------------------------------------
 
@@ -187,6 +192,24 @@ class Committer:
 
         self._noted(decode(shard.id, rv, data))
         return rv
+
+    def resolve(self, txn: str, shard_id: str) -> None:
+        """Replace this process's committed `txn`'s lock in `shard_id` by its writes,
+        unless an update did already."""
+        for _ in range(5):
+            with self._lock:
+                if shard_id not in self._unresolved.get(txn, ()):
+                    return
+            shard = self.cached(shard_id)
+            if txn not in shard.locks:
+                with self._lock:
+                    self._unresolved.get(txn, set()).discard(shard_id)
+                return
+            try:
+                self._write(shard, _txn_id())  # the update applies it in passing
+                return
+            except Conflict:
+                continue
 
     def write_as_is(self, shard: Shard) -> int:
         """Write a shard changed outside a transaction (a lease's keep-alive, revoke)."""
@@ -471,9 +494,13 @@ class Committer:
             raise
         self._learned(txn, Fate(True, rev))
         testpoints.pause("kube-committed")
-        if locked:
+        written = [sid for sid in locked if sid in writes]
+        if written:
             with self._lock:
-                self._unresolved[txn] = set(locked)
+                self._unresolved[txn] = set(written)
+            for sid in written:
+                if shards.kind_of(sid) not in shards.WATCHED_WITH_EVERYTHING:
+                    self._resolver.due(txn, sid)
         return rev
 
     def _lock_shard(
@@ -547,6 +574,51 @@ class Committer:
                     continue
                 except StoreError:
                     break
+
+
+class Resolver:
+    """Resolves locks of this process's committed transactions that no update took in
+    passing within RESOLVE_DELAY: a watcher of their object that does not watch the
+    primary sees the commit only then (docs/design.md 5.15, Watches). Block shards are
+    left to passing updates: their one watcher, the controller, watches every shard."""
+
+    def __init__(self, committer: Committer) -> None:
+        self.committer = committer
+        self._queue: list[tuple[float, str, str]] = []
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def due(self, txn: str, shard_id: str) -> None:
+        with self._wake:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kube-store-resolver", daemon=True
+                )
+                self._thread.start()
+            self._queue.append((self.committer.mono() + RESOLVE_DELAY, txn, shard_id))
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and (
+                    not self._queue or self._queue[0][0] > self.committer.mono()
+                ):
+                    wait = self._queue[0][0] - self.committer.mono() if self._queue else None
+                    self._wake.wait(wait)
+                if self._stopped:
+                    return
+                _, txn, shard_id = self._queue.pop(0)
+            try:
+                self.committer.resolve(txn, shard_id)
+            except StoreError:
+                pass  # left to passing updates and readers
 
 
 class Checks:
