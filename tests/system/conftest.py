@@ -31,13 +31,15 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
         yield server
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=["sqlite", "etcd", pytest.param("k8s", marks=pytest.mark.kstore)])
 def either_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    """A store without ipward's schema, empty: a SQLite file, then the module's etcd
-    (emptied: its tests share it)."""
+    """A store without ipward's schema, empty: a SQLite file, the module's etcd
+    (emptied: its tests share it), a namespace of its own on the real kube-apiserver."""
     url = f"sqlite://{tmp_path}/s.db"
     if request.param == "etcd":
         url = request.getfixturevalue("etcd").url
+    if request.param == "k8s":
+        url = request.getfixturevalue("new_kube_store_url")
     with open_backend(url) as s:
         s.txn([], [Delete(kv.key) for kv in s.range("")[0]])
         yield s
@@ -112,6 +114,17 @@ def real_kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
 def kube_store_url(real_kube_apiserver: Any) -> str:
     """A `k8s://` store on the real kube-apiserver (ipward's CRDs installed, a namespace
     of its own): the session's; tests keep to keys of their own."""
+    from ipward_lab import kubestore
+
+    namespace = f"store-{uuid.uuid4().hex[:8]}"
+    kubestore.install(real_kube_apiserver.kubeconfig, namespace)
+    return kubestore.store_url(real_kube_apiserver.kubeconfig, namespace)
+
+
+@pytest.fixture
+def new_kube_store_url(real_kube_apiserver: Any, kube_store_url: str) -> str:
+    """An empty `k8s://` store of the test's own: a new namespace (the CRDs installed
+    once, with the session's)."""
     from ipward_lab import kubestore
 
     namespace = f"store-{uuid.uuid4().hex[:8]}"
