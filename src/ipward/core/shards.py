@@ -87,8 +87,39 @@ def kind_of(shard_id: str) -> str:
     return shard_id.partition(SEP)[0]
 
 
+# Keys compared by nearly every transaction, written rarely (a pool's spec): each is
+# replicated into the node shards that compare it (docs/design.md 5.15), under a key no
+# ipward key can be; its home keeps the list of those that hold a replica.
+REPLICATED_PREFIXES = (keys.POOLS,)
+REPLICA = "~replica/"
+HOLDERS = "~holders/"
+
+
+def replicated(key: str) -> bool:
+    return key.startswith(REPLICATED_PREFIXES)
+
+
+def replica_key(key: str, shard_id: str) -> str:
+    """The replica of `key` held in the shard `shard_id` (a shard id holds no '/')."""
+    return f"{REPLICA}{shard_id}/{key}"
+
+
+def holders_key(key: str) -> str:
+    return HOLDERS + key
+
+
+def internal(key: str) -> bool:
+    """A key of the store's own (replicas, holders), never read or watched as data."""
+    return key.startswith("~")
+
+
 def shard_of(key: str) -> str:
-    """The shard holding `key`."""
+    """The shard holding `key` (a replica's: named in it; a holders key's: its key's
+    home)."""
+    if key.startswith(HOLDERS):
+        return shard_of(key[len(HOLDERS) :])
+    if key.startswith(REPLICA):
+        return key[len(REPLICA) :].partition("/")[0]
     head = keys.prefix_of(key)
     if head not in keys.PREFIXES:
         return shard(OTHER, key.rpartition("/")[0])

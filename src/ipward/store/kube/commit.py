@@ -14,6 +14,7 @@ wait for each other for long.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -29,6 +30,7 @@ from ipward.store.base import (
     StoreUnreachable,
     TxnResult,
     TxnTooLarge,
+    at_revision,
 )
 from ipward.store.kube.content import THIS_UPDATE, Commit, Lock, Shard, Write, encode, size
 from ipward.store.kube.objects import Conflict, Objects
@@ -255,7 +257,7 @@ class Committer:
         result = {
             key: KeyValue(key, e.value, e.create, e.mod, e.version, e.lease)
             for key, e in shard.entries.items()
-            if not self.leases.expired(shard, e.lease)
+            if not shards.internal(key) and not self.leases.expired(shard, e.lease)
         }
         for txn, lock in shard.locks.items():
             if not lock.writes:
@@ -268,6 +270,8 @@ class Committer:
             if fate is None or not fate.committed or (at is not None and fate.rev > at):
                 continue
             for key, write in lock.writes.items():
+                if shards.internal(key):
+                    continue
                 old = result.get(key)
                 if write.value is None:
                     result.pop(key, None)
@@ -436,12 +440,95 @@ class Committer:
                 del writes[sid]
         if not writes:
             return TxnResult(holds, max((s.rv for s in state.values()), default=0))
+        compares, truths = self._replicate(state, list(compares), truths, writes)
+        read_keys = {}
+        for c in compares:
+            read_keys.setdefault(shards.shard_of(c.key), set()).add(c.key)
         compared_elsewhere = set(read_keys) - set(writes)
         if len(writes) == 1 and not compared_elsewhere:
             (sid,) = writes
             return TxnResult(holds, self._single(state[sid], writes[sid]))
         checks = Checks(compares, truths)
         return TxnResult(holds, self._two_phase(state, writes, read_keys, checks))
+
+    def _replicate(
+        self,
+        state: dict[str, Shard],
+        compares: list[Compare],
+        truths: list[bool],
+        writes: dict[str, dict[str, Write]],
+    ) -> tuple[list[Compare], list[bool]]:
+        """Pool specs are replicated into the node shards that compare them (docs/design.md
+        5.15): a compare of one is made on the replica in the transaction's node shard
+        (its primary), made there first if need be (a copy of the home's, the node named
+        among the holders); a write of one writes every replica too."""
+        node = min((sid for sid in writes if shards.kind_of(sid) == shards.NODE), default=None)
+        replicated = {c.key for c in compares if shards.replicated(c.key)}
+        replicated |= {k for sid in writes for k in writes[sid] if shards.replicated(k)}
+        if not replicated:
+            return compares, truths
+        new_compares: list[Compare] = []
+        new_truths: list[bool] = []
+        for c, truth in zip(compares, truths, strict=True):
+            home = shards.shard_of(c.key)
+            written_here = c.key in writes.get(home, {})
+            if node is None or not shards.replicated(c.key) or written_here:
+                new_compares.append(c)
+                new_truths.append(truth)
+                continue
+            replica = shards.replica_key(c.key, node)
+            if replica in state[node].entries:
+                new_compares.append(Compare(replica, c.target, c.op, c.operand))
+                new_truths.append(truth)
+                continue
+            # No replica in this node shard yet: compare at home (read-locked) and copy it.
+            new_compares.append(c)
+            new_truths.append(truth)
+            entry = state[home].entries.get(c.key)
+            if entry is not None:
+                writes.setdefault(node, {})[replica] = Write(
+                    entry.value, 0, (entry.create, entry.mod, entry.version)
+                )
+                self._hold(state, writes, new_compares, new_truths, c.key, add=node)
+        for key in sorted(replicated):
+            home = shards.shard_of(key)
+            write = writes.get(home, {}).get(key)
+            if write is None:
+                continue
+            holders = self._hold(state, writes, new_compares, new_truths, key)
+            if write.value is None and holders:
+                writes[home][shards.holders_key(key)] = Write(None)
+            for holder in holders:
+                replica = shards.replica_key(key, holder)
+                if holder not in state:
+                    state[holder] = self.cached(holder)
+                    self.settle(state[holder], {replica}, ())
+                writes.setdefault(holder, {})[replica] = Write(write.value)
+        return new_compares, new_truths
+
+    def _hold(
+        self,
+        state: dict[str, Shard],
+        writes: dict[str, dict[str, Write]],
+        compares: list[Compare],
+        truths: list[bool],
+        key: str,
+        add: str = "",
+    ) -> list[str]:
+        """The holders of `key`'s replicas as its home says, the list pinned by a compare
+        (and extended by `add`, written in the same transaction)."""
+        home = shards.shard_of(key)
+        holders_key = shards.holders_key(key)
+        entry = state[home].entries.get(holders_key)
+        holders: list[str] = json.loads(entry.value) if entry is not None else []
+        pin = at_revision(holders_key, entry.mod if entry is not None else 0)
+        if all(c.key != holders_key for c in compares):
+            compares.append(pin)
+            truths.append(True)
+        if add and add not in holders:
+            holders = [*holders, add]
+            writes.setdefault(home, {})[holders_key] = Write(json.dumps(holders).encode())
+        return holders
 
     def _single(self, shard: Shard, writes: dict[str, Write]) -> int:
         """One compare-and-swap: the compares were evaluated on this version of the

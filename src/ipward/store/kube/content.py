@@ -67,13 +67,18 @@ class Entry:
 
 
 class Write:
-    """What a transaction writes to one key: a value (None: delete) and its lease."""
+    """What a transaction writes to one key: a value (None: delete) and its lease; a
+    replica made of its home's key keeps that key's revisions (`copy`: create, mod,
+    version)."""
 
-    __slots__ = ("lease", "value")
+    __slots__ = ("copy", "lease", "value")
 
-    def __init__(self, value: bytes | None, lease: int = 0) -> None:
+    def __init__(
+        self, value: bytes | None, lease: int = 0, copy: tuple[int, int, int] | None = None
+    ) -> None:
         self.value = value
         self.lease = lease
+        self.copy = copy
 
 
 class Lock:
@@ -160,6 +165,9 @@ class Shard:
         for key, write in writes.items():
             if write.value is None:
                 self.delete(key)
+            elif write.copy is not None:
+                create, mod, version = write.copy
+                self.entries[key] = Entry(write.value, create, mod, version, write.lease)
             else:
                 self.put(key, write.value, write.lease, rev)
 
@@ -185,7 +193,11 @@ def decode(shard_id: str, rv: int, data: str) -> Shard:
             )
         for txn, lock in doc.get("locks", {}).items():
             writes = {
-                k: Write(None if w[0] is None else _value_in(w[0]), int(w[1]))
+                k: Write(
+                    None if w[0] is None else _value_in(w[0]),
+                    int(w[1]),
+                    (int(w[2][0]), int(w[2][1]), int(w[2][2])) if len(w) > 2 else None,
+                )
                 for k, w in lock["writes"].items()
             }
             shard.locks[txn] = Lock(
@@ -230,6 +242,7 @@ def encode(shard: Shard, committing: set[str] = frozenset()) -> str:  # type: ig
                 "expires": lock.expires,
                 "writes": {
                     k: [None if w.value is None else _value_out(w.value), w.lease]
+                    + ([list(w.copy)] if w.copy is not None else [])
                     for k, w in lock.writes.items()
                 },
                 "reads": lock.reads,

@@ -9,6 +9,7 @@ The resource (deploy/base/crds/ledgershards.yaml): namespaced, `ipward.io/v1alph
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,12 +39,16 @@ class Objects:
         self.namespace = namespace
         self.where = where  # for messages: the store's URL
         self.path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+        # Requests made, by method (GET a read, PUT and POST a write): `ipward bench`
+        # counts the writes an ADD costs.
+        self.requests: Counter[str] = Counter()
 
     # -- requests ----------------------------------------------------------------------
 
     def _call(
         self, method: str, path: str, query: dict[str, str] | None = None, body: dict | None = None
     ) -> dict:
+        self.requests[method] += 1
         try:
             return self.client.request(method, path, query, body=body)
         except ApiUnreachable as e:
