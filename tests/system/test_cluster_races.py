@@ -29,6 +29,8 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -87,6 +89,15 @@ def agents(tmp_path: Path) -> Iterator[Agents]:
 def etcd(tmp_path: Path):
     with etcd_server(tmp_path / "etcd") as server:
         yield server
+
+
+@pytest.fixture(params=["etcd", pytest.param("k8s", marks=pytest.mark.kstore)])
+def shared(request: pytest.FixtureRequest) -> Any:
+    """The store a cluster's agents share: a real etcd of the test's own, or the
+    Kubernetes store on the real kube-apiserver (a namespace of the test's own)."""
+    if request.param == "etcd":
+        return request.getfixturevalue("etcd")
+    return SimpleNamespace(url=request.getfixturevalue("new_kube_store_url"))
 
 
 def cni_config(socket_path: Path, pool: str, network: str = "net") -> bytes:
@@ -320,15 +331,15 @@ ROUNDS = 30
 SINGLE_BLOCK_ROUNDS = 6
 
 
-def test_two_agents_claim_the_same_free_block_exactly_one_wins(plugin, etcd, agents):
-    a = agents.start("A", etcd.url)
-    b = agents.start("B", etcd.url)
+def test_two_agents_claim_the_same_free_block_exactly_one_wins(plugin, shared, agents):
+    a = agents.start("A", shared.url)
+    b = agents.start("B", shared.url)
     wins: Counter[str] = Counter()
     overlapping = 0  # rounds in which both plugin execs ran at once
-    with open_store(etcd.url) as store:
+    with open_store(shared.url) as store:
         for i in range(ROUNDS):
             pool = f"p{i}"
-            create_pool(etcd.url, pool, f"10.9.{i}.0/24")
+            create_pool(shared.url, pool, f"10.9.{i}.0/24")
             answers = race(
                 plugin,
                 [
@@ -370,23 +381,23 @@ def test_two_agents_claim_the_same_free_block_exactly_one_wins(plugin, etcd, age
     )
     assert both >= ROUNDS // 2, "the calls did not race"
     assert not agent_errors(a) and not agent_errors(b)
-    assert_check_clean(etcd.url)
+    assert_check_clean(shared.url)
 
 
 @pytest.mark.parametrize("borrow", [False, True], ids=["no-borrow", "borrow"])
-def test_two_agents_race_for_the_only_block(plugin, etcd, agents, borrow):
+def test_two_agents_race_for_the_only_block(plugin, shared, agents, borrow):
     """A /28 pool is one /28 block: one first ADD claims it; the other is exhausted (100),
     or, with borrow, takes one address of the winner's block (its record names its own
     node and the winner's block); that address goes back to the winner's free queue."""
-    a = agents.start("A", etcd.url)
-    b = agents.start("B", etcd.url)
+    a = agents.start("A", shared.url)
+    b = agents.start("B", shared.url)
     sockets = {"A": a.socket, "B": b.socket}
     wins: Counter[str] = Counter()
-    with open_store(etcd.url) as store:
+    with open_store(shared.url) as store:
         for i in range(SINGLE_BLOCK_ROUNDS):
             pool = f"one{i}"
             subnet = f"10.9.{100 + i}.0/28"
-            create_pool(etcd.url, pool, subnet, "--borrow" if borrow else "--no-borrow")
+            create_pool(shared.url, pool, subnet, "--borrow" if borrow else "--no-borrow")
             answers = race(
                 plugin,
                 [("ADD", cni_config(sockets[n], pool), f"{pool}-{n}") for n in ("A", "B")],
@@ -421,25 +432,25 @@ def test_two_agents_race_for_the_only_block(plugin, etcd, agents, borrow):
             assert queued[0].endswith("/" + by_node[loser].address)
     print(f"\nthe only block won by {dict(wins)}")
     assert not agent_errors(a) and not agent_errors(b)
-    assert_check_clean(etcd.url)
+    assert_check_clean(shared.url)
 
 
-# -- 2. agent SIGKILLed mid-allocation, on etcd -------------------------------------------
+# -- 2. agent SIGKILLed mid-allocation --------------------------------------------------
 
 
-def test_agent_killed_mid_allocation_on_etcd(plugin, etcd, agents):
+def test_agent_killed_mid_allocation(plugin, shared, agents):
     """Bursts of ADDs through an agent, SIGKILLed a few ms into each burst and started
     again: every cut call answers 11; its retry gets the address the store holds for it
     if the killed call had committed, else a new one; one record per attachment."""
     rng = random.Random(20261123)
-    create_pool(etcd.url, "kp", "10.8.0.0/24")
+    create_pool(shared.url, "kp", "10.8.0.0/24")
     socket_path = None
     outcome: dict[str, str | None] = {}  # container -> address returned (None: failed)
     failed = retried_same = retried_new = 0
 
     def retry_failed(cfg: bytes) -> None:
         nonlocal retried_same, retried_new
-        before = holders(etcd.url)
+        before = holders(shared.url)
         for container, ip in list(outcome.items()):
             if ip is None:
                 answer = call(plugin, "ADD", cfg, container)
@@ -452,7 +463,7 @@ def test_agent_killed_mid_allocation_on_etcd(plugin, etcd, agents):
                 outcome[container] = answer.address
 
     for round_ in range(8):
-        agent = agents.start("K", etcd.url, socket_path)
+        agent = agents.start("K", shared.url, socket_path)
         socket_path = agent.socket
         cfg = cni_config(socket_path, "kp")
         retry_failed(cfg)
@@ -472,7 +483,7 @@ def test_agent_killed_mid_allocation_on_etcd(plugin, etcd, agents):
         agent.kill()  # SIGKILL
         for t in threads:
             t.join(90)
-        held = holders(etcd.url)
+        held = holders(shared.url)
         for container, answer in results.items():
             assert answer.sound(), answer
             if answer.ok:
@@ -484,19 +495,19 @@ def test_agent_killed_mid_allocation_on_etcd(plugin, etcd, agents):
                 outcome[container] = None
                 assert len(held.get(container, [])) <= 1, held[container]
         assert not agent_errors(agent)
-    agent = agents.start("K", etcd.url, socket_path)
+    agent = agents.start("K", shared.url, socket_path)
     retry_failed(cni_config(agent.socket, "kp"))
     assert agent.stop() == 0
-    held = holders(etcd.url)
+    held = holders(shared.url)
     assert held == {c: [ip] for c, ip in outcome.items()}
-    assert indexed(etcd.url) == held
+    assert indexed(shared.url) == held
     assert len({ip for ips in held.values() for ip in ips}) == len(held)
     print(
         f"\n{len(outcome)} ADDs, {failed} cut by SIGKILL; retries: {retried_same} got the"
         f" address the killed call had committed, {retried_new} a new one"
     )
     assert failed, "no SIGKILL fell inside an allocation"
-    assert_check_clean(etcd.url)
+    assert_check_clean(shared.url)
 
 
 # -- 3. etcd leader killed under churn ------------------------------------------------------
@@ -1005,17 +1016,17 @@ def test_mark_versus_allocate(plugin, etcd, agents, monkeypatch):
     assert seen["block deleted (released)"] and take_backs, (seen, take_backs)
 
 
-def test_release_after_a_take_back_is_no_alarm(plugin, etcd, agents, monkeypatch):
+def test_release_after_a_take_back_is_no_alarm(plugin, shared, agents, monkeypatch):
     """The controller reads a block `ready`; before it releases it, the node needs room
     and takes the block back, then allocates in it. The release must refuse (it does),
     quietly: nothing is wrong. Found by test_mark_versus_allocate."""
-    spec = create_pool(etcd.url, "tb", "10.5.0.0/26", "--cooldown", "0")
-    agent = agents.start("T", etcd.url, extra=("--duty-interval", "0.05"))
+    spec = create_pool(shared.url, "tb", "10.5.0.0/26", "--cooldown", "0")
+    agent = agents.start("T", shared.url, extra=("--duty-interval", "0.05"))
     cfg = cni_config(agent.socket, "tb")
     first = call(plugin, "ADD", cfg, "first")
     assert first.ok and call(plugin, "DEL", cfg, "first").ok  # its block is empty now
     cidr = "10.5.0.0/28"
-    with open_store(etcd.url) as store:
+    with open_store(shared.url) as store:
         key = keys.block_key("tb", cidr)
         assert blocks.mark(store, "tb", store.get(key), time.time())
 
@@ -1031,29 +1042,29 @@ def test_release_after_a_take_back_is_no_alarm(plugin, etcd, agents, monkeypatch
         monkeypatch.setattr(log, "_sink", logged)
         assert not blocks.complete_hand_back(store, spec, ready)  # refused, so nothing is lost
         err = logged.getvalue()
-    assert holders(etcd.url, "tb") == {"second": [second.address]}
-    assert_check_clean(etcd.url)
+    assert holders(shared.url, "tb") == {"second": [second.address]}
+    assert_check_clean(shared.url)
     assert "ready block holds an allocation" not in err, err
 
 
 READY_DELAY = 5.0  # the burst's time to take the block back before a release is due
 
 
-def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
+def test_handshake_abort_by_a_burst_of_adds(plugin, shared, agents, tmp_path):
     """A real controller asks back the node's only block (empty, beyond warm 0); the
     agent answers `ready`; before the controller's delay runs out a burst of ADDs comes.
     The node takes the block back (the pool has no other block), every ADD succeeds, the
     controller's release loses its CAS, and the block stays the node's, active."""
-    create_pool(etcd.url, "ab", "10.6.0.0/28", "--cooldown", "0", "--release-delay", "0.3")
-    agent = agents.start("AB", etcd.url, extra=("--duty-interval", "0.05"))
+    create_pool(shared.url, "ab", "10.6.0.0/28", "--cooldown", "0", "--release-delay", "0.3")
+    agent = agents.start("AB", shared.url, extra=("--duty-interval", "0.05"))
     cfg = cni_config(agent.socket, "ab")
     first = call(plugin, "ADD", cfg, "first")
     assert first.ok, first
     assert call(plugin, "DEL", cfg, "first").ok
     timings = ("--interval", "0.1", "--lease-ttl", "3", "--ready-delay", str(READY_DELAY))
-    controller = fleet.Controller("c1", etcd.url, tmp_path, timings)
+    controller = fleet.Controller("c1", shared.url, tmp_path, timings)
     try:
-        with open_store(etcd.url) as store:
+        with open_store(shared.url) as store:
             key = keys.block_key("ab", "10.6.0.0/28")
 
             def state() -> str | None:
@@ -1083,5 +1094,5 @@ def test_handshake_abort_by_a_burst_of_adds(plugin, etcd, agents, tmp_path):
             assert len(store.range("ips/ab/")[0]) == 8
     finally:
         controller.stop(15)
-    assert_check_clean(etcd.url)
+    assert_check_clean(shared.url)
     assert not controller.logged("block released")

@@ -35,8 +35,8 @@ from ipward.store.base import (
 from ipward.store.kube.content import THIS_UPDATE, Commit, Lock, Shard, Write, encode, size
 from ipward.store.kube.objects import Conflict, Objects
 
-LOCK_TTL = 15.0  # seconds from its placing a lock holds before others may abort it
-ABORT_MARGIN = 5.0  # seconds past a lock's expiry, on the reader's clock, before aborting
+LOCK_TTL = 5.0  # seconds from its placing a lock holds before others may abort it
+ABORT_MARGIN = 2.0  # seconds past a lock's expiry, on the reader's clock, before aborting
 HELD_WAIT = 1.0  # seconds a transaction holding locks waits for another's
 RECORD_HORIZON = 300.0  # seconds commit records and abort marks are kept at least
 MAX_OBJECT = 1 << 20  # bytes of data one object may hold (the API takes 1.5 MiB requests)
