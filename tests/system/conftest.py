@@ -60,23 +60,38 @@ def plugin(cni_bin: Path) -> Path:
     return cni_bin / "ipward"
 
 
-@pytest.fixture(params=["sim", "k8s"])
+@pytest.fixture(params=["sim", "k8s", pytest.param("k8s-store", marks=pytest.mark.kstore)])
 def world_kube(request: pytest.FixtureRequest) -> KubeApi | None:
     """Where a scenario's `World` keeps its cluster: `sim`, the state file (None); `k8s`,
-    an API server read through `k8s://` (`scenario_kube`). Each scenario runs on both."""
+    an API server read through `k8s://` (`scenario_kube`); `k8s-store`, the real
+    kube-apiserver, which holds the ledger too (`--store k8s://`). Each scenario runs on
+    all three."""
     if request.param == "sim":
         return None
+    if request.param == "k8s-store" and not os.environ.get("KUBE_APISERVER"):
+        pytest.skip("the Kubernetes store needs a real kube-apiserver (KUBE_APISERVER)")
     kube: KubeApi = request.getfixturevalue("scenario_kube")
     return kube
 
 
 @pytest.fixture
 def world(
-    tmp_path: Path, plugin: Path, sqlite_url: str, world_kube: KubeApi | None
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    plugin: Path,
+    sqlite_url: str,
+    world_kube: KubeApi | None,
 ) -> Iterator[World]:
-    """A running `World` on SQLite (agents and controllers are added by the test), on
-    both `world_kube`s; everything stopped at the end."""
-    with World(tmp_path, plugin, sqlite_url, kube=world_kube) as w:
+    """A running `World` (agents and controllers are added by the test) on SQLite, or
+    with `k8s-store` on the Kubernetes store of its API server; everything stopped at
+    the end."""
+    url = sqlite_url
+    if world_kube is not None and request.node.callspec.params.get("world_kube") == "k8s-store":
+        from ipward_lab import kubestore
+
+        kubestore.install(world_kube.kubeconfig, "ipward-system")
+        url = kubestore.store_url(world_kube.kubeconfig, "ipward-system")
+    with World(tmp_path, plugin, url, kube=world_kube) as w:
         yield w
 
 

@@ -36,9 +36,10 @@ STICKY = "sticky"
 META = "meta"
 LEASE = "lease"
 OTHER = "other"  # keys of no ipward prefix (the store's own tests): by their directory
+PROBE = "probe"  # a process's own object, written to mark a point its watch reaches
 # The order a transaction's primary is chosen in (its first written shard): a node's
 # own object first, since only its agent writes it often.
-KINDS = (NODE, ADDR, ATTACH, STICKY, RELEASED, POOL, META, LEASE, OTHER)
+KINDS = (NODE, ADDR, ATTACH, STICKY, RELEASED, POOL, META, LEASE, OTHER, PROBE)
 
 # Kinds no one watches without watching every shard (the controller does): a commit's
 # locks in them may wait for the next update of their object (docs/design.md 5.15).
@@ -106,6 +107,9 @@ def replica_key(key: str, shard_id: str) -> str:
 
 def holders_key(key: str) -> str:
     return HOLDERS + key
+
+
+PROBE_KEY = "~probe/"
 
 
 def internal(key: str) -> bool:

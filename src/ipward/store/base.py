@@ -328,6 +328,13 @@ class Store(abc.ABC):
     def revision(self) -> int:
         """The store's current revision."""
 
+    def sync_point(self) -> int:
+        """A revision a follower of the whole store waits for to have seen every write
+        committed before this call: its watch delivers an event at it (of a key outside
+        every data prefix where the store must make one: the Kubernetes store's
+        revisions are the API server's, which its other writes move on)."""
+        return self.revision()
+
     @abc.abstractmethod
     def integrity_problems(self) -> list[str]:
         """What the store itself reports as damage to its data, one line each; empty

@@ -186,12 +186,11 @@ class Follower:
     def _receive(self, watch: Watch, deliver: Callable[[_Batch], str | None]) -> tuple[str, str]:
         """Hand each batch `watch` delivers to `deliver` until it says why to stop, or the
         watch ends; why it ended (a reason, and in words)."""
-        several = len(self.prefixes) > 1
         try:
             for events in watch.batches():
                 revision = events[-1].kv.mod_revision
-                if several:
-                    events = [e for e in events if e.kv.key.startswith(self.prefixes)]
+                # Only the prefixes' keys are data: another's event marks how far it is.
+                events = [e for e in events if e.kv.key.startswith(self.prefixes)]
                 stopped = deliver(_Batch(self._stamp(), events, revision))
                 if stopped is not None:
                     return stopped, ""
@@ -390,7 +389,7 @@ class SyncedFollower(Follower):
             self._pending_read = (START, "")
 
     def _catch_up(self) -> None:
-        target = self.store.revision()
+        target = self.store.sync_point()
         self.lagging(max(0, target - self.revision))
         deadline = self.monotonic() + self.catch_up_timeout
         # Up to the target only: what comes after waits for the next pass (a busy store

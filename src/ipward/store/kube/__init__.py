@@ -85,6 +85,7 @@ class KubeStore(Store):
         self.objects = Objects(self.client, self.namespace, url)
         self.committer = Committer(self.objects, timeout)
         self._closed = threading.Event()
+        self._instance = f"{random.getrandbits(64):016x}"  # names this process's probe
         try:
             self.objects.revision()
         except StoreError as e:
@@ -130,6 +131,19 @@ class KubeStore(Store):
 
     def revision(self) -> int:
         return self.objects.revision()
+
+    def sync_point(self) -> int:
+        """A write of this store's probe object (a shard of its own, no data): a watch of
+        the whole store reports its revision, so a follower that waits for it has seen
+        everything before it (the API server's revisions also move on with writes of
+        other objects, which no ledger watch sees)."""
+        probe = shards.shard(shards.PROBE, self._instance)
+        while True:
+            shard = self.committer.cached(probe)
+            try:
+                return self.committer.write_as_is(shard)
+            except Conflict:
+                continue
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -228,6 +242,12 @@ class KubeStore(Store):
     def close(self) -> None:
         self._closed.set()
         self.committer.close()
+        probe = self.committer.known(shards.shard(shards.PROBE, self._instance))
+        if probe is not None:
+            try:
+                self.objects.remove(probe)
+            except StoreError:
+                pass  # an object of no data left behind: it names no live process
         self.client.close()
 
 

@@ -152,6 +152,11 @@ class Committer:
         self._noted(shard)
         return shard
 
+    def known(self, shard_id: str) -> Shard | None:
+        """The shard as last read or written here, if it was."""
+        with self._lock:
+            return self._cache.get(shard_id)
+
     def cached(self, shard_id: str) -> Shard:
         with self._lock:
             shard = self._cache.get(shard_id)

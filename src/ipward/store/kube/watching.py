@@ -117,6 +117,10 @@ class KubeWatch(Watch):
         shard = self.objects.shard_of(obj)
         if self.scope.ids and shard.id not in self.scope.ids:
             return []
+        if shards.kind_of(shard.id) == shards.PROBE:
+            # A sync point: no data, only how far this watch is (KubeStore.sync_point).
+            mark = KeyValue(shards.PROBE_KEY + shard.id, b"", rv, rv, 1)
+            return [Event(PUT, mark)]
         self.committer.leases.saw(shard)
         self.states[shard.id] = shard
         batch = self._diff(shard.id, self._view(shard, rv), rv)
