@@ -81,11 +81,17 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Ctl]]:
             ctl.kill()
 
 
+STORES = ["sqlite", "etcd", pytest.param("k8s", marks=pytest.mark.kstore)]
+
+
 @pytest.fixture
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if getattr(request, "param", "sqlite") == "etcd":
+    kind = getattr(request, "param", "sqlite")
+    if kind == "etcd":
         with etcd_server(tmp_path / "etcd") as server:
             yield server.url
+    elif kind == "k8s":
+        yield request.getfixturevalue("new_kube_store_url")
     else:
         yield f"sqlite://{tmp_path}/ipward.db"
 
@@ -252,7 +258,7 @@ def att(name: str) -> Attachment:
 # -- 1. election -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
+@pytest.mark.parametrize("store_url", STORES, indirect=True)
 def test_one_leader_and_a_successor_after_sigkill(store_url, store, spawn):
     first, second = spawn(store_url, "c1"), spawn(store_url, "c2")
     by_id = {"c1": first, "c2": second}
@@ -292,7 +298,7 @@ def test_one_leader_and_a_successor_after_sigkill(store_url, store, spawn):
 # -- 2. warm target ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
+@pytest.mark.parametrize("store_url", STORES, indirect=True)
 def test_warm_target_per_node_and_family_with_a_ledger_racing(store_url, store, spawn):
     create_pool(
         store_url,
@@ -343,7 +349,7 @@ def test_warm_target_per_node_and_family_with_a_ledger_racing(store_url, store, 
 # -- 3. surplus reclaim ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
+@pytest.mark.parametrize("store_url", STORES, indirect=True)
 def test_surplus_blocks_are_marked_answered_and_released(store_url, store, spawn):
     create_pool(store_url, "--range 10.0.0.0/24 --block-v4 28 --warm 10 --release-delay 1")
     spec = pool_spec(store)
@@ -376,7 +382,7 @@ def test_surplus_blocks_are_marked_answered_and_released(store_url, store, spawn
 # -- 4. refused --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
+@pytest.mark.parametrize("store_url", STORES, indirect=True)
 def test_a_refused_block_is_resumed(store_url, store, spawn):
     create_pool(store_url, "--range 10.0.0.0/24 --block-v4 28 --warm 1 --release-delay 1000")
     register(store, "n1")
@@ -409,7 +415,7 @@ def test_a_refused_block_is_resumed(store_url, store, spawn):
 # -- 5. abort: the node takes its block back ---------------------------------------------
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
+@pytest.mark.parametrize("store_url", STORES, indirect=True)
 def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
     # One block in the whole pool, warm 0: once empty it is surplus.
     create_pool(store_url, "--range 10.0.0.0/28 --block-v4 28 --warm 0 --release-delay 1")
@@ -447,7 +453,7 @@ def test_a_node_needing_space_takes_a_ready_block_back(store_url, store, spawn):
 # -- 6. controller killed in every handshake state ---------------------------------------
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", "etcd"], indirect=True)
+@pytest.mark.parametrize("store_url", STORES, indirect=True)
 def test_controller_killed_in_every_handshake_state(store_url, store, spawn):
     # Four /26 blocks, all n1's, with 254 free entries: two cleanup chunks per block
     # (no gateway: every address of the /24 is handed out).
@@ -617,6 +623,7 @@ def everything(store: Store) -> list[tuple[str, int]]:
     return [(kv.key, kv.mod_revision) for p in prefixes for kv in store.range(p)[0]]
 
 
+@pytest.mark.parametrize("store_url", STORES, indirect=True)
 def test_a_write_of_a_stale_leader_fails_its_fence(store_url, store):
     """In process, deterministically: a controller that still believes it leads (its
     lease was revoked and the key taken by another) tries to act; every write fails the

@@ -209,7 +209,11 @@ class KubeStore(Store):
 
     def lease_revoke(self, lease: int) -> None:
         self.committer.leases.drop(lease)
-        for shard_id in self.committer.leases.shards.pop(lease, set()):
+        held = self.committer.leases.shards.pop(lease, set())
+        if not held:  # another process's lease: where its keys are, read
+            found, _ = self.objects.scope(shards.Scope(kinds=(shards.LEASE,)))
+            held = {s.id for s in found if lease in s.leases}
+        for shard_id in held:
             deadline = time.monotonic() + self.committer.timeout
             while True:
                 shard = self.committer.cached(shard_id)
