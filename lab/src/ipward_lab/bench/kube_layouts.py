@@ -23,7 +23,9 @@ of a cell are a round apart and drift is spread over both orders):
    an update reaches 1 and 10 watchers;
 4. a tiny lease-like object (and a built-in Lease) updated by 1 and 32 writers;
 5. the reference: raw etcd (the product's `EtcdStore`), a put compared on the key's
-   mod_revision (a txn), of the same values, by 1, 8 and 32 writers;
+   mod_revision (a txn), of the same values by as many writers, each run right after
+   the cell of the API it is compared with (the block and the 110-pod ledger in JSON,
+   the tiny object);
 and once: the stored size of each object (in etcd too), what `metadata.managedFields`
 adds under PUT and under server-side apply, whether the server takes protobuf for a
 custom resource, and the client's cost of encoding and decoding each content.
@@ -106,6 +108,7 @@ LIST_TIMEOUT = 300.0
 LIST_SECONDS = 3.0  # a LIST is repeated for this long (CPU ticks are 10 ms) ...
 LIST_TIMES = 30  # ... or this many times
 ENCODINGS = ("json", "zlib")
+ETCD_SHAPES = ("block", "ledger110")  # measured on raw etcd too, beside the API cells
 
 # The contents, by name: what an object holds and how many records.
 #   small   a small object (a small pool, a block with a few records)
@@ -483,6 +486,8 @@ class Worker:
                 t = time.monotonic()
                 if event.get("type") == "MODIFIED":
                     out["seen"].append((event["object"]["metadata"]["resourceVersion"], t))
+                elif event.get("type") == "ERROR":
+                    out["errors"].append(f"watch: {event.get('object', {}).get('message')}")
                 if t > end + 2:
                     break
         except ApiUnreachable as e:
@@ -921,6 +926,8 @@ class Bench:
     # The parts.
 
     def part_updates(self, order: int) -> None:
+        """Each API cell; after a JSON one of a shape in ETCD_SHAPES, the same shape and
+        writers on raw etcd, so each ratio compares neighbours in time."""
         cells = [(s, e, w) for s in WRITE_SHAPES for e in ENCODINGS for w in self.writer_counts()]
         if self.quick:
             cells = [c for c in cells if c[0] in ("small", "ledger110")]
@@ -938,27 +945,30 @@ class Bench:
             figures, _, _, _ = self.window(specs, self.duration)
             self.keep("updates", f"{shape} {encoding} {writers}", figures)
             self.compact()
+            if encoding == "json" and shape in ETCD_SHAPES:
+                self.etcd_cell(shape, writers)
 
-    def part_etcd(self, order: int) -> None:
-        cells = [(s, w) for s in ("tiny", "block", "ledger110") for w in self.writer_counts()]
-        for shape, writers in cells[::order]:
-            specs = [
-                {
-                    "op": "etcd",
-                    "key": f"/bench/layouts/{shape}/{i}",
-                    "shape": shape,
-                    "encoding": "json",
-                    "tag": f"e{i}",
-                }
-                for i in range(writers)
-            ]
-            figures, _, _, _ = self.window(specs, self.duration)
-            self.keep("etcd", f"{shape} json {writers}", figures)
-            self.compact()
+    def etcd_cell(self, shape: str, writers: int) -> None:
+        specs = [
+            {
+                "op": "etcd",
+                "key": f"/bench/layouts/{shape}/{i}",
+                "shape": shape,
+                "encoding": "json",
+                "tag": f"e{i}",
+            }
+            for i in range(writers)
+        ]
+        figures, _, _, _ = self.window(specs, self.duration)
+        self.keep("etcd", f"{shape} json {writers}", figures)
+        self.compact()
 
     def part_tiny(self, order: int) -> None:
-        cells = [(kind, w) for kind in ("cr", "lease") for w in (1, 32)]
+        cells = [(kind, w) for w in (1, 32) for kind in ("cr", "lease", "etcd")]
         for kind, writers in cells[::order]:
+            if kind == "etcd":
+                self.etcd_cell("tiny", writers)
+                continue
             specs = [
                 {
                     "op": "update",
@@ -1111,7 +1121,10 @@ class Bench:
     def part_watches(self, order: int) -> None:
         for watchers in (1, 10)[::order]:
             path = probe_path(WATCH_NS, "watched")
-            rv = self.raw.json("GET", path)["metadata"]["resourceVersion"]
+            # The collection's version now (a consistent LIST's): never older than what
+            # the watch cache holds, as the object's own version may be.
+            listed = self.raw.json("GET", probe_path(WATCH_NS))
+            rv = listed["metadata"]["resourceVersion"]
             specs = [
                 {
                     "op": "paced",
@@ -1292,7 +1305,6 @@ class Bench:
         self.setup()
         parts = [
             self.part_updates,
-            self.part_etcd,
             self.part_tiny,
             self.part_adds,
             self.part_gets,
