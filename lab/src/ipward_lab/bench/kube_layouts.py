@@ -4,13 +4,16 @@
     .venv/bin/python -m ipward_lab.bench.kube_layouts [--quick] [--rounds N] [--json FILE]
 
 Needs `KUBE_APISERVER` (shared/kube-apiserver/kube-apiserver). Prints figures, never
-judges them. What it measures, each measurement repeated in rounds (every round runs
-every cell once, the cells of a part in reverse order in every other round, so two runs
-of a cell are a round apart and drift is spread over both orders):
+judges them (docs/measurements.md, "Kubernetes store: candidate layouts", has a run's).
+A whole run takes about 20 minutes on the project's machine, `--quick` about 4.
+
+What it measures, each measurement repeated in rounds (every round runs every cell
+once, the cells of a part in reverse order in every other round, so two runs of a cell
+are a round apart and drift is spread over both orders):
 
 1. updates: W writers (1, 8, 32), each updating its own `LayoutProbe` with optimistic
    concurrency (PUT with the resourceVersion it last read or wrote; on 409 a GET and
-   again), per content size (a small pool object, a /26 block of 64 records, a node's
+   again), per content size (a small object of 5 records, a /26 block of 64, a node's
    ledger of 110 and of 250 pods) and encoding of `spec.data` (JSON text; zlib then
    base64): updates/s, latency, conflicts, and the CPU seconds per update of the API
    server, of etcd and of the clients (from /proc/PID/stat);
@@ -19,8 +22,8 @@ of a cell are a round apart and drift is spread over both orders):
    (each its own client, so they meet on the objects), and by 32 callers whose ADDs one
    combiner writes together, up to 24 an update;
 3. reads: GET of one object; LIST (consistent, pages of 500; and from the watch cache)
-   of 1,000 and 5,000 objects; a label-selected LIST finding 1 of 5,000; how long until
-   an update reaches 1 and 10 watchers;
+   of 1,000 and 5,000 blocks in JSON and 5,000 in zlib; a label-selected LIST finding 1
+   of 5,000; how long until an update reaches 1 and 10 watchers;
 4. a tiny lease-like object (and a built-in Lease) updated by 1 and 32 writers;
 5. the reference: raw etcd (the product's `EtcdStore`), a put compared on the key's
    mod_revision (a txn), of the same values by as many writers, each run right after
@@ -584,6 +587,10 @@ def machine_busy() -> float:
 def load1() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
+
+
+def _compact_size(value: object) -> int:
+    return len(json.dumps(value, separators=(",", ":")))
 
 
 def _varint(n: int) -> bytes:
@@ -1188,8 +1195,8 @@ class Bench:
                         "data": len(payloads(shape, encoding, "w0")[0]),
                         "object": len(raw),
                         "etcd": len(kv.value) if kv else 0,
-                        "managed_fields": len(
-                            json.dumps(json.loads(raw)["metadata"].get("managedFields", []))
+                        "managed_fields": _compact_size(
+                            json.loads(raw)["metadata"].get("managedFields", [])
                         ),
                     }
             _, _, raw = self.raw.call("GET", lease_path(TINY_NS, "l-0"))
@@ -1198,8 +1205,8 @@ class Bench:
                 "data": 0,
                 "object": len(raw),
                 "etcd": len(kv.value) if kv else 0,
-                "managed_fields": len(
-                    json.dumps(json.loads(raw)["metadata"].get("managedFields", []))
+                "managed_fields": _compact_size(
+                    json.loads(raw)["metadata"].get("managedFields", [])
                 ),
             }
         finally:
@@ -1238,7 +1245,7 @@ class Bench:
             managed = json.loads(raw)["metadata"].get("managedFields", [])
             out[how] = {
                 "object": len(raw),
-                "managed_fields": len(json.dumps(managed, separators=(",", ":"))),
+                "managed_fields": _compact_size(managed),
                 "entries": len(managed),
             }
         return out
@@ -1330,10 +1337,15 @@ def tables(bench: Bench) -> list[str]:
     r = bench.results
     lines: list[str] = []
 
-    def table(title: str, header: list[str], rows: list[list[str]]) -> None:
-        lines.extend(["", f"### {title}", "", "| " + " | ".join(header) + " |"])
-        lines.append("| " + " | ".join(["---"] + ["---:"] * (len(header) - 1)) + " |")
-        lines.extend("| " + " | ".join(row) + " |" for row in rows)
+    blocks: list[tuple[str, list[str]]] = []
+
+    def table(title: str, header: list[str], rows: list[list[str]], figures: bool = True) -> None:
+        block = ["", f"### {title}", "", "| " + " | ".join(header) + " |"]
+        align = "---:" if figures else "---"  # figures right-aligned, text not
+        block.append("| " + " | ".join(["---"] + [align] * (len(header) - 1)) + " |")
+        block.extend("| " + " | ".join(row) + " |" for row in rows)
+        # The numbered tables in their measurement's order, then the rest as made.
+        blocks.append((title.split(".")[0] if title[0].isdigit() else "9", block))
 
     sizes = bench.facts.get("sizes", {})
     etcd_rate = {cell: statistics.mean(f.rate for f in runs) for cell, runs in r["etcd"].items()}
@@ -1359,7 +1371,7 @@ def tables(bench: Bench) -> list[str]:
             ]
         )
     table(
-        "1. Updates: each writer its own object (run 1 / run 2)",
+        "1. Updates: each writer its own object (round 1 / round 2)",
         [
             "content, encoding",
             "object bytes",
@@ -1394,7 +1406,7 @@ def tables(bench: Bench) -> list[str]:
             ]
         )
     table(
-        "5. Reference: raw etcd, put compared on mod_revision (run 1 / run 2)",
+        "5. Reference: raw etcd, put compared on mod_revision (round 1 / round 2)",
         [
             "value",
             "value bytes",
@@ -1431,7 +1443,7 @@ def tables(bench: Bench) -> list[str]:
             ]
         )
     table(
-        "4. Tiny objects: each writer its own (run 1 / run 2)",
+        "4. Tiny objects: each writer its own (round 1 / round 2)",
         [
             "object",
             "object bytes",
@@ -1468,7 +1480,7 @@ def tables(bench: Bench) -> list[str]:
         )
     table(
         "2. ADD shapes: L1 = the ledger (110 pods) per ADD; L2 = a block, then the ledger"
-        " (run 1 / run 2)",
+        " (round 1 / round 2)",
         [
             "layout, encoding",
             "writers",
@@ -1500,7 +1512,7 @@ def tables(bench: Bench) -> list[str]:
             ]
         )
     table(
-        "3a. GET of one object, one reader (run 1 / run 2)",
+        "3a. GET of one object, one reader (round 1 / round 2)",
         [
             "read",
             "GETs/s",
@@ -1532,7 +1544,7 @@ def tables(bench: Bench) -> list[str]:
             ]
         )
     table(
-        "3b. LIST, one client, repeated for 3 s (run 1 / run 2)",
+        "3b. LIST, one client, repeated for 3 s (round 1 / round 2)",
         [
             "objects, how",
             "items",
@@ -1565,7 +1577,7 @@ def tables(bench: Bench) -> list[str]:
         )
     table(
         "3c. Watch: a block object updated 20 times a second; when each watcher saw each update"
-        " (run 1 / run 2)",
+        " (round 1 / round 2)",
         [
             "watchers",
             "updates",
@@ -1612,8 +1624,10 @@ def tables(bench: Bench) -> list[str]:
         ["content, encoding", "spec.data bytes", "encode ms", "decode ms"],
         rows,
     )
-    rows = [[k, v] for k, v in bench.facts.get("protobuf", {}).items()]
-    table("Protobuf", ["request", "answer"], rows)
+    rows = [[k, v.replace("|", "/")] for k, v in bench.facts.get("protobuf", {}).items()]
+    table("Protobuf", ["request", "answer"], rows, figures=False)
+    for _, block in sorted(blocks, key=lambda b: b[0]):
+        lines.extend(block)
     return lines
 
 
