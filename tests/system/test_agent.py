@@ -1078,8 +1078,8 @@ def test_txn_bytes_bounds_what_etcd_counts(tmp_path):
         "puts": lambda i: ([], [Put(f"ips/p/10.0.0.{i}", b"r" * 300)]),
         "large values": lambda i: ([], [Put(f"big/{i}", b"v" * 9_000)]),
         "compares and puts": lambda i: (
-            [absent(f"attach/net/{container}{i}/eth0"), at_revision(f"blocks/p/{i}", 2**40)],
-            [Put(f"attach/net/{container}{i}/eth0", b'{"ips":["p/10.0.0.1"]}')],
+            [absent(f"attach/n1/net/{container}{i}/eth0"), at_revision(f"blocks/p/{i}", 2**40)],
+            [Put(f"attach/n1/net/{container}{i}/eth0", b'{"ips":["p/10.0.0.1"]}')],
         ),
         "value compares": lambda i: ([Compare(f"k{i}", VALUE, "==", b"x" * 3000)], []),
     }

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ipward.core import keys
 from ipward.core import records as rec
 from ipward.core.pool import PoolSpec
 from ipward.core.records import Attachment, PodInfo, Sticky
@@ -159,7 +160,8 @@ def test_check_reports_and_exits_one(plugin, sqlite_url):
     add(plugin, sqlite_url, "c1")
     assert run_cli("check", store=sqlite_url).returncode == 0
     with open_store(sqlite_url) as store:
-        store.txn([], [Put("attach/net/ghost/eth0", rec.encode({"ips": ["web/10.9.0.200"]}))])
+        ghost = keys.attach_key("n1", "net", "ghost", "eth0")
+        store.txn([], [Put(ghost, rec.encode({"ips": ["web/10.9.0.200"]}))])
     proc = run_cli("--json", "check", store=sqlite_url)
     assert proc.returncode == 1
     report = json.loads(proc.stdout)

@@ -416,7 +416,7 @@ def test_two_agents_race_for_the_only_block(plugin, shared, agents, borrow):
                 assert by_node[loser].code == 100, by_node[loser]
                 assert list(records) == [by_node[winner].address]
                 # The failed ADD wrote nothing: no index, no fill record of its own.
-                assert store.get(keys.attach_key("net", f"{pool}-{loser}", "eth0")) is None
+                assert store.get(keys.attach_key(loser, "net", f"{pool}-{loser}", "eth0")) is None
                 assert store.get(keys.fill_key(pool, 4, loser)) is None
                 continue
             assert by_node[loser].ok, by_node[loser]

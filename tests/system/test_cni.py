@@ -18,6 +18,7 @@ from ipward_lab.fleet import run_cli
 from support import PluginResult, exec_plugin
 
 SUPPORTED = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
+HOST = os.uname().nodename  # the plugin's node in single-node mode (config `node` unset)
 V4 = {"ranges": [[{"subnet": "10.0.0.0/24", "gateway": "10.0.0.1"}]]}
 # GC and STATUS are not about one attachment: runtimes leave these unset.
 NO_ATTACHMENT = {"CNI_CONTAINERID": None, "CNI_IFNAME": None, "CNI_NETNS": None}
@@ -256,8 +257,8 @@ def test_host_local_ranges_dual_stack(plugin: Path, sqlite_url: str) -> None:
     assert len(keys(sqlite_url, "ips/")) == 4
     index = keys(sqlite_url, "attach/")
     assert {k: len(v["ips"]) for k, v in index.items()} == {
-        "attach/net1/a/eth0": 2,
-        "attach/net1/b/eth0": 2,
+        f"attach/{HOST}/net1/a/eth0": 2,
+        f"attach/{HOST}/net1/b/eth0": 2,
     }
     assert_consistent(sqlite_url)
 
@@ -385,7 +386,7 @@ def test_add_is_idempotent(plugin: Path, sqlite_url: str) -> None:
     assert second.json == first.json
     assert dump(sqlite_url) == before  # a retried ADD writes nothing
     assert len(keys(sqlite_url, "ips/")) == 2
-    assert list(keys(sqlite_url, "attach/")) == ["attach/net1/a/eth0"]
+    assert list(keys(sqlite_url, "attach/")) == [f"attach/{HOST}/net1/a/eth0"]
     # A requested address does not move an attachment that already has one.
     config = net_config(sqlite_url, ipam, runtimeConfig={"ips": ["10.0.0.77/24"]})
     assert add(plugin, config, container="a").json == first.json
@@ -397,7 +398,10 @@ def test_other_ifname_is_another_attachment(plugin: Path, sqlite_url: str) -> No
     eth0 = addresses(add(plugin, net_config(sqlite_url), container="a", ifname="eth0"))
     net1 = addresses(add(plugin, net_config(sqlite_url), container="a", ifname="net1"))
     assert eth0 != net1
-    assert set(keys(sqlite_url, "attach/")) == {"attach/net1/a/eth0", "attach/net1/a/net1"}
+    assert set(keys(sqlite_url, "attach/")) == {
+        f"attach/{HOST}/net1/a/eth0",
+        f"attach/{HOST}/net1/a/net1",
+    }
     assert_consistent(sqlite_url)
 
 
@@ -416,7 +420,7 @@ def test_del_frees_and_repeated_del_changes_nothing(plugin: Path, sqlite_url: st
     res = exec_plugin(plugin, "DEL", net_config(sqlite_url), container="a")
     assert res.returncode == 0 and res.stdout == b"", res
     assert f"ips/net1/{ip}" not in keys(sqlite_url, "ips/")
-    assert "attach/net1/a/eth0" not in keys(sqlite_url, "attach/")
+    assert f"attach/{HOST}/net1/a/eth0" not in keys(sqlite_url, "attach/")
     assert f"free/net1/{ip}" in keys(sqlite_url, "free/")
     assert any(k.endswith(f"/{ip}") for k in keys(sqlite_url, "freeq/"))
     assert "ips/net1/10.0.0.2" in keys(sqlite_url, "ips/")  # the keeper is untouched
@@ -1062,7 +1066,10 @@ def test_gc_frees_attachments_not_listed(plugin: Path, sqlite_url: str) -> None:
         plugin, "GC", gc_config(sqlite_url, valid, neta, name="neta"), env=NO_ATTACHMENT
     )
     assert res.returncode == 0 and res.stdout == b"", res
-    assert set(keys(sqlite_url, "attach/neta/")) == {"attach/neta/a/eth0", "attach/neta/c/eth0"}
+    assert set(keys(sqlite_url, f"attach/{HOST}/neta/")) == {
+        f"attach/{HOST}/neta/a/eth0",
+        f"attach/{HOST}/neta/c/eth0",
+    }
     kept = {held[("a", "eth0")], held[("c", "eth0")]}
     gone = {held[("b", "eth0")], held[("a", "net1")]}
     assert {k.rsplit("/", 1)[1] for k in keys(sqlite_url, "ips/neta/")} == kept
@@ -1114,7 +1121,7 @@ def test_gc_in_shared_pool_leaves_other_network(plugin: Path, sqlite_url: str) -
     res = exec_plugin(plugin, "GC", gc_config(sqlite_url, [], pool, name="neta"), env=NO_ATTACHMENT)
     assert res.returncode == 0, res
     assert list(keys(sqlite_url, "ips/shared/")) == [f"ips/shared/{b_ip}"]
-    assert list(keys(sqlite_url, "attach/")) == ["attach/netb/y/eth0"]
+    assert list(keys(sqlite_url, "attach/")) == [f"attach/{HOST}/netb/y/eth0"]
     assert_consistent(sqlite_url)
 
 

@@ -404,7 +404,7 @@ def _holdings(url: str) -> tuple[dict[str, dict[str, str]], list[str]]:
     holdings: dict[str, dict[str, str]] = {}
     for key, record in records.items():
         _, pool, ip = key.split("/", 2)
-        owner = AddressRecord.from_dict(record).attachment.key
+        owner = AddressRecord.from_dict(record).index_key
         held = holdings.setdefault(owner, {})
         if pool in held:
             problems.append(f"{owner} holds two addresses of {pool}: {held[pool]} and {ip}")
@@ -422,7 +422,7 @@ def _holdings(url: str) -> tuple[dict[str, dict[str, str]], list[str]]:
             record = records.get(f"ips/{ref}")
             if record is None:
                 problems.append(f"{index_key} lists {ref}, which has no record")
-            elif AddressRecord.from_dict(record).attachment.key != index_key:
+            elif AddressRecord.from_dict(record).index_key != index_key:
                 problems.append(f"{index_key} lists {ref}, recorded for another attachment")
     return holdings, problems
 
@@ -803,11 +803,11 @@ def test_sixteen_plugins_with_sigkill(plugin: Path, sqlite_url: str, tmp_path: P
             assert mine and mine[-1][0] == PUT, f"@{revision} {key} deleted, not held: {mine}"
             del holder[(net, str(mine[-1][1]))]
         mine.append((kind, address))
-    strangers = set(changes) - {keys.attach_key(net, cid, "eth0") for net, cid in ops}
+    strangers = set(changes) - {keys.attach_key(NODE, net, cid, "eth0") for net, cid in ops}
     assert not strangers, f"indexes of attachments nobody added: {strangers}"
     committed_kills = 0
     for (net, cid), net_ops in ops.items():
-        key = keys.attach_key(net, cid, "eth0")
+        key = keys.attach_key(NODE, net, cid, "eth0")
         fewest = _explain(net_ops, changes.get(key, []))
         assert fewest is not None, (
             f"{key}: the store's history is not explained by the journal\n"
@@ -820,11 +820,11 @@ def test_sixteen_plugins_with_sigkill(plugin: Path, sqlite_url: str, tmp_path: P
     # The store after the churn: sound, and what the journals say it must hold.
     _assert_store_sound(sqlite_url)
     holdings, _ = _holdings(sqlite_url)
-    known = {keys.attach_key(net, cid, "eth0") for net, cid in ops}
+    known = {keys.attach_key(NODE, net, cid, "eth0") for net, cid in ops}
     strangers = set(holdings) - known
     assert not strangers, f"records of attachments nobody added: {strangers}"
     for (net, cid), states in allowed.items():
-        held = holdings.get(keys.attach_key(net, cid, "eth0"), {})
+        held = holdings.get(keys.attach_key(NODE, net, cid, "eth0"), {})
         assert set(held) <= {net}, f"{net}/{cid} holds addresses of another pool: {held}"
         actual = held.get(net)
         fits = actual in states or (actual is not None and ANY in states)
@@ -927,7 +927,7 @@ def test_concurrent_same_attachment(plugin: Path, sqlite_url: str, tmp_path: Pat
         assert len(addresses) == 1 and None not in addresses, outcomes
         holdings, problems = _holdings(sqlite_url)
         assert not problems, f"{problems}\n{outcomes}\n{_dump(sqlite_url)}"
-        assert holdings.get(keys.attach_key("same", cid, "eth0")) == {"same": addresses.pop()}
+        assert holdings.get(keys.attach_key(NODE, "same", cid, "eth0")) == {"same": addresses.pop()}
         assert len(holdings) == 1, holdings  # the earlier rounds' are deleted below
         _assert_store_sound(sqlite_url)
         # Free it again so the next round also races over a queued (cooled) address.
@@ -954,10 +954,10 @@ def test_concurrent_requested_address(plugin: Path, sqlite_url: str, tmp_path: P
         holdings, problems = _holdings(sqlite_url)
         assert not problems, problems
         owners = [key for key, held in holdings.items() if held.get("req") == ip]
-        assert owners == [keys.attach_key("req", f"req-{rnd}-{winners[0]}", "eth0")], holdings
+        assert owners == [keys.attach_key(NODE, "req", f"req-{rnd}-{winners[0]}", "eth0")], holdings
         for i in range(8):
             if i != winners[0]:
-                assert keys.attach_key("req", f"req-{rnd}-{i}", "eth0") not in holdings
+                assert keys.attach_key(NODE, "req", f"req-{rnd}-{i}", "eth0") not in holdings
         _assert_store_sound(sqlite_url)
 
     race(0, "10.50.0.77")  # no block claimed yet

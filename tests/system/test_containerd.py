@@ -179,7 +179,7 @@ def test_stop_then_remove_frees_the_address_once(lab: ContainerdLab, store_url: 
     a = lab.run_pod("job-1", "batch")
     ip = lab.cri().pod_sandbox_status(a).ip
     assert ip in allocations(store_url)
-    attach_key = f"attach/{NETWORK}/{a}/eth0"
+    attach_key = f"attach/{os.uname().nodename}/{NETWORK}/{a}/eth0"
     assert attach_key in store_snapshot(store_url)[0]
 
     lab.cri().stop_pod_sandbox(a)

@@ -118,7 +118,9 @@ def test_retried_add_after_failed_interface_setup(world: World) -> None:
     records = w.records()
     assert list(records) == [ip]
     created = records[ip][0]["created_at"]
-    assert [kv.key for kv in w.store.range("attach/")[0]] == ["attach/simnet/retried-sandbox/eth0"]
+    assert [kv.key for kv in w.store.range("attach/")[0]] == [
+        "attach/n1/simnet/retried-sandbox/eth0"
+    ]
     wait_for(lambda: ip not in w.records(), "the never-started sandbox's record to be freed")
     frees = w.frees_logged({ip})
     assert len(frees) == 1 and "sandbox-gone" in frees[0]["reason"], frees

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ipward.core import keys
-from ipward.core.records import Attachment, PodInfo
+from ipward.core import records as rec
+from ipward.core.records import Attachment, PodInfo, Sticky
 from ipward.ipam.ledger import Ledger
 from ipward.store import open_backend, open_store, schema
 from ipward.store.base import Delete, Put
@@ -57,8 +58,9 @@ def config(url: str, **ipam: object) -> dict:
     }
 
 
-def fill(url: str) -> None:
-    """A ledger as ipward writes it: a dual-stack pool, allocations, one released."""
+def fill(url: str, sticky: bool = False) -> None:
+    """A ledger as ipward writes it: a dual-stack pool, allocations, one released; with
+    `sticky`, one more held for a StatefulSet pod (its reservation)."""
     run_cli(
         "pool",
         "create",
@@ -78,6 +80,10 @@ def fill(url: str) -> None:
                 [spec], Attachment("net", f"c{i}", "eth0"), PodInfo("ns", f"p{i}", f"u{i}")
             )
         ledger.free(Attachment("net", "c0", "eth0"))
+        if sticky:
+            identity = Sticky("net", "ns", "db-0", owner_kind="StatefulSet", owner_name="db")
+            pod = PodInfo("ns", "db-0", "u-db")
+            ledger.allocate([spec], Attachment("net", "s0", "eth0"), pod, sticky=identity)
 
 
 def make_unversioned(url: str) -> None:
@@ -162,7 +168,7 @@ def test_a_store_from_before_the_schema_key_is_refused_until_migrated(
     ]
     results = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert sorted(v for r in results for v in r["steps"]) == [1, 2]  # each step once
+    assert sorted(v for r in results for v in r["steps"]) == [1, 2, 3]  # each step once
     again = run_cli("migrate", store=url, check=True)
     assert "nothing to do" in again.stdout
 
@@ -222,7 +228,7 @@ def test_a_version_1_store_gets_its_node_index_from_migrate_with_no_process_runn
         assert keys.node_key("n1") in refused.stderr and dump(url) == before
         store.lease_revoke(lease)
     done = json.loads(run_cli("--json", "migrate", store=url, check=True).stdout)
-    assert done["found"] == 1 and done["steps"] == [2]
+    assert done["found"] == 1 and done["steps"] == [2, 3]
     assert node_index(url) == sorted(entries)
     assert json.loads(dump(url)[0][keys.SCHEMA_KEY]) == {"version": schema.VERSION}
     assert run_cli("check", store=url).returncode == 0
@@ -240,9 +246,63 @@ def test_an_interrupted_index_build_is_refused_until_migrate_finishes_it(
         assert store.txn([], half).succeeded
     refused_everywhere(url, tmp_path, plugin, ["being migrated", "ipward migrate"])
     done = json.loads(run_cli("--json", "migrate", store=url, check=True).stdout)
-    assert done["found"] == 2 and done["steps"] == [2]
+    assert done["found"] == 2 and done["steps"] == [2, 3]
     assert node_index(url) == sorted(entries)
     assert run_cli("check", store=url).returncode == 0
+
+
+def as_version_2(url: str) -> dict[str, str]:
+    """Turn the store into one of schema version 2: each attachment index where version
+    2 kept it, `attach/<network>/<container>/<ifname>`, and each reservation naming its
+    sandbox by that key; the keys each index had (old -> new)."""
+    moved = {}
+    with open_backend(url) as store:
+        ops: list[Put | Delete] = [Put(keys.SCHEMA_KEY, schema.record(2))]
+        for kv in store.range(keys.ATTACHMENTS)[0]:
+            _, network, container, ifname = keys.attach_parts(kv.key)
+            old = f"{keys.ATTACHMENTS}{network}/{container}/{ifname}"
+            moved[old] = kv.key
+            ops += [Delete(kv.key), Put(old, kv.value)]
+        for kv in store.range(keys.STICKY)[0]:
+            held = rec.ReservationRecord.decode(kv.value)
+            _, network, container, ifname = keys.attach_parts(held.attachment)
+            held.attachment = f"{keys.ATTACHMENTS}{network}/{container}/{ifname}"
+            ops.append(Put(kv.key, held.encode()))
+        assert store.txn([], ops).succeeded
+    return moved
+
+
+def test_a_version_2_store_gets_its_attachment_index_under_nodes_from_migrate(
+    url: str, tmp_path: Path, plugin: Path
+) -> None:
+    """Version 3 keeps an attachment's index under its node; a version 2 store is
+    refused until `ipward migrate` (no process running) moves each index, and a
+    reservation's name of its sandbox with it. A retried ADD then answers what the
+    attachment holds; `ipward check` finds nothing wrong."""
+    fill(url, sticky=True)
+    moved = as_version_2(url)
+    assert moved and all(old != new for old, new in moved.items())
+    refused_everywhere(url, tmp_path, plugin, ["schema version 2", "ipward migrate"])
+    with open_backend(url) as store:
+        lease = store.lease_grant(60)
+        assert store.txn([], [Put(keys.node_key("n1"), b"{}", lease=lease)]).succeeded
+        refused = run_cli("migrate", store=url)
+        assert refused.returncode == 2 and "stop them first" in refused.stderr, refused
+        store.lease_revoke(lease)
+    done = json.loads(run_cli("--json", "migrate", store=url, check=True).stdout)
+    assert done["found"] == 2 and done["steps"] == [3]
+    index = sorted(k for k in dump(url)[0] if k.startswith(keys.ATTACHMENTS))
+    assert index == sorted(moved.values())
+    with open_backend(url) as store:
+        for kv in store.range(keys.STICKY)[0]:
+            assert rec.ReservationRecord.decode(kv.value).attachment in moved.values()
+    assert run_cli("check", store=url).returncode == 0
+    if url.startswith("sqlite://"):
+        listed = json.loads(run_cli("--json", "alloc", "list", store=url, check=True).stdout)
+        held = {r["ip"] for r in listed if r["container"] == "c1"}
+        out = exec_plugin(plugin, "ADD", config(url, node="n1"), container="c1")
+        assert out.returncode == 0, out
+        assert {ip["address"].split("/")[0] for ip in out.json["ips"]} == held
 
 
 def garbage(path: Path) -> None:

@@ -38,9 +38,9 @@ def test_writes_are_the_index_the_records_with_their_node_index_and_the_picks():
     chosen.compares.append(absent("blocks/p/x"))
     chosen.ops.append(Put("blocks/p/x", b"{}"))
     compares, ops = writes("n1", att(1), pod(1), [chosen], NOW)
-    assert [c.key for c in compares] == [att(1).key, "blocks/p/x"]
+    assert [c.key for c in compares] == [att(1).key_on("n1"), "blocks/p/x"]
     out = written(ops)
-    assert AttachmentIndex.decode(out[att(1).key].value).refs == ["p/10.0.0.7"]
+    assert AttachmentIndex.decode(out[att(1).key_on("n1")].value).refs == ["p/10.0.0.7"]
     record = AddressRecord.decode(out[keys.ip_key("p", "10.0.0.7")].value)
     assert (record.node, record.layout, record.requested, record.created_at) == (
         "n1",
@@ -58,7 +58,7 @@ def test_writes_make_a_reservation_or_take_one_over_moving_the_node_index():
     compares, ops = writes("n1", att(1), pod(1), [made], NOW, identity)
     assert identity.key in {c.key for c in compares}
     reservation = ReservationRecord.decode(written(ops)[identity.key].value)
-    assert reservation.ips == ["p/10.0.0.7"] and reservation.attachment == att(1).key
+    assert reservation.ips == ["p/10.0.0.7"] and reservation.attachment == att(1).key_on("n1")
     # The take-over on n2 of what n1 held: the reservation as read, the entry moved.
     held = KeyValue(identity.key, reservation.encode(), 5, 9, 2)
     moved = Pick("p", 0, "10.0.0.7", "10.0.0.0/28")

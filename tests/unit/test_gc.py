@@ -227,7 +227,7 @@ def test_free_compares_the_revision_judged(sqlite_store) -> None:
     assert fresh.reason == gc.SANDBOX_GONE  # sb2 not listed in this made-up view
     assert gc.free(ledger, fresh, "test") is True
     assert gc.snapshot(sqlite_store) == []
-    assert sqlite_store.get(b.key) is None
+    assert sqlite_store.get(b.key_on("n1")) is None
 
 
 def publish(path: Path, pods: list[Pod], sandboxes: list[Sandbox], as_of: float) -> None:

@@ -169,7 +169,7 @@ def test_dual_stack_gets_one_address_per_family_in_one_transaction(ledger, sqlit
     assert sorted(a.family for a in got) == [4, 6]
     # one transaction claims both blocks and writes both records, the index and the
     # pool spec
-    assert sqlite_store.get(att(1).key).mod_revision == sqlite_store.revision()
+    assert sqlite_store.get(att(1).key_on("node-a")).mod_revision == sqlite_store.revision()
     assert sqlite_store.get("pools/p").mod_revision == sqlite_store.revision()
     assert sqlite_store.get("blocks/p/10.0.0.0/26").mod_revision == sqlite_store.revision()
     assert sqlite_store.revision() == revision + 1
@@ -208,10 +208,10 @@ def test_free_never_touches_an_address_owned_by_another_attachment(ledger, sqlit
     spec = pool()
     ip = add(ledger, spec, 1)
     # Corrupt on purpose: attachment 2's index claims the address of attachment 1.
-    sqlite_store.txn([], [Put(att(2).key, rec.encode({"ips": [f"p/{ip}"]}))])
+    sqlite_store.txn([], [Put(att(2).key_on("node-a"), rec.encode({"ips": [f"p/{ip}"]}))])
     assert ledger.free(att(2)) == []
     assert sqlite_store.get(layout.ip_key("p", ip)) is not None
-    assert sqlite_store.get(att(2).key) is None  # the stray index entry is dropped
+    assert sqlite_store.get(att(2).key_on("node-a")) is None  # the stray index entry is dropped
 
 
 def test_free_address_compares_revision(ledger, sqlite_store):
@@ -223,7 +223,7 @@ def test_free_address_compares_revision(ledger, sqlite_store):
     assert sqlite_store.get(layout.ip_key("p", ip)) is not None
     ledger.free_address("p", ip, kv.mod_revision, "test")
     assert sqlite_store.get(layout.ip_key("p", ip)) is None
-    assert sqlite_store.get(att(1).key) is None
+    assert sqlite_store.get(att(1).key_on("node-a")) is None
     assert check(sqlite_store)[0] == []
 
 
@@ -265,7 +265,7 @@ class TestCheck:
                 # same address on the same network through an overlapping pool
                 Put(layout.ip_key("q", ip1), rec.encode({**record, "container": "dup"})),
                 # an index pointing at nothing
-                Put(att(7).key, rec.encode({"ips": ["p/10.0.0.77"]})),
+                Put(att(7).key_on("node-a"), rec.encode({"ips": ["p/10.0.0.77"]})),
                 # a record outside its pool
                 Put(layout.ip_key("p", "192.168.1.1"), rec.encode({**record, "container": "x"})),
                 # freed and allocated at once

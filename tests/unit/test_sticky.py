@@ -54,11 +54,11 @@ def test_reserved_with_the_first_allocation_and_taken_over(sqlite_store, pool) -
         ledger.allocate([pool], sandbox(1), rec.PodInfo("db", "db-0", "u1"), sticky=identity())
     )
     held = rec.decode(sqlite_store.get(keys.sticky_key(NET, "db", "db-0")).value)
-    assert held["attachment"] == sandbox(1).key and len(held["ips"]) == 2  # dual stack
+    assert held["attachment"] == sandbox(1).key_on("n1") and len(held["ips"]) == 2  # dual stack
     assert_clean(sqlite_store)
     # DEL detaches: the reservation keeps both addresses, no index.
     assert sorted(ledger.free(sandbox(1))) == sorted(held["ips"])
-    assert sqlite_store.get(sandbox(1).key) is None
+    assert sqlite_store.get(sandbox(1).key_on("n1")) is None
     assert all(
         AddressRecord.decode(sqlite_store.get(keys.ip_key(*rec.split_pool_ip(r))).value).is_detached
         for r in held["ips"]
@@ -86,7 +86,7 @@ def test_new_sandbox_before_the_old_ones_del(sqlite_store, pool) -> None:
     )
     second = ledger.allocate([pool], sandbox(2), rec.PodInfo("db", "db-0", "u1"), sticky=identity())
     assert ips(second) == first
-    assert sqlite_store.get(sandbox(1).key) is None
+    assert sqlite_store.get(sandbox(1).key_on("n1")) is None
     records = [rec.decode(kv.value) for kv in sqlite_store.range("ips/")[0]]
     assert {r["container"] for r in records} == {"sandbox2"} and len(records) == 2
     revision = sqlite_store.revision()

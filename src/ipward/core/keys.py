@@ -15,7 +15,8 @@ keys, reads them back and names their prefixes through the functions and constan
     ips/<pool>/<ip>                               allocation record (records.AddressRecord)
     nodeips/<node>/<pool>/<ip>                    a copy of the record, under its node
                                                   (index of ips/, written with the record)
-    attach/<network>/<container>/<ifname>         attachment index (records.AttachmentIndex)
+    attach/<node>/<network>/<container>/<ifname>  attachment index (records.AttachmentIndex),
+                                                  under the node its sandbox is on
     free/<pool>/<ip>                              {released_at, queue}: freed, cooling down
     freeq/<pool>/<family>/<node>/<ms>/<ip>        the same fact ordered by the time it was freed
     sticky/<network>/<namespace>/<name>           a sticky reservation (records.ReservationRecord)
@@ -214,18 +215,20 @@ def node_ip_parts(key: str) -> tuple[str, str, str]:
     return node, pool, ip
 
 
-def attach_key(network: str, container: str, ifname: str) -> str:
-    return f"{ATTACHMENTS}{network}/{container}/{ifname}"
+def attach_key(node: str, network: str, container: str, ifname: str) -> str:
+    """An attachment's index, under its node (schema version 3: what one node writes
+    is kept together, docs/design.md 5.15)."""
+    return f"{ATTACHMENTS}{node}/{network}/{container}/{ifname}"
 
 
-def attach_prefix(network: str) -> str:
-    return f"{ATTACHMENTS}{network}/"
+def attachments_prefix(node: str) -> str:
+    return f"{ATTACHMENTS}{node}/"
 
 
-def attach_parts(key: str) -> tuple[str, str, str]:
-    """(network, container, ifname) of an `attach/` key."""
-    network, container, ifname = key[len(ATTACHMENTS) :].split("/", 2)
-    return network, container, ifname
+def attach_parts(key: str) -> tuple[str, str, str, str]:
+    """(node, network, container, ifname) of an `attach/` key."""
+    node, network, container, ifname = key[len(ATTACHMENTS) :].split("/", 3)
+    return node, network, container, ifname
 
 
 def free_key(pool: str, ip: str) -> str:

@@ -75,7 +75,8 @@ def split_pool_ip(ref: str) -> tuple[str, str]:
 
 
 class Attachment:
-    """What an allocation belongs to: the CNI spec's own key."""
+    """What an allocation belongs to: the CNI spec's own key. Its index is kept under
+    the node its sandbox is on (`key_on`)."""
 
     __slots__ = ("container", "ifname", "network")
 
@@ -84,15 +85,18 @@ class Attachment:
         self.container = container
         self.ifname = ifname
 
-    @property
-    def key(self) -> str:
-        return attach_key(self.network, self.container, self.ifname)
+    def key_on(self, node: str) -> str:
+        """Its index key on `node`."""
+        return attach_key(node, self.network, self.container, self.ifname)
+
+    def _identity(self) -> tuple[str, str, str]:
+        return (self.network, self.container, self.ifname)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Attachment) and self.key == other.key
+        return isinstance(other, Attachment) and self._identity() == other._identity()
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return hash(self._identity())
 
     def __repr__(self) -> str:
         return f"{self.network}/{self.container}/{self.ifname}"
@@ -194,6 +198,11 @@ class AddressRecord:
     @property
     def attachment(self) -> Attachment:
         return Attachment(self.network, self.container, self.ifname)
+
+    @property
+    def index_key(self) -> str:
+        """Its attachment's index key: under the record's node, as written with it."""
+        return self.attachment.key_on(self.node)
 
     @property
     def is_detached(self) -> bool:
@@ -566,7 +575,7 @@ class Sticky:
         """The reservation bound to `attachment` from `now`."""
         return ReservationRecord(
             refs,
-            attachment.key,
+            attachment.key_on(node),
             uid,
             node,
             self.owner_kind,

@@ -2,12 +2,11 @@
 function of the key, chosen so that what one transaction writes is in few objects and
 what one node writes is in its own.
 
-    node:<node>                      its nodeips/, fill/, freeq/, affinity/ keys
+    node:<node>                      its attach/, nodeips/, fill/, freeq/, affinity/ keys
     addr:<pool>:<base>               ips/ and free/ of 64 addresses (an IPv4 /26, an IPv6
                                      /122) from <base>; blocks/ based in them
     pool:<pool>                      pools/<pool>, blockcursor/<pool>/...
     released:<pool>:<family>:<base>  blockfree/ of blocks in an IPv4 /16 (IPv6 /112)
-    attach:<network>:<bucket>        attach/ (16 buckets per network, by container)
     sticky:<network>:<ns>:<bucket>   sticky/ (16 buckets per namespace, by name)
     meta                             meta/
     lease:<key>                      nodes/<node>, controller/leader: one object each
@@ -31,7 +30,6 @@ NODE = "node"
 ADDR = "addr"
 POOL = "pool"
 RELEASED = "released"
-ATTACH = "attach"
 STICKY = "sticky"
 META = "meta"
 LEASE = "lease"
@@ -39,7 +37,7 @@ OTHER = "other"  # keys of no ipward prefix (the store's own tests): by their di
 PROBE = "probe"  # a process's own object, written to mark a point its watch reaches
 # The order a transaction's primary is chosen in (its first written shard): a node's
 # own object first, since only its agent writes it often.
-KINDS = (NODE, ADDR, ATTACH, STICKY, RELEASED, POOL, META, LEASE, OTHER, PROBE)
+KINDS = (NODE, ADDR, STICKY, RELEASED, POOL, META, LEASE, OTHER, PROBE)
 
 # Kinds no one watches without watching every shard (the controller does): a commit's
 # locks in them may wait for the next update of their object (docs/design.md 5.15).
@@ -129,7 +127,7 @@ def shard_of(key: str) -> str:
         return shard(OTHER, key.rpartition("/")[0])
     rest = key[len(head) :]
     parts = rest.split("/")
-    if head in (keys.NODE_ADDRESSES,):
+    if head in (keys.NODE_ADDRESSES, keys.ATTACHMENTS):
         return shard(NODE, parts[0])
     if head == keys.FILL:
         return shard(NODE, parts[2])
@@ -149,9 +147,6 @@ def shard_of(key: str) -> str:
         return shard(RELEASED, pool, str(family), base)
     if head in (keys.POOLS, keys.BLOCK_CURSOR):
         return shard(POOL, parts[0])
-    if head == keys.ATTACHMENTS:
-        network, container, _ = keys.attach_parts(key)
-        return shard(ATTACH, network, _bucket(container))
     if head == keys.STICKY:
         network, namespace, name = keys.sticky_parts(key)
         return shard(STICKY, network, namespace, _bucket(name))
@@ -172,8 +167,6 @@ def labels_of(shard_id: str) -> dict[str, str]:
         labels["ipward.io/family"] = parts[1]
     elif kind == NODE:
         labels["ipward.io/node"] = _digest(parts[0])
-    elif kind == ATTACH:
-        labels["ipward.io/network"] = _digest(parts[0])
     elif kind == STICKY:
         labels["ipward.io/network"] = _digest(parts[0])
         labels["ipward.io/namespace"] = _digest(parts[0] + "/" + parts[1])
@@ -218,7 +211,7 @@ def scope_of(prefix: str) -> Scope:
         return Scope(ids=(META,))
     if head in keys.LEASED_PREFIXES:
         return Scope(kinds=(LEASE,), labels={"ipward.io/lease": head.rstrip("/")})
-    if head == keys.NODE_ADDRESSES:
+    if head in (keys.NODE_ADDRESSES, keys.ATTACHMENTS):
         return Scope(ids=(shard(NODE, whole[0]),)) if whole else Scope(kinds=(NODE,))
     if head in (keys.FILL, keys.FREE_QUEUES):
         return Scope(ids=(shard(NODE, whole[2]),)) if len(whole) >= 3 else Scope(kinds=(NODE,))
@@ -237,10 +230,6 @@ def scope_of(prefix: str) -> Scope:
         if head == keys.BLOCK_CURSOR and whole:
             return Scope(ids=(shard(POOL, whole[0]),))
         return Scope(kinds=(POOL,))
-    if head == keys.ATTACHMENTS:
-        if whole:
-            return Scope(kinds=(ATTACH,), labels={"ipward.io/network": _digest(whole[0])})
-        return Scope(kinds=(ATTACH,))
     if head == keys.STICKY:
         if len(whole) >= 2:
             label = _digest(whole[0] + "/" + whole[1])

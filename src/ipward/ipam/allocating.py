@@ -343,7 +343,7 @@ def allocate_one(
         # attempt left to compares.
         verify = attempt > 0
         if verify:
-            existing = cache.get(attachment.key, fresh=True)
+            existing = cache.get(attachment.key_on(cache.node), fresh=True)
             if existing is not None:
                 return held_allocations(cache, existing, pools)
             if sticky is not None and cache.get(sticky.key, fresh=True) is not None:

@@ -143,8 +143,9 @@ def writes(
     with `sticky`, the reservation bound to them: made (compared absent) or, as read
     (`reservation`), taken over."""
     refs = [pick.ref for pick in picks]
-    compares: list[Compare] = [absent(attachment.key)]
-    ops: list[Put | Delete] = [Put(attachment.key, AttachmentIndex(refs).encode())]
+    index = attachment.key_on(node)
+    compares: list[Compare] = [absent(index)]
+    ops: list[Put | Delete] = [Put(index, AttachmentIndex(refs).encode())]
     if sticky is not None:
         compares.append(
             absent(sticky.key)

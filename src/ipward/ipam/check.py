@@ -121,7 +121,7 @@ _KEY_PARTS: dict[str, tuple[str, ...]] = {
     keys.RELEASED_BLOCKS: ("name", "family", "cidr"),
     keys.ADDRESSES: ("name", "address"),
     keys.NODE_ADDRESSES: ("name", "name", "address"),
-    keys.ATTACHMENTS: ("name", "name", "rest"),
+    keys.ATTACHMENTS: ("name", "name", "name", "rest"),
     keys.FREE: ("name", "address"),
     keys.FREE_QUEUES: ("name", "family", "name", "number", "address"),
     keys.STICKY: ("name", "name", "rest"),
@@ -276,7 +276,7 @@ def _records(
         ref = rec.pool_ip(pool_name, ip)
         record = AddressRecord.decode(kv.value)
         attachment = record.attachment
-        allocated[ref] = attachment.key
+        allocated[ref] = record.index_key
         if record.sticky:
             sticky_of[ref] = (record.sticky, record.is_detached)
         family, value = parse_ip(ip)
@@ -291,7 +291,7 @@ def _records(
         if other != kv.key:
             problems.append(Problem("duplicate-address", kv.key, f"{ip} also recorded as {other}"))
         # A detached sticky record has no sandbox: its reservation is its owner.
-        holder = record.sticky if record.is_detached and record.sticky else attachment.key
+        holder = record.sticky if record.is_detached and record.sticky else record.index_key
         twin = families.setdefault((holder, pool_name, family), kv.key)
         if twin != kv.key:
             problems.append(
@@ -299,7 +299,7 @@ def _records(
             )
         if record.is_detached:
             continue  # held by its reservation: no sandbox, no index (checked below)
-        if ref not in index_refs.get(attachment.key, []):
+        if ref not in index_refs.get(record.index_key, []):
             # Written with its index in one transaction, so unlisted it is damage: freed
             # by --remove-orphans, unless sticky (its reservation is a person's call).
             fix = "" if record.sticky else FREE
@@ -307,7 +307,7 @@ def _records(
                 Problem(
                     "index-missing",
                     kv.key,
-                    f"index {attachment.key} does not list it",
+                    f"index {record.index_key} does not list it",
                     fix,
                     kv.mod_revision,
                 )
@@ -343,7 +343,7 @@ def _node_index(
         elif record_kv is None:
             assert entry is not None
             _, pool, ip = keys.node_ip_parts(key)
-            holder = AddressRecord.decode(entry.value).attachment.key
+            holder = AddressRecord.decode(entry.value).index_key
             if rec.pool_ip(pool, ip) in index_refs.get(holder, []):
                 problems.append(
                     Problem(
@@ -497,7 +497,7 @@ def _restore(store: Store, p: Problem) -> bool:
         return False
     try:
         copy = AddressRecord.decode(entry.value)
-        index = store.get(copy.attachment.key)
+        index = store.get(copy.index_key)
         if index is None or ref not in AttachmentIndex.decode(index.value).refs:
             return False
     except _UNREADABLE:
@@ -531,14 +531,14 @@ def _free_unlisted(ledger: Ledger, p: Problem) -> bool:
         return False
     try:
         record = AddressRecord.decode(kv.value)
-        index = store.get(record.attachment.key)
+        index = store.get(record.index_key)
         if index is not None and rec.pool_ip(pool, ip) in AttachmentIndex.decode(index.value).refs:
             return False
     except _UNREADABLE:
         return False
     if record.sticky:
         return False
-    fence = [at_revision(record.attachment.key, index.mod_revision if index else 0)]
+    fence = [at_revision(record.index_key, index.mod_revision if index else 0)]
     reason = (
         "ipward check --remove-orphans: its attachment's index does not list it (a record"
         " and its index are written in one transaction: damage)"

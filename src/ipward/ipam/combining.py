@@ -151,13 +151,13 @@ class Combiner:
         taken = Taken(len(batch))
         picks_of: list[list[Pick]] = []
         now = cache.clock()
-        members: set[str] = set()
+        members: set[Attachment] = set()
         for request in batch:
-            if request.attachment.key in members:
+            if request.attachment in members:
                 # One transaction, one write of an attachment: a second call of it waits
                 # for the next batch, where it finds the first's addresses.
                 break
-            members.add(request.attachment.key)
+            members.add(request.attachment)
             picks = [
                 pick(cache, pool, i, rs, None, False, taken)
                 for pool in pools

@@ -36,7 +36,7 @@ def free(cache: StoreCache, attachment: Attachment, reason: str) -> list[str]:
     not an error. Returns the addresses freed or detached; each is logged with
     `reason`."""
     for attempt in range(MAX_ATTEMPTS):
-        index_kv = cache.get(attachment.key)
+        index_kv = cache.get(attachment.key_on(cache.node))
         if index_kv is None:
             return []
         compares, ops, freed, detached = free_plan(cache, index_kv, attachment)
@@ -72,7 +72,9 @@ def free_plan(
             # Detach: the reservation keeps the address for the identity's next
             # sandbox (docs/design.md 2); retiring it is the controller's.
             ops += record_writes(pool_name, ip, record.detached(now))
-            sticky_ops, sticky_compares = detach_reservation(cache, record.sticky, attachment, now)
+            sticky_ops, sticky_compares = detach_reservation(
+                cache, record.sticky, index_kv.key, now
+            )
             ops += sticky_ops
             compares += sticky_compares
             detached.append(ref)
@@ -94,16 +96,16 @@ def log_free(
 
 
 def detach_reservation(
-    cache: StoreCache, key: str, attachment: Attachment, now: float
+    cache: StoreCache, key: str, index: str, now: float
 ) -> tuple[list[Put | Delete], list[Compare]]:
     """The reservation's side of a detach: it no longer names a sandbox (only when it
-    still names this one: a takeover may have moved it on)."""
+    still names this one, by its index key `index`: a takeover may have moved it on)."""
     kv = cache.get(key, fresh=True)
     if kv is None:
         return [], [absent(key)]
     held = ReservationRecord.decode(kv.value)
     compares = [at_revision(key, kv.mod_revision)]
-    if held.attachment != attachment.key:
+    if held.attachment != index:
         return [], compares
     return [Put(key, held.detached(now).encode())], compares
 
@@ -144,7 +146,7 @@ def free_address(
             )
         record = AddressRecord.decode(record_kv.value)
         attachment = record.attachment
-        index_kv = cache.get(attachment.key, fresh=True)
+        index_kv = cache.get(record.index_key, fresh=True)
         if record.sticky:
             # A sticky address is detached with its whole attachment, never freed
             # here: retiring the reservation is `free_sticky`'s.

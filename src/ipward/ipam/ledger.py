@@ -111,7 +111,7 @@ class Ledger:
     def lookup(self, attachment: Attachment) -> list[Allocation] | None:
         """The attachment's addresses, or None if it has none (read from the store: an
         answer, not a decision a compare would check)."""
-        kv = self.cache.get(attachment.key, fresh=True)
+        kv = self.cache.get(attachment.key_on(self.cache.node), fresh=True)
         if kv is None:
             return None
         return held_allocations(self.cache, kv)
@@ -132,7 +132,7 @@ class Ledger:
         Calls of one attachment take turns (`Turns`); concurrent calls of others for
         the same pools are combined (`combining`) by a ledger that is not short-lived;
         requests with a requested address never are (their refusals are their own)."""
-        self._turns.take(attachment.key)
+        self._turns.take(repr(attachment))
         try:
             if sticky is not None:
                 from ipward.ipam import sticky as reservations  # not on every ADD: ~0.2 ms
@@ -144,7 +144,7 @@ class Ledger:
                 return allocate_one(self.cache, pools, attachment, pod, requested)
             return self._combiner.allocate(pools, attachment, pod)
         finally:
-            self._turns.give_back(attachment.key)
+            self._turns.give_back(repr(attachment))
 
     # -- DEL, GC, CLI -----------------------------------------------------------------
 
@@ -154,11 +154,11 @@ class Ledger:
         `reason`. Waits for its turn after calls of the attachment in flight (`Turns`)."""
         from ipward.ipam import freeing  # DEL's, not ADD's: ~0.2 ms of every ADD otherwise
 
-        self._turns.take(attachment.key)
+        self._turns.take(repr(attachment))
         try:
             return freeing.free(self.cache, attachment, reason)
         finally:
-            self._turns.give_back(attachment.key)
+            self._turns.give_back(repr(attachment))
 
     def free_address(
         self,

@@ -37,7 +37,7 @@ def allocate_sticky(
     """The identity's reserved addresses, taken over, or new ones with a new
     reservation; the attachment's own when it has them already."""
     for attempt in range(MAX_ATTEMPTS):
-        existing = cache.get(attachment.key, fresh=True)
+        existing = cache.get(attachment.key_on(cache.node), fresh=True)
         if existing is not None:
             return held_allocations(cache, existing, pools)
         reservation = cache.get(sticky.key, fresh=True)
@@ -79,7 +79,7 @@ def take_over(
             f"{sticky.key} is bound to {old} of pod UID {old_uid}, which may still be"
             " live; the address moves once that pod is gone"
         )
-    if old and old != attachment.key:
+    if old and old != attachment.key_on(cache.node):
         _wait_for_teardown(cache, sticky, old, held.node)
     # Its records, each as read: rewritten for this sandbox under the layout it was
     # given (moving its node index entry when the node changed).
@@ -98,7 +98,7 @@ def take_over(
         mine.compares.append(at_revision(key, kv.mod_revision))
         picks.append(mine)
     compares, ops = writes(cache.node, attachment, pod, picks, cache.clock(), sticky, reservation)
-    if old and old != attachment.key:
+    if old and old != attachment.key_on(cache.node):
         old_kv = cache.get(old, fresh=True)
         compares.append(at_revision(old, old_kv.mod_revision if old_kv else 0))
         if old_kv is not None:
@@ -124,7 +124,7 @@ def _wait_for_teardown(cache: StoreCache, sticky: Sticky, old: str, old_node: st
     agent detaches it (its DEL, or its reconciliation once its runtime lists the sandbox
     no more) unless the node is gone (its registration expired). TryAgainLater until
     then: the runtime retries the ADD."""
-    _, container, _ = keys.attach_parts(old)
+    _, _, container, _ = keys.attach_parts(old)
     if old_node == cache.node:
         if sticky.sandbox_listed is not None and sticky.sandbox_listed(container):
             raise TryAgainLater(

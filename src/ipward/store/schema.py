@@ -21,6 +21,10 @@ Versions (keep the README's table in step):
   2  the node index: `nodeips/<node>/<pool>/<ip>`, a copy of every allocation record
      under its node, written in the record's own transactions (so an agent reads only
      its node's records, in one range)
+  3  the attachment index under the node: `attach/<node>/<network>/<container>/<ifname>`
+     (was `attach/<network>/<container>/<ifname>`), and a reservation names its sandbox
+     by that key: on the Kubernetes store what one node writes is then one object
+     (docs/design.md 5.15)
 
 The step 1 -> 2 writes the index of every record there is; a process of version 1
 still writing meanwhile would leave records without their entry, so it refuses while
@@ -28,6 +32,9 @@ any agent or controller holds its registration (`nodes/`, `controller/leader`), 
 first marks the store version 2 "building": every process opening the store from then
 on refuses it (a version-1 one: newer schema; this one: building), until the index is
 complete. `ipward check` reports an entry missing or wrong; `--remove-orphans` fixes it.
+The step 2 -> 3 moves every attachment index under its node (the node of its records;
+an index of no record goes under the node "") the same way: refused while a process is
+registered, built while the store is marked.
 
 On the plugin's start path (one `get` per exec): standard library only.
 """
@@ -54,7 +61,7 @@ if TYPE_CHECKING:
 
     Step = Callable[[Store], tuple[list[Compare], list[Put | Delete]]]
 
-VERSION = 2
+VERSION = 3
 BUILD_ATTEMPTS = 100  # passes of a build over the store before it gives up
 BUILD_CHUNK = 64  # index writes per transaction (etcd allows 128 operations by default)
 
@@ -174,16 +181,28 @@ def _to_1(store: Store) -> tuple[list[Compare], list[Put | Delete]]:
     return [], []
 
 
-def _to_2(store: Store) -> tuple[list[Compare], list[Put | Delete]]:
-    """1 -> 2: refused while a process of version 1 may still write records (see the
-    module's docstring); the index itself is BUILDS[2]."""
+def _refuse_while_running(store: Store, step: str, why: str) -> None:
     running = [kv.key for prefix in keys.LEASED_PREFIXES for kv in store.range(prefix)[0]]
     if running:
         raise StoreIncompatible(
-            f"schema 1 -> 2 builds the node index, and running processes would write"
-            f" records without it: stop them first ({', '.join(running[:5])}"
+            f"schema {step} {why}: stop them first ({', '.join(running[:5])}"
             f"{', ...' if len(running) > 5 else ''} registered), then run `ipward migrate`"
         )
+
+
+def _to_2(store: Store) -> tuple[list[Compare], list[Put | Delete]]:
+    """1 -> 2: refused while a process of version 1 may still write records (see the
+    module's docstring); the index itself is BUILDS[2]."""
+    why = "builds the node index, and running processes would write records without it"
+    _refuse_while_running(store, "1 -> 2", why)
+    return [], []
+
+
+def _to_3(store: Store) -> tuple[list[Compare], list[Put | Delete]]:
+    """2 -> 3: refused while a process of version 2 may still write attachment indexes
+    where they were; the move itself is BUILDS[3]."""
+    why = "moves the attachment index, and running processes would write it where it was"
+    _refuse_while_running(store, "2 -> 3", why)
     return [], []
 
 
@@ -192,7 +211,7 @@ def _to_2(store: Store) -> tuple[list[Compare], list[Put | Delete]]:
 # on the schema key as read and its new version. A version in BUILDS needs more than one
 # transaction: the bump marks the store "building" (every other process refuses it), and
 # BUILDS[n + 1], idempotent and resumable, runs before `migrate` clears the mark.
-MIGRATIONS: dict[int, Step] = {0: _to_1, 1: _to_2}
+MIGRATIONS: dict[int, Step] = {0: _to_1, 1: _to_2, 2: _to_3}
 
 
 def node_index_drift(
@@ -263,7 +282,71 @@ def repair_node_index(store: Store) -> list[tuple[str, str]]:
     raise StoreUnreachable("the node index kept changing while it was repaired; run it again")
 
 
-BUILDS: dict[int, Callable[[Store], object]] = {2: repair_node_index}
+def move_attachment_index(store: Store) -> list[str]:
+    """Schema 3: every attachment index from `attach/<network>/<container>/<ifname>` to
+    under its node (its records' node; "" for an index of none), and each reservation's
+    sandbox named by the new key; each move compared against what was read, in bounded
+    transactions; read again until none is left. Returns the keys moved."""
+    moved: list[str] = []
+    for _ in range(BUILD_ATTEMPTS):
+        kvs, _ = store.snapshot((keys.ADDRESSES, keys.ATTACHMENTS, keys.STICKY))
+        nodes: dict[str, str] = {}  # old index key -> its records' node
+        for kv in kvs:
+            if kv.key.startswith(keys.ADDRESSES):
+                try:
+                    record = rec.AddressRecord.decode(kv.value)
+                except (ValueError, KeyError, TypeError):
+                    continue
+                attachment = record.attachment
+                nodes[_old_attach_key(attachment)] = record.node
+        steps: list[tuple[list[Compare], list[Put | Delete], str]] = []
+        for kv in kvs:
+            if kv.key.startswith(keys.ATTACHMENTS) and kv.key.count("/") == 3:
+                new = keys.ATTACHMENTS + nodes.get(kv.key, "") + kv.key[len(keys.ATTACHMENTS) - 1 :]
+                steps.append(
+                    (
+                        [at_revision(kv.key, kv.mod_revision), absent(new)],
+                        [Delete(kv.key), Put(new, kv.value)],
+                        kv.key,
+                    )
+                )
+            elif kv.key.startswith(keys.STICKY):
+                try:
+                    held = rec.ReservationRecord.decode(kv.value)
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if held.attachment and held.attachment.count("/") == 3:
+                    held.attachment = (
+                        keys.ATTACHMENTS + held.node + held.attachment[len(keys.ATTACHMENTS) - 1 :]
+                    )
+                    steps.append(
+                        (
+                            [at_revision(kv.key, kv.mod_revision)],
+                            [Put(kv.key, held.encode())],
+                            kv.key,
+                        )
+                    )
+        if not steps:
+            return moved
+        for start in range(0, len(steps), BUILD_CHUNK // 2):
+            chunk = steps[start : start + BUILD_CHUNK // 2]
+            compares = [c for step in chunk for c in step[0]]
+            ops = [op for step in chunk for op in step[1]]
+            if store.txn(compares, ops).succeeded:
+                moved += [step[2] for step in chunk]
+    raise StoreUnreachable("the attachment index kept changing while it moved; run it again")
+
+
+def _old_attach_key(attachment: rec.Attachment) -> str:
+    """An attachment's index key before schema 3."""
+    return f"{keys.ATTACHMENTS}{attachment.network}/{attachment.container}/{attachment.ifname}"
+
+
+# What a version's build does (the store is marked "building" with its name meanwhile).
+BUILDS: dict[int, tuple[str, Callable[[Store], object]]] = {
+    2: ("node index", repair_node_index),
+    3: ("attachment index under nodes", move_attachment_index),
+}
 
 
 def migrate(store: Store, where: str) -> tuple[int, list[int]]:
@@ -280,7 +363,7 @@ def migrate(store: Store, where: str) -> tuple[int, list[int]]:
             found = state.version
         key_as_read = at_revision(keys.SCHEMA_KEY, state.mod_revision)
         if state.building is not None and state.version in BUILDS:
-            BUILDS[state.version](store)
+            BUILDS[state.version][1](store)
             done = Put(keys.SCHEMA_KEY, record(state.version))
             if store.txn([key_as_read], [done]).succeeded:
                 reached.append(state.version)
@@ -290,7 +373,7 @@ def migrate(store: Store, where: str) -> tuple[int, list[int]]:
             return found, reached
         compares, ops = MIGRATIONS[state.version](store)
         target = state.version + 1
-        building = "node index" if target in BUILDS else None
+        building = BUILDS[target][0] if target in BUILDS else None
         bump = Put(keys.SCHEMA_KEY, record(target, building=building))
         if store.txn([*compares, key_as_read], [*ops, bump]).succeeded and building is None:
             reached.append(target)

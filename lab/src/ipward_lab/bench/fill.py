@@ -205,7 +205,7 @@ def write_adds(
             refs.append(f"{spec.name}/{ip}")
             record = AddressRecord.new(attachment, pod, node, cidr, created_at, spec.version)
             ops += record_writes(spec.name, ip, record)
-        ops.append(Put(attachment.key, rec.encode({"ips": refs})))
+        ops.append(Put(attachment.key_on(node), rec.encode({"ips": refs})))
         count += 1
         if len(ops) >= batch:
             write_all(store, ops[:batch])

@@ -74,8 +74,6 @@ from urllib.parse import urlencode
 
 import urllib3
 
-from ipward.cluster.k8s.client import JSON, ApiClient, ApiError, ApiUnreachable
-from ipward.cluster.k8s.config import Connection
 from ipward.core.records import (
     AddressRecord,
     Attachment,
@@ -84,6 +82,8 @@ from ipward.core.records import (
     PodInfo,
     pool_ip,
 )
+from ipward.kubeapi.client import JSON, ApiClient, ApiError, ApiUnreachable
+from ipward.kubeapi.config import Connection
 from ipward_lab.bench.common import BenchError, percentile
 from ipward_lab.etcdlab import run_etcdctl
 from ipward_lab.kubelab import ADMIN_TOKEN, KubeLab, binary, kube_apiserver
@@ -184,7 +184,7 @@ def _ledger_shard(rng: random.Random, pods: int) -> dict:
         ref = pool_ip("default", f"10.42.{block_no}.{i % 64}")
         record = _record(rng, node, cidr)
         shard["records"][ref] = record.to_dict()
-        shard["attach"][record.attachment.key] = json.loads(AttachmentIndex([ref]).encode())
+        shard["attach"][record.index_key] = json.loads(AttachmentIndex([ref]).encode())
         # The node index: what reconciliation judges an entry by, without the record.
         shard["nodeips"][ref] = {
             "uid": record.pod.uid,
