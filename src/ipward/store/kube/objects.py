@@ -42,6 +42,7 @@ class Objects:
         # Requests made, by method (GET a read, PUT and POST a write): `ipward bench`
         # counts the writes an ADD costs.
         self.requests: Counter[str] = Counter()
+        self.seen = 0  # the highest revision of an object seen (`scope`'s floor)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -50,7 +51,7 @@ class Objects:
     ) -> dict:
         self.requests[method] += 1
         try:
-            return self.client.request(method, path, query, body=body)
+            answer = self.client.request(method, path, query, body=body)
         except ApiUnreachable as e:
             raise StoreUnreachable(f"Kubernetes store {self.where}: {e}") from e
         except ApiError as e:
@@ -61,6 +62,18 @@ class Objects:
             if e.status in (429, 500, 502, 503, 504):
                 raise StoreUnreachable(f"Kubernetes store {self.where}: {e}") from e
             raise StoreError(f"Kubernetes store {self.where}: {e}") from e
+        objects = answer.get("items") if "items" in answer else [answer]
+        self.saw(
+            max((_rv(obj) for obj in objects or () if obj.get("kind", KIND) == KIND), default=0)
+        )
+        return answer
+
+    def saw(self, revision: int) -> None:
+        """A revision of a ledger object this process has seen: later reads from the
+        watch cache are at least it. Not a list's revision: that is the API server's
+        whole store's, which the cache of this resource may not reach for seconds."""
+        if revision > self.seen:
+            self.seen = revision
 
     def shard_of(self, obj: dict) -> Shard:
         """The shard an object holds; ObjectDamaged when its data does not decode."""
@@ -90,53 +103,65 @@ class Objects:
     def scope(
         self, scope: shards.Scope, revision: int = 0, damaged: list[str] | None = None
     ) -> tuple[list[Shard], int]:
-        """Every shard of `scope` and the revision read at (one consistent read, in
-        pages; at exactly `revision` when given). A damaged object raises, or, with
-        `damaged`, is named there and left out (`ipward check`)."""
+        """Every shard of `scope` and the revision read at. One shard: a consistent GET.
+        Several: one list at exactly `revision` when given (from etcd, in pages), else
+        from the API server's watch cache, at a revision no older than any this process
+        has seen (its own writes included): a consistent picture, current to within
+        the cache's lag, which a selector can filter without the server reading every
+        object from etcd (docs/measurements.md, "Kubernetes store: candidate layouts").
+        A damaged object raises, or, with `damaged`, is named there and left out."""
+        if len(scope.ids) == 1 and not revision:
+            (shard_id,) = scope.ids
+            at = self.revision()  # first: a change after it is read twice, never missed
+            one = self.get(shard_id)
+            return ([one] if one is not None else []), max(at, one.rv if one else 0)
+        query = self._query(scope)
+        if query is None:
+            return [], self.revision()
+        if not revision:
+            query.update(resourceVersion=str(self.seen), resourceVersionMatch="NotOlderThan")
+            body = self._call("GET", self.path, query)
+            return self._shards(body, damaged, scope), _rv(body)
         found: list[Shard] = []
-        list_rv = 0
-        for query in self._queries(scope):
-            if revision:
-                query.update(resourceVersion=str(revision), resourceVersionMatch="Exact")
-            cont = ""
-            while True:
-                page = dict(query, limit=str(PAGE))
-                if cont:
-                    page["continue"] = cont
-                body = self._call("GET", self.path, page)
-                meta = body.get("metadata") or {}
-                rv = int(meta.get("resourceVersion", "0") or 0)
-                list_rv = max(list_rv, rv) if not cont else list_rv
-                for obj in body.get("items") or []:
-                    try:
-                        found.append(self.shard_of(obj))
-                    except ObjectDamaged as e:
-                        if damaged is None:
-                            raise
-                        damaged.append(str(e))
-                cont = str(meta.get("continue") or "")
-                if not cont:
-                    break
-                query["resourceVersion"] = str(list_rv)  # the next pages at the first's
-                query["resourceVersionMatch"] = "Exact"
+        query.update(resourceVersion=str(revision), resourceVersionMatch="Exact", limit=str(PAGE))
+        while True:
+            body = self._call("GET", self.path, query)
+            found += self._shards(body, damaged, scope)
+            cont = str((body.get("metadata") or {}).get("continue") or "")
+            if not cont:
+                return found, revision
+            query["continue"] = cont
+
+    def _shards(self, body: dict, damaged: list[str] | None, scope: shards.Scope) -> list[Shard]:
+        found = []
+        for obj in body.get("items") or []:
+            try:
+                found.append(self.shard_of(obj))
+            except ObjectDamaged as e:
+                if damaged is None:
+                    raise
+                damaged.append(str(e))
         if scope.ids:
             wanted = set(scope.ids)
             found = [s for s in found if s.id in wanted]
-        return found, list_rv
+        return found
 
     def revision(self) -> int:
         """The store's revision now: a consistent list's, of one object at most."""
-        body = self._call("GET", self.path, {"limit": "1"})
-        return int((body.get("metadata") or {}).get("resourceVersion", "0") or 0)
+        return _rv(self._call("GET", self.path, {"limit": "1"}))
 
-    def _queries(self, scope: shards.Scope) -> list[dict[str, str]]:
+    def _query(self, scope: shards.Scope) -> dict[str, str] | None:
+        """The selector of a scope's objects (several exact shards: every object, the
+        caller keeping those it wants); None for a scope of none."""
+        if len(scope.ids) == 1:
+            return {"fieldSelector": f"metadata.name={shards.object_name(scope.ids[0])}"}
         if scope.ids:
-            return [{"fieldSelector": f"metadata.name={shards.object_name(i)}"} for i in scope.ids]
+            return {}
         if not scope.kinds:
-            return []
+            return None
         selector = [f"ipward.io/kind in ({','.join(scope.kinds)})"]
         selector += [f"{k}={v}" for k, v in sorted(scope.labels.items())]
-        return [{"labelSelector": ",".join(selector)}]
+        return {"labelSelector": ",".join(selector)}
 
     def write(self, shard: Shard, data: str) -> int:
         """Create the shard's object (rv 0) or replace it by compare-and-swap on the
@@ -171,9 +196,8 @@ class Objects:
         """Changes of the scope's objects after `revision` (exclusive), for at most
         `timeout_seconds` (the server then ends the stream). Several exact shards are
         watched as every shard (the caller keeps those it wants)."""
-        (query,) = self._queries(scope) if not scope.ids or len(scope.ids) == 1 else [{}]
         query = dict(
-            query,
+            self._query(scope) or {},
             resourceVersion=str(revision),
             allowWatchBookmarks="true",
             timeoutSeconds=str(timeout_seconds),
@@ -208,3 +232,11 @@ def _events(stream: WatchStream) -> Iterator[tuple[str, dict]]:
                 raise Compacted(str(obj.get("message", "")))
             raise StoreUnreachable(f"watch error: {obj.get('message', obj)}")
         yield kind, obj
+
+
+def _rv(body: dict) -> int:
+    """The resourceVersion of an object or a list."""
+    try:
+        return int((body.get("metadata") or {}).get("resourceVersion", "0") or 0)
+    except (TypeError, ValueError):
+        return 0
