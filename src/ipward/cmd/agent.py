@@ -9,6 +9,7 @@ import time
 
 import click
 
+from ipward.agent.continuity import UnknownToStore, check_store_knows_node
 from ipward.agent.directory import cluster_directory, runtime_sandboxes
 from ipward.agent.duties import NodeDuties
 from ipward.agent.listener import DEFAULT_SOCKET, AgentError, Stopped
@@ -58,6 +59,10 @@ def run_agent(
         if store is None:
             log.info("agent stopped while waiting for its store", node=node)
             return 0
+        try:
+            check_store_knows_node(store, redact(store_url), node, source)
+        except UnknownToStore as e:
+            raise AgentError(str(e)) from None
         try:
             store_revision: int | str = store.revision()
         except StoreError as e:  # serve anyway: calls answer 11 until the store is back
