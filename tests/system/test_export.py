@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,12 +19,14 @@ from ipward.core import keys
 from ipward.core import records as rec
 from ipward.store import open_backend, open_store, schema
 from ipward.store.base import Put, StoreMissing
+from ipward_lab import fleet
 from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import IPWARD, run_cli
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
 
 INCOMPATIBLE = 106
+HOST = os.uname().nodename  # the node of the plugin's allocations in single-node mode
 KINDS = {"pools", "ips", "attach", "blocks", "affinity", "fill", "blockcursor", "free", "freeq",
          "sticky", "nodeips"}  # fmt: skip
 
@@ -114,6 +118,76 @@ def test_round_trip_sqlite_etcd_sqlite_is_key_for_key(
     assert again.json["ips"] == first.json["ips"]
     assert exec_plugin(plugin, "DEL", cni(back, "net", pool="web"), container="c1").returncode == 0
     check_clean(back)
+
+
+@pytest.mark.kstore
+def test_a_ledger_moves_from_etcd_to_the_kubernetes_store_and_back(
+    plugin: Path, tmp_path: Path, sqlite_url: str, new_kube_store_url: str
+) -> None:
+    """What an operator moving to `k8s://` does (README, Moving the ledger): export from
+    etcd, import into the Kubernetes store, key for key (a sticky reservation detached,
+    addresses cooling in their queues, an inline pool); the imported ledger serves
+    through an agent: an ADD retried answers what the attachment holds, the sticky
+    identity's next sandbox takes its address over, a DEL frees. And back to etcd, key
+    for key."""
+    build_ledger(plugin, sqlite_url)
+    with etcd_server(tmp_path / "etcd") as server:
+        assert (
+            run_cli(
+                "import", str(export_to(sqlite_url, tmp_path / "s.jsonl")), store=server.url
+            ).returncode
+            == 0
+        )
+        header, lines = export(server.url, tmp_path / "etcd.jsonl")
+        imported = run_cli(
+            "--json", "import", str(tmp_path / "etcd.jsonl"), store=new_kube_store_url
+        )
+        assert imported.returncode == 0, imported.stderr
+        check_clean(new_kube_store_url)
+        header_k, lines_k = export(new_kube_store_url, tmp_path / "k8s.jsonl")
+        assert lines_k == lines and header_k["counts"] == header["counts"]
+        cooling = [k for line in lines_k if (k := json.loads(line)["key"]).startswith("freeq/")]
+        assert cooling, "the ledger moved holds addresses in their cooldown"
+
+        run_dir = Path(tempfile.mkdtemp(prefix="ipw-move-"))
+        agent = fleet.Agent(HOST, new_kube_store_url, run_dir / "agent.sock", tmp_path)
+        try:
+            agent.wait_ready()
+            via = {"agentSocket": str(agent.socket)}
+            held = exec_plugin(plugin, "ADD", cni(sqlite_url, "net", pool="web"), container="c1")
+            again = exec_plugin(plugin, "ADD", cni("", "net", pool="web", **via), container="c1")
+            assert again.returncode == 0 and again.json["ips"] == held.json["ips"], again
+            sticky = cni("", "db", pool="web", sticky=True, **via)
+            was = exec_plugin(
+                plugin,
+                "ADD",
+                cni(sqlite_url, "db", pool="web", sticky=True),
+                container="s1",
+                args=pod_args("db-0", "u9"),
+            )
+            taken = exec_plugin(plugin, "ADD", sticky, container="s2", args=pod_args("db-0", "u10"))
+            assert taken.returncode == 0 and taken.json["ips"] == was.json["ips"], taken
+            gone = exec_plugin(plugin, "DEL", cni("", "net", pool="web", **via), container="c3")
+            assert gone.returncode == 0, gone
+        finally:
+            agent.kill()
+            shutil.rmtree(run_dir, ignore_errors=True)
+        check_clean(new_kube_store_url)
+        export(new_kube_store_url, tmp_path / "k8s-after.jsonl")
+        back = etcd_server(tmp_path / "etcd-back")
+        with back as server_back:
+            done = run_cli("import", str(tmp_path / "k8s-after.jsonl"), store=server_back.url)
+            assert done.returncode == 0, done.stderr
+            check_clean(server_back.url)
+            assert (
+                export(server_back.url, tmp_path / "back.jsonl")[1]
+                == export(new_kube_store_url, tmp_path / "k8s-again.jsonl")[1]
+            )
+
+
+def export_to(url: str, path: Path) -> Path:
+    run_cli("export", "-o", str(path), store=url, check=True)
+    return path
 
 
 def test_import_only_into_an_empty_store(plugin: Path, tmp_path: Path, sqlite_url: str) -> None:
