@@ -86,5 +86,5 @@ def check_store_knows_node(
         f" on node {node} with addresses from ipward (e.g. {shown}): they got them from"
         " another store, which this one would hand out again. Move the ledger first"
         " (`ipward --store OLD export -o FILE`, then `ipward --store NEW import FILE`:"
-        " README, Moving the ledger), or start the agent on the store it used"
+        " README: Moving a ledger between stores), or start the agent on the store it used"
     )
