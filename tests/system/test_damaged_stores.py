@@ -90,7 +90,7 @@ def test_check_alloc_list_and_remove_orphans_go_on_past_a_bad_key_and_value(
     bad = {
         "ips/pods/not-an-ip": ("x", "bad-key"),
         "ips/pods/10.61.0.200": ("x", "bad-value"),
-        "attach/net/ghost/eth0": ('{"ips": 7}', "bad-value"),
+        "attach/n1/net/ghost/eth0": ('{"ips": 7}', "bad-value"),
     }
     for key, (value, _) in bad.items():
         stray_put(store_url, request, key, value)
@@ -149,7 +149,7 @@ def test_check_goes_on_past_a_bad_entry_under_every_prefix(sqlite_store) -> None
         "blockcursor/p/4",
         "ips/p/10.0.0.99",
         "nodeips/n1/p/10.0.0.98",
-        "attach/net/b/eth0",
+        "attach/n1/net/b/eth0",
         "free/p/10.0.0.97",
         "sticky/net/ns/db-0",
     ]
