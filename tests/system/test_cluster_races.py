@@ -279,7 +279,7 @@ def indexed(url: str) -> dict[str, list[str]]:
     with open_store(url) as store:
         kvs, _ = store.range("attach/")
     return {
-        kv.key.split("/")[2]: [rec.split_pool_ip(r)[1] for r in rec.decode(kv.value)["ips"]]
+        keys.attach_parts(kv.key)[2]: [rec.split_pool_ip(r)[1] for r in rec.decode(kv.value)["ips"]]
         for kv in kvs
     }
 
