@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -56,8 +57,10 @@ def exec_plugin(
     args: str = "",
     netns: str = "/var/run/netns/test",
     env: dict[str, str] | None = None,
+    root: Path | None = None,
 ) -> PluginResult:
-    """Exec the plugin as a runtime would: CNI_* environment, config on stdin."""
+    """Exec the plugin as a runtime would: CNI_* environment, config on stdin; with
+    `root`, chrooted there (`plugin` is then its path inside)."""
     data = json.dumps(config).encode() if isinstance(config, dict) else config
     if isinstance(data, str):
         data = data.encode()
@@ -72,7 +75,8 @@ def exec_plugin(
     }
     full_env.update(env or {})
     full_env = {k: v for k, v in full_env.items() if v is not None}
-    proc = subprocess.run([str(plugin)], input=data, env=full_env, capture_output=True, timeout=60)
+    argv = [shutil.which("chroot") or "chroot", str(root), str(plugin)] if root else [str(plugin)]
+    proc = subprocess.run(argv, input=data, env=full_env, capture_output=True, timeout=60)
     return PluginResult(proc)
 
 

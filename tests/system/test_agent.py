@@ -295,7 +295,7 @@ def exec_as(user: list[str], plugin: Path, command: str, cfg: dict, container: s
         "CNI_IFNAME": "eth0",
         "CNI_NETNS": "/var/run/netns/test",
         "CNI_PATH": str(plugin.parent),
-        "IPWARD_CNI_NOTES": _notes_of_others(),
+        "IPWARD_CNI_NOTES": notes_of_others(),
     }
     proc = subprocess.run(
         [SETPRIV, *user, str(plugin)],
@@ -308,7 +308,7 @@ def exec_as(user: list[str], plugin: Path, command: str, cfg: dict, container: s
 
 
 @functools.cache
-def _notes_of_others() -> str:
+def notes_of_others() -> str:
     """A notes directory (docs/design.md 5.14) every user's plugin may write in (the
     run's own, tests/conftest.py, is under a directory only root enters)."""
     path = tempfile.mkdtemp(prefix="ipw-notes-")
