@@ -265,8 +265,8 @@ enum kind { J_NULL, J_FALSE, J_TRUE, J_INT, J_FLOAT, J_STRING, J_ARRAY, J_OBJECT
 
 struct value {
     enum kind kind;
-    const char *text; /* a string's code points (UTF-8; lone surrogates as ED xx xx); a
-                         number's literal */
+    const char *text; /* a string's code points (UTF-8; lone surrogates as ED xx xx),
+                         NUL-terminated; a number's literal */
     size_t len;
     double number;                   /* J_FLOAT */
     struct member *first, *last;     /* J_ARRAY items, J_OBJECT members, in order */
@@ -345,8 +345,7 @@ static int parse_string(struct parser *p, struct value **out) {
         put_utf8(&decoded, cp);
     }
     struct value *v = allocate(sizeof *v);
-    *v = (struct value){.kind = J_STRING, .text = decoded.data ? decoded.data : "",
-                        .len = decoded.len};
+    *v = (struct value){.kind = J_STRING, .text = text(&decoded), .len = decoded.len};
     *out = v;
     return 1;
 }
