@@ -61,6 +61,7 @@ def exec_plugin(
     netns: str = "/var/run/netns/test",
     env: dict[str, str] | None = None,
     root: Path | None = None,
+    timeout: float = 60,
 ) -> PluginResult:
     """Exec the plugin as a runtime would: CNI_* environment, config on stdin; with
     `root`, chrooted there (`plugin` is then its path inside)."""
@@ -79,7 +80,7 @@ def exec_plugin(
     full_env.update(env or {})
     full_env = {k: v for k, v in full_env.items() if v is not None}
     argv = [shutil.which("chroot") or "chroot", str(root), str(plugin)] if root else [str(plugin)]
-    proc = subprocess.run(argv, input=data, env=full_env, capture_output=True, timeout=60)
+    proc = subprocess.run(argv, input=data, env=full_env, capture_output=True, timeout=timeout)
     return PluginResult(proc)
 
 
