@@ -244,6 +244,8 @@ def test_cni_env_is_exactly_the_cni_variables(lab: NetLab, tmp_path: Path) -> No
         "CNI_IFNAME": "net1",
         "CNI_PATH": f"/nonexistent:{CNI_BIN_DIR}",
         "CNI_ARGS": pod.cni_args(),
+        # and the plugin's notes where the run keeps them (tests/conftest.py), passed on
+        "IPWARD_CNI_NOTES": os.environ["IPWARD_CNI_NOTES"],
     }
     assert lab.addresses(pod, "net1") == out.ips
     assert lab.addresses(pod, "eth0") == []
