@@ -54,7 +54,7 @@ FUZZ_TARGET = REPO / "tests" / "system" / "fuzz" / "ipward_cni_fuzz.c"
 VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 NOT_JSON = "network configuration on stdin is not JSON"
 RANGES = {"ranges": [[{"subnet": "10.95.0.0/24"}]]}
-EXAMPLES = SHORT // 2  # each execs both plugins
+EXAMPLES = SHORT // 3  # each execs both plugins
 DEADLINE = wire.CALL_TIMEOUT
 
 
@@ -303,7 +303,7 @@ def test_nesting_as_deep_as_python_parses_is_forwarded(
     assert native.json["code"] == python.json["code"] == 6, (python, native)
 
 
-@pytest.mark.parametrize("version", [*VERSIONS, "9.9.9", None])
+@pytest.mark.parametrize("version", ["0.3.1", "1.1.0", "9.9.9", None])
 def test_every_reason_no_agent_answered_is_worded_alike(
     plugin: Path, native_plugin: Path, run_dir: Path, version: str | None
 ) -> None:
