@@ -43,7 +43,7 @@ from test_plugin_input import (
     SHORT,
     base_config,
     base_env,
-    env_bytes,
+    draw_variables,
     json_values,
     run_plugin,
     set_path,
@@ -201,13 +201,7 @@ def test_any_json_in_any_config_field_answers_alike(plugin, native_plugin, agent
 @given(data=st.data())
 @settings(PROPERTY, max_examples=EXAMPLES)
 def test_any_bytes_in_any_cni_variable_answer_alike(plugin, native_plugin, agent, data):
-    env = env_of(data.draw(st.sampled_from(COMMANDS), label="command"))
-    for name in data.draw(st.sets(st.sampled_from(wire.FORWARDED), min_size=1), label="names"):
-        value = data.draw(st.none() | env_bytes, label=name)
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
+    env = draw_variables(data, env_of(data.draw(st.sampled_from(COMMANDS), label="command")))
     stdin = json.dumps(base_config({"agentSocket": str(agent.socket)})).encode()
     python = run_plugin(plugin, env, stdin, agent.socket.parent)
     native = run_plugin(native_plugin, env, stdin, agent.socket.parent)
