@@ -1,13 +1,17 @@
 """The system layer's fixtures: a real etcd for a module, an empty store on SQLite and
-on etcd (`either_store`), the plugin installed into a temporary CNI bin dir, the
+on etcd (`either_store`), the plugin installed into a temporary CNI bin dir (the
+launcher, and the native plugin `install-cni --standalone` writes; `forwarder`: each of
+them on the forwarding path), the
 scenario worlds (`ipward_lab.simworld`), Kubernetes API servers (the loopback test
 server, the real kube-apiserver) and a real cluster for the `kube` tests."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +62,30 @@ def cni_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def plugin(cni_bin: Path) -> Path:
     return cni_bin / "ipward"
+
+
+@pytest.fixture(scope="session")
+def native_plugin() -> Iterator[Path]:
+    """The native plugin as `ipward install-cni --standalone` installs it, in a directory
+    every user may enter (tests run it as another user too)."""
+    bin_dir = Path(tempfile.mkdtemp(prefix="ipw-native-"))
+    bin_dir.chmod(0o755)
+    done = subprocess.run(
+        [*IPWARD, "install-cni", "--standalone", "--bin-dir", str(bin_dir)], capture_output=True
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    yield bin_dir / "ipward"
+    shutil.rmtree(bin_dir, ignore_errors=True)
+
+
+@pytest.fixture(params=["python", "native"])
+def forwarder(request: pytest.FixtureRequest) -> Path:
+    """What a runtime execs in cluster mode: the installed plugin's forwarding path
+    (`cni/plugin.py`), or the native plugin a Kubernetes node gets; each takes the same
+    decisions, in the same words."""
+    if request.param == "python":
+        return request.getfixturevalue("plugin")  # type: ignore[no-any-return]
+    return request.getfixturevalue("native_plugin")  # type: ignore[no-any-return]
 
 
 @pytest.fixture(params=["sim", "k8s", pytest.param("k8s-store", marks=pytest.mark.kstore)])

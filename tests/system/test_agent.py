@@ -184,7 +184,7 @@ def test_an_empty_socket_directory_made_for_the_agent_is_made_0750(
     assert agent.logged("made an empty socket directory 0750")
 
 
-def test_sqlite_flow_serves_its_own_store_and_node(plugin, sqlite_url, start_agent, tmp_path):
+def test_sqlite_flow_serves_its_own_store_and_node(forwarder, sqlite_url, start_agent, tmp_path):
     agent = start_agent(sqlite_url)
     socket_dir = agent.socket.parent
     assert socket_dir.stat().st_mode & 0o777 == 0o750  # created by the agent
@@ -198,7 +198,7 @@ def test_sqlite_flow_serves_its_own_store_and_node(plugin, sqlite_url, start_age
         store=f"sqlite://{elsewhere}",
         logFile=str(cni_log),
     )
-    cni_flow(plugin, sqlite_url, cfg)
+    cni_flow(forwarder, sqlite_url, cfg)
     assert not elsewhere.exists()  # the config's store is never opened
     assert not cni_log.exists()  # nor its log file: the agent keeps its own
     requests = [e for e in agent.logs() if e["msg"] == "request"]
@@ -207,14 +207,14 @@ def test_sqlite_flow_serves_its_own_store_and_node(plugin, sqlite_url, start_age
     assert not agent.socket.exists()
 
 
-def test_etcd_flow_never_uses_the_configs_store(plugin, etcd, start_agent, tmp_path):
+def test_etcd_flow_never_uses_the_configs_store(forwarder, etcd, start_agent, tmp_path):
     run_cli("pool", "create", "web", "--range", "10.30.0.0/24", store=etcd.url, check=True)
     agent = start_agent(etcd.url)
     # The config names stores the agent must not touch: the agent serves its own.
     cfg = config(agent.socket, pool="web", store="etcd://127.0.0.1:1", node="config-node")
-    cni_flow(plugin, etcd.url, cfg)
+    cni_flow(forwarder, etcd.url, cfg)
     cfg = config(agent.socket, pool="web", store="sqlite:///proc/nope/x.db")
-    ip = address(exec_plugin(plugin, "ADD", cfg, container="c9"))
+    ip = address(exec_plugin(forwarder, "ADD", cfg, container="c9"))
     assert records(etcd.url)[ip]["node"] == NODE
     assert agent.stop() == 0
     assert_check_clean(etcd.url)
@@ -295,7 +295,7 @@ def exec_as(user: list[str], plugin: Path, command: str, cfg: dict, container: s
         "CNI_IFNAME": "eth0",
         "CNI_NETNS": "/var/run/netns/test",
         "CNI_PATH": str(plugin.parent),
-        "IPWARD_CNI_NOTES": _notes_of_others(),
+        "IPWARD_CNI_NOTES": notes_of_others(),
     }
     proc = subprocess.run(
         [SETPRIV, *user, str(plugin)],
@@ -308,7 +308,7 @@ def exec_as(user: list[str], plugin: Path, command: str, cfg: dict, container: s
 
 
 @functools.cache
-def _notes_of_others() -> str:
+def notes_of_others() -> str:
     """A notes directory (docs/design.md 5.14) every user's plugin may write in (the
     run's own, tests/conftest.py, is under a directory only root enters)."""
     path = tempfile.mkdtemp(prefix="ipw-notes-")
@@ -318,10 +318,15 @@ def _notes_of_others() -> str:
 
 
 @pytest.mark.skipif(os.getuid() != 0 or not Path(SETPRIV).exists(), reason="needs root, setpriv")
-def test_other_users_are_refused_by_the_peer_check(plugin, sqlite_url, start_agent, open_dir):
+def test_other_users_are_refused_by_the_peer_check(
+    forwarder, plugin, sqlite_url, start_agent, open_dir
+):
     # A plugin copy and a socket others can reach: so the agent's peer check, not file
     # permissions, is what decides.
-    launcher = public_plugin(open_dir)
+    if forwarder == plugin:
+        launcher = public_plugin(open_dir)
+    else:
+        launcher = Path(shutil.copy2(forwarder, open_dir / "ipward-native"))
     agent = start_agent(sqlite_url, open_dir / "agent.sock", extra=("--allow-gid", str(OTHER_GID)))
     assert any(e["msg"].startswith("socket directory is more open") for e in agent.logs())
     assert agent.socket.stat().st_mode & 0o777 == 0o660
@@ -356,7 +361,7 @@ def test_other_users_are_refused_by_the_peer_check(plugin, sqlite_url, start_age
 # -- agent down ----------------------------------------------------------------------------
 
 
-def test_agent_not_running_is_try_again_later(plugin, sqlite_url, tmp_path):
+def test_agent_not_running_is_try_again_later(forwarder, sqlite_url, tmp_path):
     run_cli("pool", "create", "web", "--range", "10.40.0.0/24", store=sqlite_url, check=True)
     before = snapshot(sqlite_url)
     stale = tmp_path / "stale.sock"
@@ -364,12 +369,12 @@ def test_agent_not_running_is_try_again_later(plugin, sqlite_url, tmp_path):
         s.bind(str(stale))  # a socket file nobody listens on: what a killed agent leaves
     for path in (tmp_path / "missing" / "agent.sock", stale):
         cfg = config(path, pool="web")
-        add = exec_plugin(plugin, "ADD", cfg, container="c1")
+        add = exec_plugin(forwarder, "ADD", cfg, container="c1")
         assert add.returncode == 1 and add.json["code"] == 11, add
         assert "try again later" in add.json["msg"]
         # No ADD of c1 reached an agent: its DEL succeeds (docs/design.md 5.14). One
         # whose ADD did (its note) waits for the agent: `test_del_never_wedges.py`.
-        delete = exec_plugin(plugin, "DEL", cfg, container="c1")
+        delete = exec_plugin(forwarder, "DEL", cfg, container="c1")
         assert delete.returncode == 0 and delete.stdout == b"", delete
     assert snapshot(sqlite_url) == before
 

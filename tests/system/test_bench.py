@@ -71,6 +71,8 @@ CLUSTER_FIGURES = [
     "exec.python.p99_ms",
     "exec.ipward.median_ms",
     "exec.ipward.p99_ms",
+    "exec.ipward_native.median_ms",
+    "exec.ipward_native.p99_ms",
     "exec.ipward_add_per_s",
     "exec.python_starts_per_s",
     "exec.add_vs_python_starts",
@@ -80,8 +82,10 @@ CLUSTER_FIGURES = [
 def check_cluster_result(result: dict, lines: list[str], pairs: int) -> None:
     figures = result["figures"]
     expected = list(CLUSTER_FIGURES)
-    if os.access("/usr/lib/cni/host-local", os.X_OK):
+    host_local = os.access("/usr/lib/cni/host-local", os.X_OK)
+    if host_local:
         expected += ["exec.host_local.median_ms", "exec.host_local.p99_ms"]
+        expected += ["exec.ipward_native_vs_host_local", "exec.ipward_vs_host_local"]
     missing = [name for name in expected if name not in figures]
     assert not missing, missing
     assert result["errors"] == {}, result["errors"]
@@ -101,10 +105,14 @@ def check_cluster_result(result: dict, lines: list[str], pairs: int) -> None:
     negative = {name: figures[name] for name in counts if not figures[name] >= 0}
     assert not negative, negative
     assert math.isfinite(figures["exec.ipward_minus_python_ms"])
-    assert set(result["targets"]) == {"cluster.vs_cas", "exec.ipward_minus_python_ms"}
+    targets = {"cluster.vs_cas", "exec.ipward_minus_python_ms"}
+    assert set(result["targets"]) == targets | (
+        {"exec.ipward_native_vs_host_local"} if host_local else set()
+    )
     assert result["machine"]["nproc"] > 0
     assert any(line.strip().startswith("ADD only (allocations)") for line in lines)
     assert any("ipward ADD (through the agent)" in line for line in lines)
+    assert any("native ipward ADD (through the agent)" in line for line in lines)
     assert any(line.strip().startswith("ipward ADDs through the agent") for line in lines)
     assert any(line.strip().startswith("errors: none") for line in lines)
 
@@ -156,8 +164,10 @@ def test_quick_run_reports_every_figure() -> None:
         "latency.v4_8_10k.median_ms",
         "latency.v4_8_10k.vs_empty",
     ]
-    if os.access("/usr/lib/cni/host-local", os.X_OK):
+    host_local = os.access("/usr/lib/cni/host-local", os.X_OK)
+    if host_local:
         expected += ["exec.host_local.median_ms", "exec.host_local.p99_ms"]
+        expected += ["exec.ipward_native_vs_host_local", "exec.ipward_vs_host_local"]
     if os.access(ETCD, os.X_OK):
         expected += ["etcd.raw_cas_per_s", "etcd.ledger_pairs_per_s", "etcd.ledger_vs_cas"]
     else:

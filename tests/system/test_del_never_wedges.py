@@ -2,8 +2,9 @@
 5.14): a DEL whose config fails its checks frees by the attachment's identity what it
 holds and succeeds when it holds nothing; where the agent cannot be reached (or the
 config names none the plugin could use), the DEL fails only while the attachment's note
-says an ADD of it reached an agent. The installed plugin and the standalone file, exec'd
-as a runtime does, on SQLite in-process and through a real agent."""
+says an ADD of it reached an agent. The installed plugin and the native plugin (the
+conftest's `forwarder`), exec'd as a runtime does, on SQLite in-process and through a
+real agent."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from ipward.core import keys
 from ipward.core.records import AddressRecord
 from ipward.store import open_store
 from ipward_lab import fleet
-from ipward_lab.fleet import run_cli
 from ipward_lab.waiting import wait_for
 from support import PluginResult, exec_plugin
 
@@ -139,21 +139,6 @@ def start_agent(
     yield start
     for agent in started:
         agent.kill()
-
-
-@pytest.fixture(scope="module")
-def standalone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    bin_dir = tmp_path_factory.mktemp("standalone-bin")
-    done = run_cli("install-cni", "--standalone", "--bin-dir", str(bin_dir))
-    assert done.returncode == 0, done.stderr
-    return bin_dir / "ipward"
-
-
-@pytest.fixture(params=["installed", "standalone"])
-def forwarder(request: pytest.FixtureRequest, plugin: Path) -> Path:
-    """The file a runtime execs in cluster mode: the installed plugin's forwarding path,
-    or the standalone file a Kubernetes node gets."""
-    return plugin if request.param == "installed" else request.getfixturevalue("standalone")
 
 
 def agent_config(socket: Path | str, **ipam: object) -> dict:

@@ -21,7 +21,6 @@ from ipward.core.startpath import LAUNCHER, pack_path, write_executable, write_l
 from ipward.ipam.pools import create_pool
 from ipward.store import open_store
 from support import REPO
-from test_install_standalone import ALLOWED_IMPORTS as STANDALONE_IMPORTS
 
 HOST_PYTHON = "/usr/bin/python3"
 SRC = REPO / "src"
@@ -79,9 +78,21 @@ CLAIMING = {"ipward.ipam.claims"}
 # free through `freeing` when they retire).
 FREEING = {"ipward.ipam.freeing"}
 STICKY = {"ipward.ipam.sticky", *FREEING}
-# The thin path: the config is parsed for ipam.agentSocket and the call forwarded; the
-# standalone plugin is that path with an entry of its own.
-FORWARDING = STANDALONE_IMPORTS - {"ipward.cni.standalone"}
+# The thin path: the config is parsed for ipam.agentSocket and the call forwarded.
+FORWARDING = {
+    "ipward",
+    "ipward.cni",
+    "ipward.cni.cniio",
+    "ipward.cni.notes",
+    "ipward.cni.plugin",
+    "ipward.cni.wire",
+    "ipward.core",
+    "ipward.core.errors",
+    "ipward.core.startpath",
+    "__future__",
+    "_json",
+    "_socket",
+}
 
 
 def imported(

@@ -249,14 +249,20 @@ def both(tmp_path: Path, plugin: Path, local: tuple[Path, str]) -> Iterator[dict
         agent.kill()
 
 
-def cni_variable_example(plugin: Path, both: dict[str, Any], data: st.DataObject) -> None:
-    env = base_env(data.draw(st.sampled_from(COMMANDS), label="command"))
+def draw_variables(data: st.DataObject, env: dict[str, bytes]) -> dict[str, bytes]:
+    """`env` with some of the variables the plugin forwards drawn anew: any bytes, or
+    unset."""
     for name in data.draw(st.sets(st.sampled_from(wire.FORWARDED), min_size=1), label="names"):
         value = data.draw(st.none() | env_bytes, label=name)
         if value is None:
             env.pop(name, None)
         else:
             env[name] = value
+    return env
+
+
+def cni_variable_example(plugin: Path, both: dict[str, Any], data: st.DataObject) -> None:
+    env = draw_variables(data, base_env(data.draw(st.sampled_from(COMMANDS), label="command")))
     codes = {}
     for where in ("in-process", "agent"):
         before = whole_store(both["urls"][where])

@@ -1,32 +1,25 @@
 """What the plugin's start path (`ipward.core.startpath`) relies on in the interpreter,
 checked on every Python it may run on that this machine has: 3.11 and later for the
 launcher (the code pack's bytecode and magic number, `_sqlite3` taking only
-`functools.lru_cache`), 3.10 and later for the standalone plugin (`_json`'s scanner and
-encoder, zipimport of its file). A version the machine lacks is skipped, saying how to
-get it; Debian's /usr/bin/python3 is one of them, pyenv's builds the others."""
+`functools.lru_cache`, `_json`'s scanner and encoder). A version the machine lacks is
+skipped, saying how to get it; Debian's /usr/bin/python3 is one of them, pyenv's builds
+the others."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ipward.core import startpath
-from ipward_lab import fleet
-from support import REPO, PluginResult
+from support import REPO
 from test_codepack import add
-from test_install_standalone import ALLOWED_IMPORTS, imports_of, loaded_from, shebang_argv
 
 SRC = REPO / "src"
 LAUNCHER_VERSIONS = ((3, 11), (3, 12), (3, 13), (3, 14))  # the project's: 3.11 and later
-HOST_VERSIONS = ((3, 10), *LAUNCHER_VERSIONS)  # the standalone plugin's: 3.10 and later
 PYENV_VERSIONS = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
 
 
@@ -157,7 +150,7 @@ DOCUMENTS = [
 MALFORMED = ["", "   ", "[1, 2", '{"a": 1} x', "[1,]", '{"a" 1}', "\x00"]
 
 
-@pytest.mark.parametrize("python", pythons(HOST_VERSIONS))
+@pytest.mark.parametrize("python", pythons(LAUNCHER_VERSIONS))
 def test_the_json_codec_answers_as_json_does_on_each_python(python: str) -> None:
     """`json_loads` and `json_dumps` drive `_json`'s scanner and encoder with the
     attributes and arguments `json` passes them: the same values and text as `json` for
@@ -198,65 +191,3 @@ except TypeError:
 print(errors)
 """
     assert run(python, program) == f"{['ValueError'] * len(MALFORMED)}\n"
-
-
-# -- the standalone plugin: zipimport of one file --------------------------------------
-
-
-@pytest.fixture(scope="module")
-def standalone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The standalone plugin, as `install-cni --standalone` writes it."""
-    target = tmp_path_factory.mktemp("host-cni-bin") / "ipward"
-    startpath.write_executable(target, startpath.standalone_plugin())
-    return target
-
-
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet.Agent]:
-    run_dir = Path(tempfile.mkdtemp(prefix="ipw-py-"))  # AF_UNIX paths are short
-    logs = tmp_path_factory.mktemp("agent")
-    started = fleet.Agent("py-node", f"sqlite://{logs}/ipward.db", run_dir / "agent.sock", logs)
-    try:
-        started.wait_ready()
-        yield started
-    finally:
-        started.kill()
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def exec_with(python: str, plugin: Path, command: str, config: dict | bytes, container: str):
-    """Exec the standalone plugin as the kernel runs its shebang, with `python` for the
-    interpreter it names."""
-    _, argument, path = shebang_argv(plugin)
-    env = {"CNI_COMMAND": command, "CNI_CONTAINERID": container, "CNI_IFNAME": "eth0"}
-    env.update(CNI_NETNS="/var/run/netns/test", CNI_PATH=str(plugin.parent))
-    stdin = config if isinstance(config, bytes) else json.dumps(config).encode()
-    argv = [python, argument, path]
-    return PluginResult(subprocess.run(argv, input=stdin, env=env, capture_output=True, timeout=60))
-
-
-@pytest.mark.parametrize("python", pythons(HOST_VERSIONS))
-def test_the_standalone_plugin_runs_on_each_host_python(
-    python: str, standalone: Path, agent: fleet.Agent
-) -> None:
-    """Its file is put on `sys.path` and zipimport reads the modules: the bytecode when
-    the host's Python is the installing one's version, else the sources (a foreign
-    magic number); ADD and DEL through a real agent, VERSION, a config without an agent
-    socket (7) and not-JSON (6) are answered, importing nothing beyond the forwarding
-    path's modules."""
-    config = {"cniVersion": "1.0.0", "name": "pynet", "ipam": {"type": "ipward"}}
-    config["ipam"].update(agentSocket=str(agent.socket), ranges=[[{"subnet": "10.92.0.0/24"}]])
-    container = "py{}{}".format(*version_of(python))
-    added = exec_with(python, standalone, "ADD", config, container)
-    assert added.returncode == 0 and added.json["ips"][0]["address"].startswith("10.92.0."), added
-    deleted = exec_with(python, standalone, "DEL", config, container)
-    assert deleted.returncode == 0 and deleted.stdout == b"", deleted
-    version = exec_with(python, standalone, "VERSION", {"cniVersion": "0.4.0"}, container)
-    assert version.json["cniVersion"] == "0.4.0", version
-    refused = exec_with(python, standalone, "ADD", {"cniVersion": "1.0.0", "ipam": {}}, container)
-    assert refused.returncode == 1 and refused.json["code"] == 7, refused
-    not_json = exec_with(python, standalone, "ADD", b"{not json", container)
-    assert not_json.returncode == 1 and not_json.json["code"] == 6, not_json
-    assert imports_of(standalone, "ADD", config, python) <= ALLOWED_IMPORTS
-    same = version_of(python) == sys.version_info[:2]  # the installing interpreter's
-    assert loaded_from(standalone, python) == ({".pyc"} if same else {".py"})

@@ -26,7 +26,7 @@ from ipward.store import open_backend, open_store
 from ipward_lab import fleet
 from ipward_lab.waiting import wait_for
 from support import REPO, PluginResult, exec_plugin
-from test_agent import exec_as, public_plugin
+from test_agent import exec_as, notes_of_others, public_plugin
 
 NOBODY = 65534
 SETPRIV = "/usr/bin/setpriv"
@@ -97,17 +97,19 @@ def error_code(result: PluginResult) -> int:
 # -- injection through newlines (the finding) ------------------------------------------------
 
 
-def test_newline_in_cni_args_cannot_turn_check_into_del(plugin, agent, sqlite_url, tmp_path):
+def test_newline_in_cni_args_cannot_turn_check_into_del(
+    forwarder, plugin, agent, sqlite_url, tmp_path
+):
     """Finding: CNI_ARGS ending in "\\nCNI_COMMAND=DEL" made the agent run a DEL for a
     CHECK and free a live address. Now the value is data: the call is a CHECK whose
     CNI_ARGS has a control character (code 4), as in-process, and nothing changes."""
     cfg = agent_config(agent.socket)
-    held = exec_plugin(plugin, "ADD", cfg, container="victim", args=K8S)
+    held = exec_plugin(forwarder, "ADD", cfg, container="victim", args=K8S)
     assert held.returncode == 0, held
     before = whole_store(sqlite_url)
     injected = "IgnoreUnknown=1\nCNI_COMMAND=DEL"
     check = exec_plugin(
-        plugin, "CHECK", {**cfg, "prevResult": held.json}, container="victim", args=injected
+        forwarder, "CHECK", {**cfg, "prevResult": held.json}, container="victim", args=injected
     )
     assert error_code(check) == 4 and "CNI_ARGS" in check.json["msg"]
     assert whole_store(sqlite_url) == before
@@ -118,19 +120,21 @@ def test_newline_in_cni_args_cannot_turn_check_into_del(plugin, agent, sqlite_ur
         plugin, "CHECK", {**local, "prevResult": held.json}, container="victim", args=injected
     )
     assert error_code(local_check) == 4
-    ok = exec_plugin(plugin, "CHECK", {**cfg, "prevResult": held.json}, container="victim")
+    ok = exec_plugin(forwarder, "CHECK", {**cfg, "prevResult": held.json}, container="victim")
     assert ok.returncode == 0, ok
 
 
-def test_newline_in_container_id_cannot_allocate_as_another(plugin, agent, sqlite_url, tmp_path):
+def test_newline_in_container_id_cannot_allocate_as_another(
+    forwarder, plugin, agent, sqlite_url, tmp_path
+):
     """Finding: the container ID "x\\nCNI_CONTAINERID=victim" allocated as `victim` (and
     was handed the victim's address). Now it is one container ID, not a valid one: 4."""
     cfg = agent_config(agent.socket)
-    held = exec_plugin(plugin, "ADD", cfg, container="victim", args=K8S)
+    held = exec_plugin(forwarder, "ADD", cfg, container="victim", args=K8S)
     assert held.returncode == 0, held
     before = whole_store(sqlite_url)
     for command in ("ADD", "DEL"):
-        forged = exec_plugin(plugin, command, cfg, container="x\nCNI_CONTAINERID=victim")
+        forged = exec_plugin(forwarder, command, cfg, container="x\nCNI_CONTAINERID=victim")
         assert error_code(forged) == 4 and "CNI_CONTAINERID" in forged.json["msg"]
     assert whole_store(sqlite_url) == before
     local = local_config(f"sqlite://{tmp_path}/local.db")
@@ -193,7 +197,7 @@ def test_old_plugin_and_new_agent_get_a_clear_error(agent, sqlite_url, tmp_path)
     assert whole_store(sqlite_url) == before
 
 
-def test_new_plugin_and_old_agent_get_a_clear_error(plugin, sqlite_url, tmp_path, run_dir):
+def test_new_plugin_and_old_agent_get_a_clear_error(forwarder, sqlite_url, tmp_path, run_dir):
     old = protocol_1_tree(tmp_path / "old")
     socket_path = run_dir / "old" / "agent.sock"
     pythonpath = {"PYTHONPATH": str(old)}
@@ -201,7 +205,7 @@ def test_new_plugin_and_old_agent_get_a_clear_error(plugin, sqlite_url, tmp_path
     try:
         old_agent.wait_started()
         before = whole_store(sqlite_url)
-        result = exec_plugin(plugin, "ADD", agent_config(socket_path), container="c1")
+        result = exec_plugin(forwarder, "ADD", agent_config(socket_path), container="c1")
         assert error_code(result) == 11, result
         assert "does not speak wire protocol 2" in result.json["msg"]
         assert whole_store(sqlite_url) == before
@@ -353,41 +357,47 @@ def listeners() -> Iterator[Callable[..., Listener]]:
         listener.stop()
 
 
-def test_only_ipam_agent_socket_counts(plugin, agent, sqlite_url, run_dir, listeners, tmp_path):
+def test_only_ipam_agent_socket_counts(
+    forwarder, plugin, agent, sqlite_url, run_dir, listeners, tmp_path
+):
     """Finding: "agentSocket" anywhere in the raw config (a key of `args.cni`, which
     Multus fills from pod annotations) sent the call to that socket and printed its
-    answer. Now only `ipam.agentSocket` counts."""
+    answer. Now only `ipam.agentSocket` counts (the native plugin, which has no
+    in-process mode, refuses the first: 7)."""
     decoy = listeners(run_dir / "decoy.sock")
     # Without ipam.agentSocket the call runs in-process; with it, it goes to the agent.
     local = local_config(f"sqlite://{tmp_path}/local.db")
-    for config, where in (
-        ({**local, "args": {"cni": {"agentSocket": str(decoy.path)}}}, "in-process"),
+    for config, where, runs in (
+        ({**local, "args": {"cni": {"agentSocket": str(decoy.path)}}}, "in-process", plugin),
         (
             {"args": {"cni": {"agentSocket": str(decoy.path)}}, **agent_config(agent.socket)},
             "agent",
+            forwarder,
         ),
     ):
         data = json.dumps(config).encode()
         assert data.index(b'"agentSocket"') < len(data)  # the decoy's comes first or alone
-        result = exec_plugin(plugin, "ADD", data, container=f"c-{where}")
+        result = exec_plugin(runs, "ADD", data, container=f"c-{where}")
         assert result.returncode == 0, (where, result)
+        if where == "in-process" and forwarder != plugin:
+            assert error_code(exec_plugin(forwarder, "ADD", data, container="c-native")) == 7
     assert decoy.received() == []  # nobody connected to it
     assert "c-agent" in holder_of(sqlite_url)
     assert "c-in-process" in holder_of(f"sqlite://{tmp_path}/local.db")
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="needs root and setpriv")
-def test_socket_of_another_user_is_refused_and_nothing_sent(plugin, run_dir, listeners):
+def test_socket_of_another_user_is_refused_and_nothing_sent(forwarder, run_dir, listeners):
     listener = listeners(run_dir / "theirs.sock")
     os.chown(listener.path, NOBODY, NOBODY)
-    result = exec_plugin(plugin, "ADD", agent_config(listener.path), container="c1")
+    result = exec_plugin(forwarder, "ADD", agent_config(listener.path), container="c1")
     assert error_code(result) == 5
     assert f"owned by uid {NOBODY}" in result.json["msg"]
     assert listener.received() == []  # not even a connection
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="needs root and setpriv")
-def test_agent_of_another_user_is_refused_and_nothing_sent(plugin, run_dir, listeners):
+def test_agent_of_another_user_is_refused_and_nothing_sent(forwarder, run_dir, listeners):
     """The socket file says root (chowned after the bind), but the process listening on
     it runs as nobody: SO_PEERCRED tells, and nothing is sent."""
     theirs = run_dir / "nobody"
@@ -397,7 +407,7 @@ def test_agent_of_another_user_is_refused_and_nothing_sent(plugin, run_dir, list
     listener = listeners(theirs / "agent.sock", nobody)
     os.chown(listener.path, 0, 0)
     for command in ("ADD", "DEL"):
-        result = exec_plugin(plugin, command, agent_config(listener.path), container="c1")
+        result = exec_plugin(forwarder, command, agent_config(listener.path), container="c1")
         assert error_code(result) == 5, result
         assert f"runs as uid {NOBODY}" in result.json["msg"]
     assert listener.received() == [0, 0]  # it connected (to ask), and sent nothing
@@ -406,53 +416,64 @@ def test_agent_of_another_user_is_refused_and_nothing_sent(plugin, run_dir, list
 # -- codes of a call that does not get through -----------------------------------------------
 
 
-def test_version_needs_no_agent(plugin, run_dir):
+def test_version_needs_no_agent(forwarder, run_dir):
     cfg = agent_config(run_dir / "missing" / "agent.sock")
-    result = exec_plugin(plugin, "VERSION", cfg, env={"CNI_CONTAINERID": None})
+    result = exec_plugin(forwarder, "VERSION", cfg, env={"CNI_CONTAINERID": None})
     assert result.returncode == 0, result
     assert result.json["cniVersion"] == "1.0.0" and "1.1.0" in result.json["supportedVersions"]
 
 
-def test_status_with_the_agent_down_is_50(plugin, run_dir):
+def test_status_with_the_agent_down_is_50(forwarder, run_dir):
     for path in (run_dir / "missing" / "agent.sock", run_dir / "stale.sock"):
         if path.name == "stale.sock":
             with socket.socket(socket.AF_UNIX) as s:
                 s.bind(str(path))  # nobody listens: what a killed agent leaves
         cfg = {**agent_config(path), "cniVersion": "1.1.0"}
-        result = exec_plugin(plugin, "STATUS", cfg, env={"CNI_CONTAINERID": None})
+        result = exec_plugin(forwarder, "STATUS", cfg, env={"CNI_CONTAINERID": None})
         assert error_code(result) == 50, result
-        add = exec_plugin(plugin, "ADD", cfg, container="c1")
+        add = exec_plugin(forwarder, "ADD", cfg, container="c1")
         assert error_code(add) == 11, add
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="needs root and setpriv")
-def test_caller_refused_by_the_socket_directory_gets_5(agent, sqlite_url, run_dir):
+def test_caller_refused_by_the_socket_directory_gets_5(
+    forwarder, plugin, agent, sqlite_url, run_dir
+):
     """Finding: a caller the socket directory's mode (0750, root) keeps out got 11, and
-    retried forever. Retrying cannot help: 5. Its DEL succeeds: no ADD of it got
-    through (docs/design.md 5.14)."""
-    launcher = public_plugin(run_dir)
+    retried forever. Retrying cannot help: 5. A DEL of an attachment no ADD of which
+    reached an agent succeeds all the same (docs/design.md 5.14); with its note, 5."""
+    runs = public_plugin(run_dir) if forwarder == plugin else forwarder  # nobody may run it
     assert agent.socket.parent.stat().st_mode & 0o777 == 0o750
     before = whole_store(sqlite_url)
     nobody = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    result = exec_as(nobody, launcher, "ADD", agent_config(agent.socket), "c1")
-    assert error_code(result) == 5, result
-    assert "Permission denied" in result.json["msg"]
-    deleted = exec_as(nobody, launcher, "DEL", agent_config(agent.socket), "c1")
+    container = f"refused-{forwarder.parent.name}"
+    added = exec_as(nobody, runs, "ADD", agent_config(agent.socket), container)
+    assert error_code(added) == 5, added
+    assert "Permission denied" in added.json["msg"]
+    deleted = exec_as(nobody, runs, "DEL", agent_config(agent.socket), container)
     assert deleted.returncode == 0 and deleted.stdout == b"", deleted
+    note = Path(notes_of_others()) / "net" / container / "eth0"  # as an ADD that got through
+    note.parent.mkdir(parents=True)
+    note.write_text(f"{agent.socket}\n")
+    try:
+        deleted = exec_as(nobody, runs, "DEL", agent_config(agent.socket), container)
+        assert error_code(deleted) == 5 and "Permission denied" in deleted.json["msg"], deleted
+    finally:
+        shutil.rmtree(note.parent)
     assert whole_store(sqlite_url) == before
 
 
-def test_config_over_the_limit_is_107_on_both_paths(plugin, agent, sqlite_url, tmp_path):
+def test_config_over_the_limit_is_107_on_both_paths(forwarder, plugin, agent, sqlite_url, tmp_path):
     """Finding: a 10 MB config succeeded in-process and got 11 through the agent (its
     frame was too big). One limit for both: wire.MAX_CONFIG, code 107."""
     local_url = f"sqlite://{tmp_path}/local.db"
-    for cfg, url in (
-        (agent_config(agent.socket), sqlite_url),
-        (local_config(local_url), local_url),
+    for cfg, url, runs in (
+        (agent_config(agent.socket), sqlite_url, forwarder),
+        (local_config(local_url), local_url, plugin),
     ):
         cfg["padding"] = "x" * (10 << 20)
         before = whole_store(url) if Path(url.removeprefix("sqlite://")).exists() else None
-        result = exec_plugin(plugin, "ADD", cfg, container="big")
+        result = exec_plugin(runs, "ADD", cfg, container="big")
         assert error_code(result) == 107, result
         assert str(wire.MAX_CONFIG) in result.json["msg"]
         if before is not None:
@@ -460,15 +481,15 @@ def test_config_over_the_limit_is_107_on_both_paths(plugin, agent, sqlite_url, t
         just_under = {**cfg, "padding": ""}
         just_under["padding"] = "x" * (wire.MAX_CONFIG - len(json.dumps(just_under)))
         assert len(json.dumps(just_under)) == wire.MAX_CONFIG
-        ok = exec_plugin(plugin, "ADD", just_under, container="under")
+        ok = exec_plugin(runs, "ADD", just_under, container="under")
         assert ok.returncode == 0, ok
 
 
-def test_plugin_forwards_the_environment_as_bytes(plugin, agent):
+def test_plugin_forwards_the_environment_as_bytes(forwarder, agent):
     """Non-UTF-8 bytes reach the agent as they are and are judged as in-process: not
     valid UTF-8 in CNI_ARGS, code 4 on both paths (a process environment cannot hold
     NULs, so any other byte is possible)."""
     cfg = agent_config(agent.socket)
     env = {"CNI_ARGS": "IgnoreUnknown=1;X=" + os.fsdecode(b"\xff\xfe")}
-    result = exec_plugin(plugin, "ADD", cfg, container="c1", env=env)
+    result = exec_plugin(forwarder, "ADD", cfg, container="c1", env=env)
     assert error_code(result) == 4 and "UTF-8" in result.json["msg"]

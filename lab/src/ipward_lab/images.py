@@ -7,7 +7,8 @@
 * The ipward image (`build_ipward_image`): the repository's `Containerfile`, built by
   Debian's `buildah` on a base made from Debian's own packages (`debootstrap
   --variant=minbase --include=python3,python3-venv bookworm`, from the Debian source
-  the machine's apt uses) and given to the Containerfile as its `BASE` build argument;
+  the machine's apt uses) and given to the Containerfile as its `BASE` build argument,
+  and as its `BUILDER` (the native plugin's build stage installs its compiler there);
   written as a docker-archive tarball for `ctr images import`. Cached by the content of
   what goes into it.
 """
@@ -28,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ipward.core.startpath import NATIVE_PLUGIN
 from ipward_lab import machine
 
 PAUSE_IMAGE = "ipward.test/pause:lab"
@@ -290,12 +292,18 @@ def debian_mirror() -> str:
 
 
 def image_inputs_digest(repo: Path) -> str:
-    """A digest of what goes into the ipward image: the Containerfile, the product's
-    pyproject and README, every file under src/ (what `pip install .` reads)."""
+    """A digest of what goes into the ipward image: the Containerfile and what it leaves
+    out of its context, the product's pyproject and README, every file under src/ (what
+    `pip install .` reads, and the native plugin's source) but the checkout's own build
+    of the native plugin (the image builds its own)."""
     h = hashlib.sha256()
-    files = [repo / "Containerfile", repo / "pyproject.toml", repo / "README.md"]
+    files = [repo / name for name in ("Containerfile", ".containerignore", "pyproject.toml")]
+    files.append(repo / "README.md")
+    checkouts_build = repo / "src" / "ipward" / NATIVE_PLUGIN
     files += sorted(
-        p for p in (repo / "src").rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        p
+        for p in (repo / "src").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p != checkouts_build
     )
     for path in files:
         h.update(str(path.relative_to(repo)).encode() + b"\0")
@@ -401,6 +409,7 @@ def build_ipward_image(repo: Path, say: Any = print) -> Path:
             *ca_bundle_volume(),
             "--pull=never",
             f"--build-arg=BASE={BASE_IMAGE}",
+            f"--build-arg=BUILDER={BASE_IMAGE}",
             "--layers=false",
             f"--file={repo / 'Containerfile'}",
             f"--tag={IPWARD_IMAGE}",

@@ -80,17 +80,11 @@ def cli(ctx: click.Context, store: str, as_json: bool) -> None:
 @click.option(
     "--standalone",
     is_flag=True,
-    help="Write one self-contained file for a host without ipward (a Kubernetes node): it"
-    " runs on the host's /usr/bin/python3 and forwards every call to the node agent.",
+    help="Write the native plugin, one static executable for a host without ipward (a"
+    " Kubernetes node): it needs nothing of the host and forwards every call to the node"
+    " agent.",
 )
-@click.option(
-    "--host-root",
-    default="/",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="With --standalone: where the host's root is mounted, to check its python3.",
-)
-def install_cni(bin_dir: str, name: str, standalone: bool, host_root: str) -> None:
+def install_cni(bin_dir: str, name: str, standalone: bool) -> None:
     """Install the plugin executable into a CNI bin dir."""
     from ipward.core import startpath
 
@@ -100,10 +94,12 @@ def install_cni(bin_dir: str, name: str, standalone: bool, host_root: str) -> No
         if problem:
             click.echo(f"warning: {problem}", err=True)
     else:
-        problem = startpath.host_python_problem(Path(host_root))
-        if problem:
-            raise click.BadParameter(problem, param_hint="--host-root")
-        startpath.write_executable(target, startpath.standalone_plugin())
+        try:
+            plugin = startpath.native_plugin()
+        except startpath.PluginNotBuilt as e:
+            click.echo(f"ipward: nothing installed: {e}", err=True)
+            sys.exit(2)
+        startpath.write_executable(target, plugin)
     click.echo(f"installed {target}")
 
 

@@ -1,8 +1,8 @@
 """What the plugin reads and prints without the ledger: the network configuration on
 stdin (its size, its JSON), VERSION's answer and the CNI error object. The in-process
-plugin (`cni`), the forwarding path (`plugin`) and the standalone plugin (`ipward
-install-cni --standalone`, which carries the forwarding path only) share these, so each
-answers the same input the same way. Standard library only, nothing costly to import."""
+plugin (`cni`) and the forwarding path (`plugin`) share these, so each answers the same
+input the same way; the native plugin (`cni/native`) answers as they do, in the same
+words. Standard library only, nothing costly to import."""
 
 from __future__ import annotations
 

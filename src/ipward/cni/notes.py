@@ -37,7 +37,10 @@ class NoteFailure(OSError):
 
 def _component(value: object) -> bytes | None:
     if isinstance(value, str):
-        value = value.encode("utf-8", "surrogateescape")
+        try:
+            value = value.encode()
+        except UnicodeEncodeError:  # a lone surrogate: no network an agent accepts
+            return None
     if not isinstance(value, bytes) or not 0 < len(value) <= NAME_MAX:
         return None
     if b"/" in value or b"\0" in value or value in (b".", b".."):
@@ -70,7 +73,7 @@ def write(path: bytes, agent: str) -> None:
             0o600,
         )
         try:
-            posix.write(fd, agent.encode("utf-8", "surrogateescape") + b"\n")
+            posix.write(fd, agent.encode() + b"\n")
         finally:
             posix.close(fd)
     except OSError as e:

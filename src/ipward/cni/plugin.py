@@ -21,7 +21,7 @@ from __future__ import annotations
 import posix
 import sys
 
-from ipward.cni.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, agent_socket
+from ipward.cni.wire import CALL_TIMEOUT, FORWARDED, MAX_CONFIG, WireError, agent_socket
 from ipward.core.startpath import json_loads
 
 TYPE_CHECKING = False
@@ -47,6 +47,18 @@ def trusted_uids() -> tuple[int, ...]:
     return (0, posix.geteuid())
 
 
+class Refused(WireError):
+    """The call cannot get through and retrying cannot help (code 5): the socket or the
+    process behind it is not root's or ours, or the caller is kept out. Nothing was
+    sent."""
+
+
+def _failed(step: str, error: OSError) -> WireError:
+    """Why `step` failed, in the words the native plugin uses too (`strerror`)."""
+    reason = f"{step}: {error.strerror or error}"  # a socket timeout has no strerror
+    return Refused(reason) if isinstance(error, PermissionError) else WireError(reason)
+
+
 def forward(
     path: str,
     env: Mapping[str, str | bytes],
@@ -55,33 +67,42 @@ def forward(
     before_sending: Callable[[], None] | None = None,
 ) -> tuple[int, bytes]:
     """Send one call to the agent at `path`; its exit status and stdout. Raises
-    PermissionError when the socket or the process behind it is not root's or ours
-    (nothing is sent then), other OSErrors and `wire.WireError` when no answer comes.
-    `before_sending` runs once the agent is trusted, before a byte is sent (an ADD's
-    note); what it raises, nothing is sent."""
+    `Refused` when the socket or the process behind it is not root's or ours (nothing
+    is sent then), `wire.WireError` when no answer comes, each saying why in the words
+    of the native plugin (src/ipward/cni/native). `before_sending` runs once the agent is
+    trusted, before a byte is sent (an ADD's note); what it raises, nothing is sent."""
     import _socket
 
-    from ipward.cni.wire import NO_ANSWER, WireError, encode_request, read_answer
+    from ipward.cni.wire import NO_ANSWER, encode_request, read_answer
 
     request = encode_request(env, stdin)
     trusted = trusted_uids()
-    st = posix.stat(path)
+    try:
+        st = posix.stat(path)
+    except OSError as e:
+        raise _failed("stat", e) from None
     if st.st_mode & _S_IFMT != _S_IFSOCK:
-        raise PermissionError(f"{path} is not a socket")
+        raise Refused(f"{path} is not a socket")
     if st.st_uid not in trusted:
-        raise PermissionError(
+        raise Refused(
             f"{path} is owned by uid {st.st_uid}; the plugin talks only to a socket of root"
             f" or of its own uid {trusted[-1]}"
         )
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    except OSError as e:
+        raise _failed("socket", e) from None
     try:
         sock.settimeout(timeout)
         _connect(sock, path, timeout)
-        raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+        try:
+            raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+        except OSError as e:
+            raise _failed("SO_PEERCRED", e) from None
         peer_pid = int.from_bytes(raw[0:4], sys.byteorder)
         peer_uid = int.from_bytes(raw[4:8], sys.byteorder)
         if peer_uid not in trusted:
-            raise PermissionError(
+            raise Refused(
                 f"the process listening on {path} (pid {peer_pid}) runs as uid {peer_uid};"
                 f" the plugin talks only to an agent of root or of its own uid {trusted[-1]}"
             )
@@ -91,10 +112,14 @@ def forward(
             sock.sendall(request)
         except (BrokenPipeError, ConnectionResetError):
             pass  # it answered without reading all of it (busy, or refused): read that
+        except OSError as e:
+            raise _failed("send", e) from None
         try:
             return read_answer(sock.recv)
         except ConnectionResetError as e:
             raise WireError(f"{NO_ANSWER}: {e.strerror}") from None
+        except OSError as e:
+            raise _failed("recv", e) from None
     finally:
         sock.close()
 
@@ -109,10 +134,12 @@ def _connect(sock: _socket.socket, path: str, timeout: float) -> None:
         try:
             sock.connect(path)
             return
-        except BlockingIOError:
+        except BlockingIOError as e:
             if time.monotonic() > deadline:
-                raise
+                raise _failed("connect", e) from None
             time.sleep(0.002)
+        except OSError as e:
+            raise _failed("connect", e) from None
 
 
 def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exception) -> bytes:
@@ -121,17 +148,16 @@ def _unreachable(stdin: bytes, path: str, command: bytes | None, error: Exceptio
     from ipward.cni.notes import NoteFailure
     from ipward.core.errors import IoFailure, IpwardError, NotAvailable, TryAgainLater
 
-    reason = f"{type(error).__name__}: {error}"
     answer: IpwardError
     if command == b"STATUS":
-        answer = NotAvailable(f"cannot serve ADD: ipward agent at {path}: {reason}")
+        answer = NotAvailable(f"cannot serve ADD: ipward agent at {path}: {error}")
     elif isinstance(error, NoteFailure):
         answer = TryAgainLater(f"ADD not sent to the ipward agent at {path}: {error.strerror}")
-    elif isinstance(error, PermissionError):  # retrying cannot help
-        answer = IoFailure(f"ipward agent at {path} not usable ({reason}); nothing was sent")
+    elif isinstance(error, Refused):  # retrying cannot help
+        answer = IoFailure(f"ipward agent at {path} not usable ({error}); nothing was sent")
     else:
         what = "nothing was freed; retry the DEL" if command == b"DEL" else "try again later"
-        answer = TryAgainLater(f"ipward agent at {path} unreachable ({reason}); {what}")
+        answer = TryAgainLater(f"ipward agent at {path} unreachable ({error}); {what}")
     return error_output(answer, stdin).encode()
 
 

@@ -106,7 +106,10 @@ def socket_path_problem(path: object) -> str | None:
     """What makes `path` unusable as the agent's socket path, or None."""
     if not isinstance(path, str):
         return "must be a string"
-    raw = path.encode("utf-8", "surrogateescape")
+    try:
+        raw = path.encode()
+    except UnicodeEncodeError:  # a JSON escape can make one: no path has it
+        return "must be Unicode text (it has a lone surrogate)"
     if not raw.startswith(b"/"):
         return "must be an absolute path"
     if b"\0" in raw:

@@ -13,8 +13,8 @@ In the order an exec meets them:
 What `install-cni` runs (never a plugin exec), below them:
 - The launcher (`LAUNCHER`, `write_launcher`): a script on the system interpreter, with
   the package's bytecode and code pack written by that interpreter (`write_bytecode`).
-- The standalone plugin (`standalone_plugin`, `host_python_problem`): the forwarding
-  path alone in one file, for a host without ipward.
+- The native plugin (`native_plugin`): the forwarding path as one static executable,
+  built from `cni/native/`, for a host without ipward.
 - `write_executable`: either one written atomically.
 
 One module in `core` for all of it: the JSON codec and the SQLite import are used by
@@ -22,10 +22,9 @@ One module in `core` for all of it: the JSON codec and the SQLite import are use
 imports a layer above it (the launcher names `ipward.cni.plugin` in its text only; the
 builds read the package's files by path).
 
-What runs at import is on every exec's path, the standalone plugin's too (it carries
-this module): the top imports only modules a bare interpreter has loaded already, and
-`_json`; what `install-cni` needs is imported in the functions that use it. Its syntax
-is that of the oldest host Python the standalone plugin accepts (MIN_HOST_PYTHON).
+What runs at import is on every exec's path: the top imports only modules a bare
+interpreter has loaded already, and `_json`; what `install-cni` needs is imported in the
+functions that use it.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
     from types import CodeType, ModuleType
     from typing import Any
 
-# The interpreter both executables name in their shebang: the system's, not the one
+# The interpreter the launcher names in its shebang: the system's, not the one
 # running `install-cni` (a virtualenv's may not be there for the runtime, or be slower
 # to start).
 PLUGIN_PYTHON = "/usr/bin/python3"
@@ -377,136 +376,28 @@ def write_executable(target: Path, data: bytes) -> None:
         os.close(directory)
 
 
-# -- the standalone plugin (install-cni --standalone) ----------------------------------
+# -- the native plugin (install-cni --standalone) -------------------------------------
 # For a host that has no ipward, such as a Kubernetes node whose agent runs in a
-# container: one file in zipapp form (a shebang line, then a zip archive with
-# `__main__.py`) holding the forwarding path only (STANDALONE_MODULES, standard library
-# only: `ipward.cni.standalone` says what it does). The host's python3 runs it. Its
-# shebang does not run the archive as a zipapp (`python3 FILE` imports `runpy` and with
-# it `importlib.util`, `os`, `contextlib`...: +8 to +19 ms per exec measured here) but
-# puts the file on `sys.path` and calls the entry point, with `-c` (the kernel passes all
-# of the line after the interpreter as one argument, and CPython reads `-ISc<code>` as
-# -I, -S, -c <code>); the line stays under 128 bytes, the kernel's bound before Linux
-# 5.1. `python3 FILE` works too. Each module is in it as source and as bytecode of the
-# installing interpreter (hash-based, unchecked: the archive never changes): a host
-# Python of the same version imports the bytecode, any other one compiles the source,
-# as zipimport falls back on a bad magic number (compiling costs 6 to 10 ms per exec).
+# container: the forwarding path as one statically linked executable, which needs
+# nothing of the host (no interpreter, no shell, no C library). Its source and build are
+# in the package (`cni/native/`: `ipward-cni.c`, `build.sh`); `scripts/setup.sh` builds it
+# in a checkout and the Containerfile in a build stage of its own, into the package,
+# where `install-cni --standalone` takes it.
 
-STANDALONE_MAIN = "from ipward.cni.standalone import main;main()"
-SHEBANG = f"#!{PLUGIN_PYTHON} -IScimport sys;sys.path.insert(0,sys.argv[1]);{STANDALONE_MAIN}\n"
-# The modules the standalone plugin runs (`-X importtime` of each verb shows no others).
-# Paths in the package, each with the `__init__` of its package (kept empty: see each).
-STANDALONE_MODULES = (
-    "__init__",
-    "cni/__init__",
-    "cni/cniio",
-    "cni/notes",
-    "cni/plugin",
-    "cni/standalone",
-    "cni/wire",
-    "core/__init__",
-    "core/errors",
-    "core/startpath",
-)
-# The oldest Python the standalone plugin's modules run on: 3.10 for `isinstance` with
-# `X | Y` (the JSON codec above). Exec-tested on each version the machine has
-# (tests/system/test_start_path_pythons.py); the syntax also with `ast.parse(feature_version)`.
-MIN_HOST_PYTHON = (3, 10)
-_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed: the same modules make the same bytes
+NATIVE_PLUGIN = "cni/native/ipward-cni"  # in the package
 
 
-def standalone_plugin() -> bytes:
-    """The standalone plugin's bytes: the shebang, then the zip archive."""
-    import io
-    import zipfile
-
-    package = _package()
-    out = io.BytesIO()
-    out.write(SHEBANG.encode())
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
-        files = [(f"ipward/{m}", (package / f"{m}.py").read_bytes()) for m in STANDALONE_MODULES]
-        for name, source in [*files, ("__main__", f"{STANDALONE_MAIN}\n".encode())]:
-            archive.writestr(zipfile.ZipInfo(f"{name}.py", _ZIP_TIME), source)
-            archive.writestr(zipfile.ZipInfo(f"{name}.pyc", _ZIP_TIME), _pyc(name, source))
-    return out.getvalue()
+class PluginNotBuilt(Exception):
+    """The native plugin is not in the package: it was never built here."""
 
 
-def _pyc(name: str, source: bytes) -> bytes:
-    """A .pyc of `source` for this interpreter (PEP 552: hash-based, not checked)."""
-    import importlib.util
-
-    code = compile(source, f"{name}.py", "exec", dont_inherit=True)
-    unchecked_hash = (0b01).to_bytes(4, "little")
-    return (
-        importlib.util.MAGIC_NUMBER
-        + unchecked_hash
-        + importlib.util.source_hash(source)
-        + marshal.dumps(code)
-    )
-
-
-def host_python_problem(host_root: Path) -> str | None:
-    """What keeps the host's /usr/bin/python3, seen under `host_root`, from running the
-    standalone plugin; None when nothing does. It is read, not run (an init container's
-    libraries are not the host's): its version comes from the name the symlink chain
-    ends at (`python3.11`, as Debian, Ubuntu, Fedora, Alpine and Arch install it),
-    else from its standard library's directory when there is only one, and that
-    directory must hold the library."""
-    shown = host_root / PLUGIN_PYTHON.lstrip("/")
-    resolved = _resolve_under(host_root, PLUGIN_PYTHON)
-    if resolved is None or not resolved.is_file():
-        return (
-            f"{shown} does not exist (or is not a file): the standalone plugin runs on the"
-            f" host's {PLUGIN_PYTHON}, Python {_dotted(MIN_HOST_PYTHON)} or later with its"
-            " standard library; install python3 on the host"
-        )
-    libraries = {
-        version: directory
-        for directory in sorted(host_root.glob("usr/lib*/python3.*"))
-        if (version := _version_of(directory.name)) and (directory / "os.py").is_file()
-    }
-    version = _version_of(resolved.name)
-    if version is None and len(libraries) == 1:
-        version = next(iter(libraries))
-    if version is None:
-        return (
-            f"cannot tell which Python {shown} is: it is {resolved.name!r}, not a name like"
-            f" python3.11, and the host has {len(libraries)} standard libraries"
-            f" under {host_root / 'usr'}"
-        )
-    if version < MIN_HOST_PYTHON:
-        return (
-            f"{shown} is Python {_dotted(version)}; the standalone plugin needs"
-            f" {_dotted(MIN_HOST_PYTHON)} or later"
-        )
-    if version not in libraries:
-        return (
-            f"{shown} is Python {_dotted(version)}, but its standard library"
-            f" ({host_root}/usr/lib/python{_dotted(version)}/os.py) is missing"
-        )
-    return None
-
-
-def _resolve_under(root: Path, path: str) -> Path | None:
-    """`path` of the host with its symlinks followed inside `root` (an absolute target
-    is the host's, so under `root` too); None if it does not lead to anything."""
-    import os
-
-    for _ in range(40):  # Linux's own bound on symlinks in one lookup
-        candidate = root / path.lstrip("/")
-        if not candidate.is_symlink():
-            return candidate if candidate.exists() else None
-        target = os.readlink(candidate)
-        path = os.path.normpath(os.path.join(os.path.dirname(path), target))
-    return None
-
-
-def _version_of(name: str) -> tuple[int, int] | None:
-    import re
-
-    match = re.fullmatch(r"python(\d+)\.(\d+)", name)
-    return (int(match[1]), int(match[2])) if match else None
-
-
-def _dotted(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
+def native_plugin() -> bytes:
+    """The native plugin's bytes; PluginNotBuilt when it is missing."""
+    path = _package() / NATIVE_PLUGIN
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise PluginNotBuilt(
+            f"the native plugin {path} was not built (src/ipward/cni/native/build.sh;"
+            " scripts/setup.sh runs it in a checkout, the Containerfile in the image)"
+        ) from None

@@ -36,7 +36,13 @@ from ipward_lab.bench.common import (
     stop_agent,
     verdict,
 )
-from ipward_lab.bench.plugin_exec import exec_kinds, exec_rates, interleaved_adds, ipam_config
+from ipward_lab.bench.plugin_exec import (
+    exec_kinds,
+    exec_rates,
+    interleaved_adds,
+    ipam_config,
+    native_exec,
+)
 from ipward_lab.etcdlab import ETCD, etcd_server
 from ipward_lab.fleet import Agent, FleetError
 
@@ -46,6 +52,7 @@ CLUSTER_BLOCK_V4 = 26
 AGENT_MAX_WORKERS = 16  # the agent's default --max-workers, which the bench leaves as is
 TARGET_CLUSTER_VS_CAS = 0.5  # aggregate ADDs/s >= 0.5 x raw CAS/s at the same concurrency
 TARGET_AGENT_EXEC_OVER_PYTHON_MS = 5.0  # plugin ADD (through the agent) - bare interpreter
+TARGET_NATIVE_VS_HOST_LOCAL = 1.0  # the native plugin's ADD median over host-local's (issue 29)
 EXEC_RATE_CONCURRENCY = 32  # execs at once for the exec-bound rate of a node
 
 
@@ -239,10 +246,13 @@ class _Counted:
 
 
 def agent_exec_latency(tmp: Path, socket_path: str, runs: int, warmup: int = 5) -> dict[str, float]:
-    """ADD exec latency of the installed plugin forwarding to the agent at `socket_path`
-    (`agentSocket` in its config), of a bare interpreter and of host-local, interleaved
-    run by run; DEL of every ADD afterwards (not timed)."""
-    return interleaved_adds(exec_kinds(tmp, {"ipward": _agent_config(socket_path)}), runs, warmup)
+    """ADD exec latency of the installed plugin (Python) and of the native plugin, each
+    forwarding to the agent at `socket_path` (`agentSocket` in its config), of a bare
+    interpreter and of host-local, interleaved run by run; DEL of every ADD afterwards
+    (not timed)."""
+    kinds = exec_kinds(tmp, {"ipward": _agent_config(socket_path)})
+    kinds["ipward_native"] = native_exec(tmp, _agent_config(socket_path))
+    return interleaved_adds(kinds, runs, warmup)
 
 
 def _agent_config(socket_path: str) -> bytes:
@@ -528,8 +538,8 @@ def _agent_exec(
     """Plugin exec through the agent at `socket_path`, ADD latency (target) and the
     exec-bound rate: figures and target into `r`."""
     out(
-        f"  ... plugin exec: {exec_runs} ADDs each of python, ipward (through agent 0)"
-        " and host-local, interleaved"
+        f"  ... plugin exec: {exec_runs} ADDs each of python, ipward (through agent 0),"
+        " host-local and the native ipward (through agent 0), interleaved"
     )
     exec_dir = tmp / "exec"
     exec_dir.mkdir()
@@ -543,6 +553,18 @@ def _agent_exec(
         "target": f"<= {TARGET_AGENT_EXEC_OVER_PYTHON_MS} ms",
         "met": diff <= TARGET_AGENT_EXEC_OVER_PYTHON_MS,
     }
+    if "exec.host_local.median_ms" in r.figures:
+        host_local = r.figures["exec.host_local.median_ms"]
+        for kind in ("ipward", "ipward_native"):
+            r.figures[f"exec.{kind}_vs_host_local"] = (
+                r.figures[f"exec.{kind}.median_ms"] / host_local
+            )
+        ratio = r.figures["exec.ipward_native_vs_host_local"]
+        r.targets["exec.ipward_native_vs_host_local"] = {
+            "value": ratio,
+            "target": f"<= {TARGET_NATIVE_VS_HOST_LOCAL:.2f}x host-local",
+            "met": ratio <= TARGET_NATIVE_VS_HOST_LOCAL,
+        }
     out(
         f"  ... exec-bound rate: {EXEC_RATE_CONCURRENCY} ADD execs at once through agent 0,"
         f" then {EXEC_RATE_CONCURRENCY} bare interpreter starts at once, taking turns"
@@ -602,6 +624,7 @@ def _exec_rows(r: Results, exec_runs: int) -> list[list[str]]:
         "python": f"{PLUGIN_PYTHON} -I -S -c pass",
         "host_local": "host-local ADD",
         "ipward": "ipward ADD (through the agent)",
+        "ipward_native": "native ipward ADD (through the agent)",
     }
     for kind, label in labels.items():
         if f"exec.{kind}.median_ms" in f:
@@ -619,6 +642,24 @@ def _exec_rows(r: Results, exec_runs: int) -> list[list[str]]:
             f"<= {TARGET_AGENT_EXEC_OVER_PYTHON_MS:.0f} ms {verdict(met)}",
         ]
     )
+    if "exec.ipward_native_vs_host_local" in f:
+        met = r.targets["exec.ipward_native_vs_host_local"]["met"]
+        exec_rows.append(
+            [
+                "native ipward / host-local (median)",
+                f"{f['exec.ipward_native_vs_host_local']:.2f}x",
+                "",
+                f"<= {TARGET_NATIVE_VS_HOST_LOCAL:.2f}x {verdict(met)}",
+            ]
+        )
+        exec_rows.append(
+            [
+                "ipward (Python) / host-local (median)",
+                f"{f['exec.ipward_vs_host_local']:.2f}x",
+                "",
+                "",
+            ]
+        )
     exec_rows.append([f"exec-bound rate, {EXEC_RATE_CONCURRENCY} at once", "per s", "", ""])
     exec_rows.append(
         [f"{PLUGIN_PYTHON} -I -S starts", f"{f['exec.python_starts_per_s']:.0f}", "", ""]

@@ -1,6 +1,6 @@
 """Figure 2, plugin exec latency: the installed plugin's ADD (single-node on SQLite, or
-through an agent) next to `/usr/bin/python3 -I -S -c pass` and Debian's host-local ADD,
-interleaved run by run."""
+through an agent: then also the native plugin's, `install-cni --standalone`) next to
+`/usr/bin/python3 -I -S -c pass` and Debian's host-local ADD, interleaved run by run."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ipward.core.pool import PoolSpec
-from ipward.core.startpath import write_launcher
+from ipward.core.startpath import PluginNotBuilt, native_plugin, write_executable, write_launcher
 from ipward.ipam.pools import create_pool
 from ipward.store import open_store
 from ipward_lab.bench.common import (
@@ -75,6 +75,8 @@ class _Exec:
             "CNI_NETNS": "/var/run/netns/x",
             "CNI_PATH": cni_path,
         }
+        if "IPWARD_CNI_NOTES" in os.environ:  # the plugin's notes where its caller keeps them
+            self.base_env["IPWARD_CNI_NOTES"] = os.environ["IPWARD_CNI_NOTES"]
 
     def run(self, command: str, container: str) -> float:
         env = dict(self.base_env, CNI_COMMAND=command, CNI_CONTAINERID=container)
@@ -119,6 +121,18 @@ def exec_kinds(
     return kinds
 
 
+def native_exec(tmp: Path, cfg: bytes) -> _Exec:
+    """The native plugin installed in tmp/bin as `ipward install-cni --standalone` does,
+    with `cfg` (it forwards every call to an agent). BenchError when it was not built."""
+    try:
+        data = native_plugin()
+    except PluginNotBuilt as e:
+        raise BenchError(str(e)) from None
+    bin_dir = tmp / "bin"
+    write_executable(bin_dir / "ipward-native", data)
+    return _Exec([str(bin_dir / "ipward-native")], cfg, f"{bin_dir}:{CNI_BIN_DIR}")
+
+
 def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float]:
     """ADD exec latency of the installed plugin in single-node mode, with a named pool
     (`ipward_pool`: made beforehand in its SQLite store, as `ipward pool create` makes
@@ -150,21 +164,22 @@ def exec_latency(tmp: Path, runs: int, warmup: int = 5) -> dict[str, float]:
 
 
 def interleaved_adds(kinds: dict[str, _Exec], runs: int, warmup: int) -> dict[str, float]:
-    """ADD of every kind, interleaved run by run; then DEL of every ADD of the kinds that
+    """ADD of every kind, interleaved run by run, each of a new attachment (kinds that
+    share an agent never ADD one twice); then DEL of every ADD of the kinds that
     allocate (not timed). {kind.median_ms, kind.p99_ms} for each kind."""
     samples: dict[str, list[float]] = {k: [] for k in kinds}
     added: list[str] = []
     for i in range(-warmup, runs):
-        container = f"bench-{'warm' if i < 0 else 'run'}-{abs(i)}"
+        run = f"{'warm' if i < 0 else 'run'}-{abs(i)}"
         for kind, ex in kinds.items():
-            elapsed = ex.run("ADD", container)
+            elapsed = ex.run("ADD", f"bench-{kind}-{run}")
             if i >= 0:
                 samples[kind].append(elapsed)
-        added.append(container)
-    for container in added:
+        added.append(run)
+    for run in added:
         for kind, ex in kinds.items():
             if kind not in REFERENCES:
-                ex.run("DEL", container)
+                ex.run("DEL", f"bench-{kind}-{run}")
     out: dict[str, float] = {}
     for kind, values in samples.items():
         out[f"{kind}.median_ms"], out[f"{kind}.p99_ms"] = summary(values)
