@@ -19,17 +19,21 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-MACHINE_NOTES = Path("/var/lib/cni/ipward")  # cni/notes.py NOTES_DIR
-_machine_notes_before = MACHINE_NOTES.exists()
+# What a plugin run without a test's own directories writes into the machine: its notes
+# (cni/notes.py NOTES_DIR: pass IPWARD_CNI_NOTES, tests/conftest.py plugin_notes) and,
+# in-process, the default store (cni/config.py DEFAULT_STORE: give the config a store).
+MACHINE_PATHS = (Path("/var/lib/cni/ipward"), Path("/var/lib/ipward"))
+_machine_paths_before = {path for path in MACHINE_PATHS if path.exists()}
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A plugin exec'd by a test without the run's notes directory writes into the
-    machine's: the run fails, naming it."""
-    if MACHINE_NOTES.exists() and not _machine_notes_before:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        print(f"\nA test's plugin wrote notes into the machine's {MACHINE_NOTES}: pass it")
-        print("IPWARD_CNI_NOTES (tests/conftest.py plugin_notes)")
+    """A test that wrote into the machine's own ipward directories fails the run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for path in MACHINE_PATHS:
+        if path.exists() and path not in _machine_paths_before:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            if reporter is not None:
+                reporter.write_line(f"FAILED: a test's plugin wrote into the machine's {path}")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -179,7 +179,10 @@ def test_only_the_last_of_duplicate_keys_counts(
 def test_any_json_in_any_config_field_answers_alike(plugin, native_plugin, agent, data):
     """What is forwarded gets the agent's answer, printed as it came; what is not (the
     field broke `ipam.agentSocket`) is compared where both refuse it without an agent."""
-    cfg = base_config({"agentSocket": str(agent.socket)})
+    # A field that breaks the socket sends the Python launcher in-process: to a store of
+    # the test's, never the machine's default one.
+    in_process = f"sqlite://{agent.socket.parent}/in-process.db"
+    cfg = base_config({"agentSocket": str(agent.socket), "store": in_process})
     path = data.draw(st.sampled_from(FIELDS), label="field")
     set_path(cfg, path, data.draw(json_values, label="value"))
     command = data.draw(st.sampled_from(COMMANDS), label="command")
@@ -235,7 +238,8 @@ def test_any_bytes_on_stdin_get_the_same_code(plugin, native_plugin, run_dir, da
     """A config with bytes put into its text anywhere, forwarded to no agent: the same
     stdout when it still names the socket; when it is not JSON, code 6 from both (the
     words of the syntax error are Python's json's own)."""
-    text = json.dumps(config(run_dir / "no-agent.sock", version="0.4.0")).encode()
+    in_process = f"sqlite://{run_dir}/in-process.db"  # where a broken socket leaves Python
+    text = json.dumps(config(run_dir / "no-agent.sock", "0.4.0", store=in_process)).encode()
     at = data.draw(st.integers(0, len(text)), label="at")
     cut = data.draw(st.integers(0, 3), label="cut")
     inserted = data.draw(st.sampled_from(MUTATIONS) | st.binary(max_size=6), label="bytes")

@@ -71,7 +71,9 @@ def whole_store(url: str) -> tuple[int, dict[str, bytes]]:
 
 def run_plugin(plugin: Path, env: dict[str, bytes], stdin: bytes, cwd: Path) -> PluginResult:
     """Exec the plugin with exactly this environment (bytes: anything but NUL) in `cwd`
-    (a relative logFile a config may name lands there)."""
+    (a relative logFile a config may name lands there), and the run's notes directory
+    (tests/conftest.py) unless the environment names one."""
+    env = {"IPWARD_CNI_NOTES": os.environb[b"IPWARD_CNI_NOTES"], **env}
     proc = subprocess.run(
         [str(plugin)], input=stdin, env=env, cwd=cwd, capture_output=True, timeout=60
     )
@@ -240,7 +242,9 @@ def both(tmp_path: Path, plugin: Path, local: tuple[Path, str]) -> Iterator[dict
             wait_for(lambda: store.get(keys.node_key("prop-node")), "the node's registration")
         configs = {
             "in-process": json.dumps(base_config({"store": local[1]})).encode(),
-            "agent": json.dumps(base_config({"agentSocket": str(agent.socket)})).encode(),
+            "agent": json.dumps(
+                base_config({"agentSocket": str(agent.socket), "store": local[1]})
+            ).encode(),
         }
         seeded = run_plugin(plugin, base_env("ADD", "seed"), configs["agent"], tmp_path)
         assert seeded.returncode == 0, seeded

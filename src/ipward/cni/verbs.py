@@ -194,7 +194,8 @@ def _unchecked_ledger(raw: object, problem: IpwardError) -> Ledger | None:
     from ipward.store import StoreError, StoreMissing, open_store
 
     ipam = raw.get("ipam") if isinstance(raw, dict) else None
-    ipam = ipam if isinstance(ipam, dict) else {}
+    if not isinstance(ipam, dict):
+        return None  # no ipam section: no ADD of it used any store
     if "agentSocket" in ipam or "agent_socket" in ipam:
         if notes.held(attachment_note(raw)):
             raise problem  # an ADD of it reached an agent: the config must be fixed
