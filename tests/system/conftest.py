@@ -17,9 +17,9 @@ import pytest
 
 from ipward.store import Store, open_backend
 from ipward.store.base import Delete
-from ipward_lab.etcdlab import EtcdServer, etcd_server
 from ipward_lab.fleet import IPWARD
-from ipward_lab.kubeadmin import KubeApi
+from ipward_lab.servers.etcd import EtcdServer, etcd_server
+from ipward_lab.servers.kube_admin import KubeApi
 from ipward_lab.simworld import World
 
 
@@ -83,13 +83,13 @@ def scenario_kube(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
     """The API server of a scenario's `k8s` variant: a kube-apiserver of its own when
     KUBE_APISERVER names one (the scenarios name their nodes, namespace and pods alike,
     so they cannot share the session's), else the loopback test server."""
-    from ipward_lab import kubelab
+    from ipward_lab.servers import kube_apiserver
 
-    executable = kubelab.binary()
+    executable = kube_apiserver.binary()
     if executable is None:
         yield from _test_kube_server(tmp_path, kube_certs)
         return
-    with kubelab.kube_apiserver(executable, tmp_path) as lab:
+    with kube_apiserver.kube_apiserver(executable, tmp_path) as lab:
         api = KubeApi.of_real_server(lab)
         try:
             yield api
@@ -99,12 +99,12 @@ def scenario_kube(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
 
 @pytest.fixture(scope="session")
 def real_kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from ipward_lab import kubelab
+    from ipward_lab.servers import kube_apiserver
 
-    executable = kubelab.binary()
+    executable = kube_apiserver.binary()
     if executable is None:
         pytest.skip("KUBE_APISERVER does not name a kube-apiserver binary")
-    with kubelab.kube_apiserver(executable, tmp_path_factory.mktemp("kubelab")) as lab:
+    with kube_apiserver.kube_apiserver(executable, tmp_path_factory.mktemp("kubelab")) as lab:
         yield lab
 
 
@@ -121,7 +121,7 @@ def kube_server(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
 
 
 def _test_kube_server(tmp_path: Path, certs: Path) -> Iterator[KubeApi]:
-    from ipward_lab.kubeapi import kube_api_server
+    from ipward_lab.servers.kube_test_server import kube_api_server
 
     with kube_api_server(tmp_path, certs=certs) as server:
         api = KubeApi.of_test_server(server, tmp_path / "kubeconfig")

@@ -36,8 +36,8 @@ from ipward.core.records import AddressRecord
 from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward_lab import fleet
-from ipward_lab.etcdlab import etcd_server, free_port
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import etcd_server, free_port
 from ipward_lab.simcluster import write_sim_state
 from ipward_lab.waiting import wait_for
 from support import Gate, PluginResult, exec_plugin

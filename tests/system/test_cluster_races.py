@@ -39,8 +39,8 @@ from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT, Delete, Put
 from ipward_lab import fleet
-from ipward_lab.etcdlab import EtcdCluster, etcd_cluster, etcd_server
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import EtcdCluster, etcd_cluster, etcd_server
 from ipward_lab.waiting import wait_for
 from test_agent import AgentProcess
 

@@ -36,8 +36,8 @@ from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Delete, Put, at_revision
 from ipward_lab import fleet
-from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import etcd_server
 from ipward_lab.waiting import wait_for
 
 TTL = 2  # etcd's floor

@@ -20,7 +20,7 @@ from ipward.cluster.k8s.reflector import Reflector
 from ipward.cluster.k8s.source import NODES
 from ipward.cluster.liveness import LivenessUnavailable, Pod
 from ipward_lab.fleet import run_cli
-from ipward_lab.kubeadmin import KubeAdmin, KubeApi
+from ipward_lab.servers.kube_admin import KubeAdmin, KubeApi
 from ipward_lab.simcluster import SimCluster, SimFileSource
 from ipward_lab.simworld import agents
 from ipward_lab.waiting import wait_for

@@ -36,8 +36,7 @@ from ipward.store.base import (
     absent,
     at_revision,
 )
-from ipward_lab import etcdlab
-from ipward_lab.etcdlab import EtcdServer, etcd_cluster, etcd_server
+from ipward_lab.servers.etcd import EtcdServer, etcd_cluster, etcd_server, free_port
 from ipward_lab.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -678,8 +677,9 @@ def test_the_etcd_lab_takes_other_ports_when_its_first_is_taken(
         taken.listen()
         first = taken.getsockname()[1]
         chosen = iter([first])
-        really_free = etcdlab.free_port
-        monkeypatch.setattr(etcdlab, "free_port", lambda: next(chosen, None) or really_free())
+        monkeypatch.setattr(
+            "ipward_lab.servers.etcd.free_port", lambda: next(chosen, None) or free_port()
+        )
         with etcd_server(tmp_path) as server:
             assert server.client_port != first and server.healthy()
             assert "address already in use" in server.log_path.read_text()

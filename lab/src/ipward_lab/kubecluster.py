@@ -60,7 +60,6 @@ from typing import TYPE_CHECKING, Any
 
 from ipward_lab import waiting
 from ipward_lab.containerd import containerd_config
-from ipward_lab.etcdlab import EtcdServer
 from ipward_lab.images import (
     PAUSE_IMAGE,
     SLEEP_IMAGE,
@@ -74,7 +73,8 @@ from ipward_lab.machine import (
     which,
 )
 from ipward_lab.nsenter import in_netns
-from ipward_lab.pki import openssl, token_kubeconfig
+from ipward_lab.servers.etcd import EtcdServer
+from ipward_lab.servers.pki import openssl, token_kubeconfig
 
 if TYPE_CHECKING:
     from ipward.cluster.cri import CriSandboxStatus

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ipward_lab.kubeapi import kube_api_server
+from ipward_lab.servers.kube_test_server import kube_api_server
 
 # Run in the measured process: import, read the baseline, open the source, wait, read.
 PROBE = """

@@ -18,14 +18,14 @@ from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab import fleet
 from ipward_lab.fleet import run_cli
-from ipward_lab.kubeadmin import KubeApi
+from ipward_lab.servers.kube_admin import KubeApi
 from ipward_lab.sim.checker import Checker
 from ipward_lab.sim.result import Options, Result
 from ipward_lab.simcluster import SimCluster
 from ipward_lab.waiting import wait_for
 
 if TYPE_CHECKING:
-    from ipward_lab.kubeapi import KubeApiServer
+    from ipward_lab.servers.kube_test_server import KubeApiServer
 
 
 @contextmanager

@@ -61,7 +61,7 @@ from ipward_lab.bench.report import (
 )
 from ipward_lab.bench.run import run, run_growth
 from ipward_lab.bench.throughput import ledger_pair_rate, raw_cas_rate, throughput
-from ipward_lab.etcdlab import ETCD
+from ipward_lab.servers.etcd import ETCD
 
 __all__ = [
     "ETCD",
