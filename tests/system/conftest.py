@@ -1,6 +1,6 @@
 """The system layer's fixtures: a real etcd for a module, an empty store on SQLite and
 on etcd (`either_store`), the plugin installed into a temporary CNI bin dir, the
-scenario worlds (`ipward_lab.simworld`), Kubernetes API servers (the loopback test
+scenario worlds (`ipward_lab.soak.world`), Kubernetes API servers (the loopback test
 server, the real kube-apiserver) and a real cluster for the `kube` tests."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ipward.store.base import Delete
 from ipward_lab.fleet import IPWARD
 from ipward_lab.servers.etcd import EtcdServer, etcd_server
 from ipward_lab.servers.kube_admin import KubeApi
-from ipward_lab.simworld import World
+from ipward_lab.soak.world import World
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from ipward_lab import fleet
 from ipward_lab.fleet import run_cli
 from ipward_lab.servers.etcd import etcd_server
 from ipward_lab.servers.kube_admin import KubeApi
-from ipward_lab.simworld import GRACE, NS, World
+from ipward_lab.soak.world import GRACE, NS, World
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
 

@@ -11,7 +11,7 @@ import pytest
 
 from ipward_lab.servers import kube_apiserver
 from ipward_lab.servers.etcd import free_port
-from ipward_lab.sim import Options, Soak
+from ipward_lab.soak import Options, Soak
 
 
 @pytest.mark.skipif(

@@ -32,8 +32,9 @@ from ipward_lab.servers import kube_apiserver
 from ipward_lab.servers.etcd import EtcdCluster, EtcdServer, first_start
 from ipward_lab.servers.kube_admin import KubeAdmin
 from ipward_lab.servers.kube_test_server import KubeApiServer, kube_api_server
-from ipward_lab.sim.checker import Checker
-from ipward_lab.sim.result import (
+from ipward_lab.simcluster import SimCluster
+from ipward_lab.soak.checker import Checker
+from ipward_lab.soak.result import (
     GC_REASONS,
     NETWORK,
     NS,
@@ -44,8 +45,7 @@ from ipward_lab.sim.result import (
     Violation,
     fault_unavailable,
 )
-from ipward_lab.sim.view import live_view
-from ipward_lab.simcluster import SimCluster
+from ipward_lab.soak.view import live_view
 
 # The k8s:// sources' options. The test server has no watch cache to lag: stale after
 # 4 s unheard (watches of 2 s; api-stall goes past it), as_of 1 s before an event or a
