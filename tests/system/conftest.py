@@ -161,7 +161,7 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     reason = kubecluster.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    from ipward_lab.containerdlab import machine_lock
+    from ipward_lab.containerd.lab import machine_lock
 
     # A containerd lab writes to the machine's /run/containerd and /var/lib/cni while it
     # runs, which the snapshot compares: none runs meanwhile (they take the same lock).

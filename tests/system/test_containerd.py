@@ -2,7 +2,7 @@
 CRI with `ipward.cluster.cri.CriClient`; and `CriSource`, the CRI liveness source, against that
 containerd and against a stand-in CRI server (hung, failing, slow).
 
-The containerd tests (marked `net`) share one containerd per module (tests/containerdlab.py);
+The containerd tests (marked `net`) share one containerd per module (`ipward_lab.containerd.lab`);
 each test removes its own sandboxes. They need root and Debian's containerd, runc, gcc,
 libc6-dev and containernetworking-plugins: without them they fail, they do not skip.
 """
@@ -32,8 +32,8 @@ from ipward.cluster.cri import CriClient, CriError, CriSource
 from ipward.cluster.liveness import LivenessUnavailable, NotCovered, Sandbox, open_source
 from ipward.core.errors import InvalidConfig
 from ipward.store import open_store
-from ipward_lab import containerdlab, fleet
-from ipward_lab.containerdlab import ContainerdLab, LabError, machine_state
+from ipward_lab import fleet
+from ipward_lab.containerd.lab import CALL_TIMEOUT, REQUIRED, ContainerdLab, LabError, machine_state
 from ipward_lab.fleet import run_cli
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
@@ -424,7 +424,7 @@ def test_a_del_refused_while_the_agent_was_down_is_finished_by_the_agent_once_ba
         assert set(allocations(agent_store, "pods")) == {ip}
         agent.kill()
         with pytest.raises(CriError, match="unreachable"):  # the DEL refused: agent down
-            lab.cri().stop_pod_sandbox(sandbox, timeout=containerdlab.CALL_TIMEOUT)
+            lab.cri().stop_pod_sandbox(sandbox, timeout=CALL_TIMEOUT)
         assert Path(lab.sandbox_netns(sandbox)).exists()  # its address still on its veth
         assert set(allocations(agent_store, "pods")) == {ip}
         agent = start_agent().wait_ready()
@@ -500,7 +500,7 @@ def test_teardown_after_containerd_is_killed_leaves_the_machine_as_it_was(
 def test_a_missing_binary_fails_the_lab_naming_the_package(
     tmp_path: Path, cni_bin: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(containerdlab.REQUIRED, "ipward-no-such-binary", "some-package")
+    monkeypatch.setitem(REQUIRED, "ipward-no-such-binary", "some-package")
     lab = ContainerdLab(tmp_path / "lab", cni_bin / "ipward", {"type": "ipward"})
     with pytest.raises(LabError, match=r"ipward-no-such-binary \(Debian package some-package\)"):
         lab.start()

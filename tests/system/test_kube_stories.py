@@ -463,7 +463,7 @@ def agent_down(lab: Cluster, node: str) -> None:
     """The node's agent stopped and kept down as a failed agent stays down: its image
     removed from the node, its pod deleted (the DaemonSet's new pod cannot start);
     until its registration is gone."""
-    from ipward_lab.images import IPWARD_IMAGE
+    from ipward_lab.containerd.images import IPWARD_IMAGE
 
     n = lab.node(node)
     kubecluster.run(
@@ -478,7 +478,7 @@ def agent_down(lab: Cluster, node: str) -> None:
 def agent_up(lab: Cluster, node: str) -> None:
     """The node's agent back (`agent_down` undone): its image loaded again, its pod
     made again; until it is ready."""
-    from ipward_lab.images import build_ipward_image
+    from ipward_lab.containerd.images import build_ipward_image
 
     lab.import_images(lab.node(node), [build_ipward_image(kubecluster.CHECKOUT, lambda t: None)])
     for pod in ipward_pods(lab, "ipward-agent"):

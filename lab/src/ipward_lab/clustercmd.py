@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ipward_lab.images import ImageError, build_ipward_image
+from ipward_lab.containerd.images import ImageError, build_ipward_image
 from ipward_lab.kubecluster import (
     CHECKOUT,
     DEFAULT_STATE,

@@ -59,8 +59,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ipward_lab import waiting
-from ipward_lab.containerd import containerd_config
-from ipward_lab.images import (
+from ipward_lab.containerd.config import containerd_config
+from ipward_lab.containerd.images import (
     PAUSE_IMAGE,
     SLEEP_IMAGE,
     build_test_images,
@@ -1311,7 +1311,7 @@ class Cluster:
         find each other by names only a cluster DNS resolves (none here), and its pods
         would be on the pod network whose IPAM is ipward, which needs that etcd to give
         them addresses (they start only if they start before the switch)."""
-        from ipward_lab.images import build_ipward_image
+        from ipward_lab.containerd.images import build_ipward_image
 
         tuning = tuning or Tuning()
         started = time.monotonic()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ipward_lab.images import SLEEP_IMAGE
+from ipward_lab.containerd.images import SLEEP_IMAGE
 
 
 def container(env: dict[str, str] | None = None, args: list[str] | None = None) -> dict[str, Any]:

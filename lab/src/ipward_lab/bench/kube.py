@@ -37,7 +37,7 @@ from typing import Any
 
 from ipward_lab import kubecluster
 from ipward_lab.bench.common import BenchError, machine, percentile, print_table, version_of
-from ipward_lab.containerdlab import machine_lock
+from ipward_lab.containerd.lab import machine_lock
 from ipward_lab.kubecluster import Cluster, ClusterError, wait_for
 from ipward_lab.kubeworkloads import (
     addresses,
