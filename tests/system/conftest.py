@@ -155,10 +155,12 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     `.info` (`up_seconds`, `deploy_seconds`). Skipped when the Kubernetes binaries are
     not found (the reason says where to get them). `IPWARD_KUBE_STATE=DIR`: the cluster
     up in DIR already (deployed with KUBE_TUNING), kept after: for working on a test."""
-    from ipward_lab import kubecluster
+    from ipward_lab.kubecluster.cluster import Cluster
+    from ipward_lab.kubecluster.prerequisites import unavailable_reason
+    from ipward_lab.kubecluster.teardown import machine_snapshot
     from kube_checks import KUBE_TUNING
 
-    reason = kubecluster.unavailable_reason()
+    reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
     from ipward_lab.containerd.lab import machine_lock
@@ -169,10 +171,10 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     try:
         given = os.environ.get("IPWARD_KUBE_STATE")
         if given:
-            yield kubecluster.Cluster.load(Path(given))
+            yield Cluster.load(Path(given))
             return
-        before = kubecluster.machine_snapshot()
-        lab = kubecluster.Cluster(tmp_path_factory.mktemp("cluster"))
+        before = machine_snapshot()
+        lab = Cluster(tmp_path_factory.mktemp("cluster"))
         lab.machine_before = before  # type: ignore[attr-defined]
         say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
         try:

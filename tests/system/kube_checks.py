@@ -29,9 +29,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipward_lab.clusterwatch import AddressWitness
-from ipward_lab.kubecluster import POD_NET, Cluster, ClusterError, Tuning, wait_for
-from ipward_lab.kubeworkloads import is_running
+from ipward_lab.kubecluster.cluster import Cluster
+from ipward_lab.kubecluster.common import ClusterError, wait_for
+from ipward_lab.kubecluster.deploy import Tuning
+from ipward_lab.kubecluster.layout import POD_NET
+from ipward_lab.kubecluster.witness import AddressWitness
+from ipward_lab.kubecluster.workloads import is_running
 
 CONFIRM_SECONDS = 3.0
 ADD_GRACE = 10.0
