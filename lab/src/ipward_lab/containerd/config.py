@@ -11,6 +11,16 @@ from pathlib import Path
 
 from ipward_lab.containerd.images import PAUSE_IMAGE
 
+# What a lab running containerd on this configuration, with the images compiled here,
+# needs of the machine: binary -> the Debian package that provides it.
+CONTAINERD_TOOLS = {
+    "containerd": "containerd",
+    "containerd-shim-runc-v2": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
+    "gcc": "gcc",
+}
+
 
 def _toml_str(value: str) -> str:
     return json.dumps(value)  # a TOML basic string is a JSON string for these paths

@@ -45,7 +45,7 @@ from typing import Any
 import grpc
 
 from ipward.cluster.cri import CriClient, CriError
-from ipward_lab.containerd.config import containerd_config
+from ipward_lab.containerd.config import CONTAINERD_TOOLS, containerd_config
 from ipward_lab.containerd.images import PAUSE_IMAGE, ImageError, build_pause, build_pause_image
 from ipward_lab.machine import SYSTEM_PATH, cgroup_hierarchies, mounts_under, which
 
@@ -86,11 +86,7 @@ IMAGE_NAME = PAUSE_IMAGE
 CNI_VERSION = "1.0.0"  # Debian's bridge 1.1.1 refuses 1.1.0
 
 REQUIRED = {
-    "containerd": "containerd",
-    "containerd-shim-runc-v2": "containerd",
-    "ctr": "containerd",
-    "runc": "runc",
-    "gcc": "gcc",
+    **CONTAINERD_TOOLS,
     "nsenter": "util-linux",
     "ip": "iproute2",
     "umount": "mount",

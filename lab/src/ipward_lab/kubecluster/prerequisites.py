@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ipward_lab.containerd.config import CONTAINERD_TOOLS
 from ipward_lab.kubecluster.common import ClusterError
 from ipward_lab.kubecluster.layout import CHECKOUT, CNI_PLUGINS
 from ipward_lab.machine import CGROUP_ROOT, which
@@ -21,11 +22,7 @@ WHERE_TO_GET = (
     " say how they were built)"
 )
 REQUIRED_TOOLS = {
-    "containerd": "containerd",
-    "containerd-shim-runc-v2": "containerd",
-    "ctr": "containerd",
-    "runc": "runc",
-    "gcc": "gcc",
+    **CONTAINERD_TOOLS,
     "nsenter": "util-linux",
     "unshare": "util-linux",
     "ip": "iproute2",
