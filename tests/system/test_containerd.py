@@ -376,10 +376,7 @@ def test_pods_through_the_node_agent_which_reconciles_with_containerd(
         def freed() -> list[dict]:
             return [e for e in agent.logged("freed") if f"pods/{ip_leaked}" in e["ips"]]
 
-        deadline = time.monotonic() + 60
-        while not freed() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        (free,) = freed()
+        (free,) = wait_for(freed, "the leaked address freed", 60, 0.1)
         assert "sandbox-gone" in free["reason"] and free["ts"] >= created_at + grace
         assert set(allocations(agent_store, "pods")) == {ip_a, ip_b}
         passes = [e for e in agent.logged("reconciled") if e["sandboxes"] >= 2]
@@ -651,22 +648,26 @@ def test_a_restarted_runtime_is_seen_again_within_a_second(tmp_path: Path) -> No
     path = tmp_path / "cri.sock"
     source = CriSource(str(path), node=NODE)
     try:
-        down_until = time.monotonic() + 2.8  # long enough for the default backoff to pass 2 s
-        while time.monotonic() < down_until:
+        down_since = time.monotonic()
+
+        def unavailable_past_the_backoff() -> bool:
             with pytest.raises(LivenessUnavailable):
                 source.node_view(NODE)
-            time.sleep(0.1)
+            return time.monotonic() > down_since + 2.8  # the default backoff passes 2 s
+
+        wait_for(unavailable_past_the_backoff, "2.8 s of polls with the runtime down", 10, 0.1)
         server = StandIn(path)
         try:
             server.sandboxes = [pod_sandbox("s1", cri.SANDBOX_READY, time.time_ns())]
-            deadline = time.monotonic() + 1.4
-            while True:
-                try:
-                    assert set(source.node_view(NODE).sandboxes) == {"s1"}
-                    break
-                except LivenessUnavailable:
-                    assert time.monotonic() < deadline, "still unavailable 1.4 s after restart"
-                    time.sleep(0.05)
+            # The one wait here that bounds a speed: the point of the test.
+            view = wait_for(
+                lambda: source.node_view(NODE),
+                "the restarted runtime seen within 1.4 s",
+                1.4,
+                0.05,
+                passing=(LivenessUnavailable,),
+            )
+            assert set(view.sandboxes) == {"s1"}
         finally:
             server.stop()
     finally:

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from ipward_lab import waiting
 from ipward_lab.kubecluster.cluster import Cluster
 from ipward_lab.kubecluster.common import ClusterError, run, wait_for
 from ipward_lab.kubecluster.layout import AGENT_SOCKET, BRIDGE, CHECKOUT, POD_GATEWAY, POD_NET, POOL
@@ -352,12 +353,18 @@ def test_force_deleted_pods_slow_to_stop_hold_their_addresses_until_their_sandbo
             }
 
         n = 0
-        deadline = time.monotonic() + 90.0
+
+        def sampled_until_torn_down() -> bool:
+            nonlocal n
+            if torn_down():
+                return True
+            n += 1
+            s.checks.sample(f"slow-stop: old sandboxes stopping, sample {n}")
+            return False
+
         try:
-            while not torn_down():
-                assert time.monotonic() < deadline, f"{held} still held on {here} after 90 s"
-                n += 1
-                s.checks.sample(f"slow-stop: old sandboxes stopping, sample {n}")
+            # Not the lab's wait: a sample's failure to read is the story's, not "not yet".
+            waiting.wait_for(sampled_until_torn_down, f"{held} no longer held on {here}", 90.0, 0.0)
         finally:  # the next story starts without them, whatever happened
             wait_for(torn_down, "the old sandboxes torn down", 90.0, 0.5)
         s.say(f"old sandboxes torn down after {n} samples")

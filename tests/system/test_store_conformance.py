@@ -87,6 +87,18 @@ class Collector:
         deadline = time.monotonic() + timeout
         return [self.events.get(timeout=max(deadline - time.monotonic(), 0)) for _ in range(n)]
 
+    def wait_iterating(self) -> None:
+        """Until its thread is inside the watch's `batches`: iterating, and with nothing
+        written, waiting there for events."""
+
+        def in_batches() -> bool:
+            frame = sys._current_frames().get(self.thread.ident or 0)
+            while frame is not None and frame.f_code.co_name != "batches":
+                frame = frame.f_back
+            return frame is not None
+
+        wait_for(in_batches, "the watch's iteration in its batches", 10, 0.005)
+
     def cancel(self, timeout: float = 3.0) -> None:
         self.watch.cancel()
         self.thread.join(timeout)
@@ -307,7 +319,7 @@ def test_watch_replays_then_follows(store: Store, ns: str) -> None:
 
 def test_watch_cancel_while_idle(store: Store, ns: str) -> None:
     events = Collector(store.watch(ns, store.revision() + 1))
-    time.sleep(0.2)  # let the iteration block waiting for events
+    events.wait_iterating()
     started = time.monotonic()
     events.cancel()
     assert time.monotonic() - started < 2
@@ -458,15 +470,17 @@ def test_etcd_unavailable(tmp_path: Path, ns: str) -> None:
 def write_until_done(store: Store, key: str, value: bytes) -> list[str]:
     """Write, retrying on StoreUnreachable; the errors seen before it went through."""
     errors: list[str] = []
-    deadline = time.monotonic() + 20
-    while True:
+
+    def written() -> bool:
         try:
             put(store, key, value)
-            return errors
         except StoreUnreachable as e:
             errors.append(str(e))
-            assert time.monotonic() < deadline, errors
-            time.sleep(0.1)
+            raise
+        return True
+
+    wait_for(written, f"a write of {key}", 20, 0.1, passing=(StoreUnreachable,))
+    return errors
 
 
 def test_etcd_cluster_failover(tmp_path: Path, ns: str) -> None:
