@@ -1,5 +1,5 @@
-"""`ipward bench --kube`: pod start on a real cluster on this machine (`ipward_lab.
-kubecluster`, 3 nodes), under host-local and under ipward in the same run.
+"""`ipward bench --kube`: pod start on a real cluster on this machine
+(`ipward_lab.kubecluster`, 3 nodes), under host-local and under ipward in the same run.
 
 The bench makes a cluster of its own in a temporary state dir and measures host-local
 first (a fresh cluster's nodes are on host-local, each on its own range), then deploys
@@ -11,7 +11,7 @@ take turns on it).
 
 For each IPAM, in a namespace of its own:
 - pod start: one Deployment of N pods (default 100), applied at t0; the namespace's pods
-  read every 0.25 s, each pod's time to Running (`kubeworkloads.is_running`) and when
+  read every 0.25 s, each pod's time to Running (`workloads.is_running`) and when
   all were Running; the CNI ADD of each sandbox timed from its node's containerd log
   (at debug level it logs "begin cni setup" right before the ADD and "cni result" right
   after one that succeeded; a sandbox that began and has no result failed its ADD, and
