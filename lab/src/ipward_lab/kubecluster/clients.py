@@ -23,17 +23,17 @@ KUBECTL_TIMEOUT = 120.0
 
 
 class Clients:
-    def __init__(self, site: ClusterState) -> None:
-        self.site = site
+    def __init__(self, lab: ClusterState) -> None:
+        self.lab = lab
 
     def api(self, path: str, timeout: float = 10.0) -> Any:
         """GET `path` of the API as the admin (from the control plane's namespace)."""
 
         def get() -> Any:
-            context = ssl.create_default_context(cafile=str(self.site.pki_dir / "ca.crt"))
+            context = ssl.create_default_context(cafile=str(self.lab.pki_dir / "ca.crt"))
             request = urllib.request.Request(
-                f"{self.site.api_url}{path}",
-                headers={"Authorization": f"Bearer {self.site.info['admin_token']}"},
+                f"{self.lab.api_url}{path}",
+                headers={"Authorization": f"Bearer {self.lab.info['admin_token']}"},
             )
             with urllib.request.urlopen(request, timeout=timeout, context=context) as answer:
                 body = answer.read()
@@ -42,13 +42,13 @@ class Clients:
             except ValueError:
                 return body.decode(errors="replace")
 
-        return in_netns(self.site.cp_netns, get)
+        return in_netns(self.lab.cp_netns, get)
 
     def kubectl(
         self, *args: str, timeout: float = KUBECTL_TIMEOUT, check: bool = True, input: str = ""
     ) -> subprocess.CompletedProcess[str]:
         """kubectl with the admin kubeconfig, run where the API is reached."""
-        argv = self.site.in_cp([kubectl_binary(), f"--kubeconfig={self.site.kubeconfig}", *args])
+        argv = self.lab.in_cp([kubectl_binary(), f"--kubeconfig={self.lab.kubeconfig}", *args])
         proc = subprocess.run(
             argv, capture_output=True, text=True, timeout=timeout, input=input or None
         )
@@ -80,7 +80,7 @@ class Clients:
     def ipward_argv(self, args: Sequence[str]) -> list[str]:
         """The ipward CLI against the deployed store, where the store is reached."""
         ipward = str(Path(sys.executable).parent / "ipward")
-        return self.site.in_cp([ipward, "--store", self.site.ipward_store_url, *args])
+        return self.lab.in_cp([ipward, "--store", self.lab.ipward_store_url, *args])
 
     def ipward_run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """The ipward CLI against the deployed store; ClusterError on a non-zero exit
@@ -104,7 +104,7 @@ class Clients:
                 return str(answer.read().decode())
 
         samples = {}
-        for line in in_netns(self.site.cp_netns, get).splitlines():
+        for line in in_netns(self.lab.cp_netns, get).splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 samples[name] = float(value)

@@ -19,15 +19,15 @@ from ipward_lab.servers.etcd import EtcdServer
 
 
 class ControlPlane:
-    def __init__(self, site: ClusterState, daemons: Daemons, clients: Clients) -> None:
-        self.site = site
+    def __init__(self, lab: ClusterState, daemons: Daemons, clients: Clients) -> None:
+        self.lab = lab
         self.daemons = daemons
         self.clients = clients
 
     def start(self, binaries: Binaries, tokens: dict[str, str]) -> None:
         """Both etcds, then the API server once they serve, then the controllers with
         their users' `tokens` (`pki.make_pki`)."""
-        p = self.site.pki_dir
+        p = self.lab.pki_dir
         kube_etcd = self._etcd("etcd", "127.0.0.1", "http", [])
         p_ = str(p)
         self._etcd(
@@ -60,7 +60,7 @@ class ControlPlane:
             "--enable-admission-plugins=NodeRestriction",
             "--kubelet-preferred-address-types=InternalIP",
         ]
-        self.daemons.launch("kube-apiserver", self.site.in_cp(apiserver))
+        self.daemons.launch("kube-apiserver", self.lab.in_cp(apiserver))
         wait_for(
             lambda: (
                 self.daemons.alive("kube-apiserver")
@@ -88,19 +88,19 @@ class ControlPlane:
         for name, args in controllers.items():
             user = f"system:{name}"
             config = client_kubeconfig(
-                self.site, p / f"{name.removeprefix('kube-')}.kubeconfig", user, tokens[user]
+                self.lab, p / f"{name.removeprefix('kube-')}.kubeconfig", user, tokens[user]
             )
             argv = [binaries.kube_node, name, f"--kubeconfig={config}", *args]
-            self.daemons.launch(name, self.site.in_cp(argv))
+            self.daemons.launch(name, self.lab.in_cp(argv))
 
     def _etcd(self, name: str, host: str, scheme: str, extra: Sequence[str]) -> EtcdServer:
         server = EtcdServer(
-            self.site.state / name,
+            self.lab.state / name,
             name=name,
             extra_args=extra,
             client_scheme=scheme,
             host=host,
-            command_prefix=["nsenter", f"--net={self.site.cp_netns}"],
+            command_prefix=["nsenter", f"--net={self.lab.cp_netns}"],
             detach=True,
         )
         server.client_port, server.peer_port, server.metrics_port = 2379, 2380, 2381
@@ -108,5 +108,5 @@ class ControlPlane:
         server.start()
         assert server.proc is not None
         self.daemons.record(name, server.proc.pid, server.args)
-        in_netns(self.site.cp_netns, server.wait_ready)
+        in_netns(self.lab.cp_netns, server.wait_ready)
         return server

@@ -71,13 +71,13 @@ class Tuning:
 class Deployment:
     def __init__(
         self,
-        site: ClusterState,
+        lab: ClusterState,
         clients: Clients,
         network: Network,
         workers: Workers,
         route_syncer: RouteSyncer,
     ) -> None:
-        self.site = site
+        self.lab = lab
         self.clients = clients
         self.network = network
         self.workers = workers
@@ -99,11 +99,11 @@ class Deployment:
         started = time.monotonic()
         image = build_ipward_image(CHECKOUT, say)
         say(f"loading {image.name} into every node's containerd")
-        for node in self.site.nodes:
+        for node in self.lab.nodes:
             self.workers.import_images(node, [image])
         say(f"making the store and the pool {POOL} ({POD_NET}), and the Secret ipward-etcd")
         self.make_store(tuning.pool_args)
-        p = self.site.pki_dir
+        p = self.lab.pki_dir
         # As README says, made with `kubectl create`; applied, so a second deploy works.
         for made in (
             ["create", "namespace", "ipward-system"],
@@ -124,11 +124,11 @@ class Deployment:
         # and the kubelet retries them.
         say(f"switching every node's network to ipward (pool {POOL}) and its routes")
         self.use_ipam("ipward")
-        kustomization = tuning.kustomization(self.site.state / "deploy")
+        kustomization = tuning.kustomization(self.lab.state / "deploy")
         say(f"kubectl apply -k {kustomization}")
         self.clients.kubectl("apply", "-k", str(kustomization))
         self.wait_deployed()
-        self.site.write_info(deploy_seconds=round(time.monotonic() - started, 1))
+        self.lab.write_info(deploy_seconds=round(time.monotonic() - started, 1))
         say(f"deployed in {time.monotonic() - started:.1f}s")
 
     def use_ipam(self, ipam_type: str) -> None:
@@ -136,7 +136,7 @@ class Deployment:
         that go with it: the node ranges' for host-local, the route syncer for ipward.
         Switch a cluster with nothing on the pod network (README: drain each node
         before switching it)."""
-        for node in self.site.nodes:
+        for node in self.lab.nodes:
             self.network.write_conflist(node, ipam_type)
         if ipam_type == "ipward":
             self.network.node_range_routes(present=False)
@@ -144,7 +144,7 @@ class Deployment:
         else:
             self.route_syncer.stop()
             self.network.node_range_routes(present=True)
-        self.site.write_info(cni=ipam_type)
+        self.lab.write_info(cni=ipam_type)
 
     def make_store(self, pool_args: Sequence[str] = ()) -> None:
         """The store with the pool `pods` (POD_NET, gateway POD_GATEWAY), as README's
@@ -170,9 +170,9 @@ class Deployment:
                 "--namespace=ipward-system", "get", "daemonset", "ipward-agent"
             )
             status = ds.get("status", {})
-            if status.get("numberReady", 0) < len(self.site.nodes):
+            if status.get("numberReady", 0) < len(self.lab.nodes):
                 return False
-            for node in self.site.nodes:
+            for node in self.lab.nodes:
                 for path in (f"{node.dir}/run/ipward/agent.sock", f"{node.dir}/opt/cni/bin/ipward"):
                     if not os.path.exists(path):
                         return False

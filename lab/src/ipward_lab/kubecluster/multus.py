@@ -57,8 +57,8 @@ MULTUS_KUBECONFIG = "/etc/cni/net.d/multus.d/multus.kubeconfig"
 
 
 class Multus:
-    def __init__(self, site: ClusterState, clients: Clients) -> None:
-        self.site = site
+    def __init__(self, lab: ClusterState, clients: Clients) -> None:
+        self.lab = lab
         self.clients = clients
 
     def install(self) -> None:
@@ -110,7 +110,7 @@ class Multus:
             "--namespace=kube-system", "create", "token", "multus", "--duration=24h"
         ).stdout.strip()
         kubeconfig = client_kubeconfig(
-            self.site, self.site.state / "multus.kubeconfig", "multus", token
+            self.lab, self.lab.state / "multus.kubeconfig", "multus", token
         ).read_text()
         conf = {
             "cniVersion": "0.3.1",
@@ -121,10 +121,10 @@ class Multus:
             "cniDir": "/var/lib/cni/multus",
             "binDir": "/opt/cni/bin",
         }
-        for node in self.site.nodes:
+        for node in self.lab.nodes:
             shutil.copy(multus, f"{node.dir}/opt/cni/bin/multus")
             run(
-                self.site.in_node(
+                self.lab.in_node(
                     node,
                     [
                         "sh",
@@ -135,11 +135,11 @@ class Multus:
                 input=kubeconfig,
             )
             run(
-                self.site.in_node(node, ["sh", "-ec", f"cat > {MULTUS_CONF}"]),
+                self.lab.in_node(node, ["sh", "-ec", f"cat > {MULTUS_CONF}"]),
                 input=json.dumps(conf),
             )
 
     def remove(self) -> None:
         """Every node's runtime back on the pod network's conf alone."""
-        for node in self.site.nodes:
-            run(self.site.in_node(node, ["rm", "-f", MULTUS_CONF]))
+        for node in self.lab.nodes:
+            run(self.lab.in_node(node, ["rm", "-f", MULTUS_CONF]))

@@ -76,8 +76,8 @@ def bridge_conflist(node: Node, ipam_type: str) -> dict[str, Any]:
 
 
 class Network:
-    def __init__(self, site: ClusterState) -> None:
-        self.site = site
+    def __init__(self, lab: ClusterState) -> None:
+        self.lab = lab
 
     def make(self) -> None:
         """The namespaces and the fabric, each node's bridge and Service address."""
@@ -85,22 +85,22 @@ class Network:
         self._fabric()
 
     def _namespaces(self) -> None:
-        ns_dir = self.site.state / "ns"
+        ns_dir = self.lab.state / "ns"
         # A mount namespace can be kept in a file only on a mount of private propagation.
-        self.site.journal.record("mount", path=str(ns_dir))
+        self.lab.journal.record("mount", path=str(ns_dir))
         run(["mount", "--bind", str(ns_dir), str(ns_dir)])
         run(["mount", "--make-private", str(ns_dir)])
         for path in (
-            self.site.fabric_netns,
-            self.site.cp_netns,
-            *(n.netns for n in self.site.nodes),
+            self.lab.fabric_netns,
+            self.lab.cp_netns,
+            *(n.netns for n in self.lab.nodes),
         ):
             Path(path).touch()
-            self.site.journal.record("mount", path=path)
+            self.lab.journal.record("mount", path=path)
             run(["unshare", f"--net={path}", "true"])
-        for node in self.site.nodes:
+        for node in self.lab.nodes:
             Path(node.mntns).touch()
-            self.site.journal.record("mount", path=node.mntns)
+            self.lab.journal.record("mount", path=node.mntns)
             run(["unshare", f"--mount={node.mntns}", "--propagation=private", "true"])
 
     def _ip(self, netns: str, *args: str) -> None:
@@ -110,7 +110,7 @@ class Network:
         run(["nsenter", f"--net={netns}", "sysctl", "-qw", f"{key}={value}"])
 
     def _fabric(self) -> None:
-        fabric = self.site.fabric_netns
+        fabric = self.lab.fabric_netns
         self._ip(fabric, "link", "set", "lo", "up")
         self._ip(fabric, "link", "add", "fabric0", "type", "bridge")
         self._ip(
@@ -118,8 +118,8 @@ class Network:
         )
         self._ip(fabric, "link", "set", "fabric0", "up")
         self._sysctl(fabric, "net.ipv4.ip_forward", "1")
-        members = [("cp", self.site.cp_netns, CONTROL_PLANE_IP)]
-        members += [(n.name, n.netns, n.ip) for n in self.site.nodes]
+        members = [("cp", self.lab.cp_netns, CONTROL_PLANE_IP)]
+        members += [(n.name, n.netns, n.ip) for n in self.lab.nodes]
         for name, netns, ip in members:
             self._ip(netns, "link", "set", "lo", "up")
             self._ip(
@@ -130,7 +130,7 @@ class Network:
             self._ip(netns, "link", "set", "eth0", "up")
             self._ip(netns, "route", "add", "default", "via", FABRIC_GATEWAY)
             self._sysctl(netns, "net.ipv4.ip_forward", "1")
-        for node in self.site.nodes:
+        for node in self.lab.nodes:
             # The pods' bridge, made before `bridge` finds it so that it answers ARP for
             # the addresses of the /16 that live elsewhere (routed out of eth0).
             self._ip(node.netns, "link", "add", BRIDGE, "type", "bridge")
@@ -150,9 +150,9 @@ class Network:
         """The routes of host-local's node ranges (each node's range through that node),
         in the fabric and in the other nodes (straight to the node, not through the
         fabric): made (`present`) or removed (also when they are not there)."""
-        for node in self.site.nodes:
-            for netns, via in [(self.site.fabric_netns, node.ip)] + [
-                (other.netns, node.ip) for other in self.site.nodes if other is not node
+        for node in self.lab.nodes:
+            for netns, via in [(self.lab.fabric_netns, node.ip)] + [
+                (other.netns, node.ip) for other in self.lab.nodes if other is not node
             ]:
                 if present:
                     self._ip(netns, "route", "replace", node.pod_cidr, "via", via)
@@ -164,6 +164,6 @@ class Network:
         in place (containerd 1.6 does not see a file renamed into its conf dir)."""
         text = json.dumps(bridge_conflist(node, ipam_type), indent=2)
         run(
-            self.site.in_node(node, ["sh", "-ec", f"cat > {LAB_CONFLIST}"]),
+            self.lab.in_node(node, ["sh", "-ec", f"cat > {LAB_CONFLIST}"]),
             input=text,
         )

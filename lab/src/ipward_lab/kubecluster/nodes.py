@@ -55,13 +55,13 @@ NODE_MOUNTS = ("run", "var/lib", "var/log", "opt")  # bind-mounted from the node
 
 
 class Workers:
-    """The worker nodes (`site.nodes`): made and started (`start`), their runtimes read,
+    """The worker nodes (`lab.nodes`): made and started (`start`), their runtimes read,
     powered off and on."""
 
     def __init__(
-        self, site: ClusterState, daemons: Daemons, clients: Clients, network: Network
+        self, lab: ClusterState, daemons: Daemons, clients: Clients, network: Network
     ) -> None:
-        self.site = site
+        self.lab = lab
         self.daemons = daemons
         self.clients = clients
         self.network = network
@@ -92,13 +92,13 @@ class Workers:
         containerd = [which("containerd") or "containerd", "--config", str(config)]
         self.daemons.launch(
             f"{node.name}-containerd",
-            self.site.in_node(node, [*containerd, "--log-level", "debug"]),
+            self.lab.in_node(node, [*containerd, "--log-level", "debug"]),
             env=env,
         )
         self.wait_containerd(node)
         self.import_images(node, images)
         kubeconfig = client_kubeconfig(
-            self.site, base / "kubelet.kubeconfig", f"system:node:{node.name}", token
+            self.lab, base / "kubelet.kubeconfig", f"system:node:{node.name}", token
         )
         kubelet_config = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -132,7 +132,7 @@ class Workers:
         kubelet_yaml.write_text(json.dumps(kubelet_config, indent=2))
         self.daemons.launch(
             f"{node.name}-kubelet",
-            self.site.in_node(
+            self.lab.in_node(
                 node,
                 [
                     binaries.kube_node, "kubelet",
@@ -166,7 +166,7 @@ class Workers:
         """Until the API lists every node Ready (their kubelets still running)."""
 
         def ready() -> bool:
-            for node in self.site.nodes:
+            for node in self.lab.nodes:
                 self.daemons.alive(f"{node.name}-kubelet")
             listed = self.clients.api("/api/v1/nodes")
             ready = {
@@ -177,14 +177,14 @@ class Workers:
                     for c in item.get("status", {}).get("conditions", [])
                 )
             }
-            return ready >= {n.name for n in self.site.nodes}
+            return ready >= {n.name for n in self.lab.nodes}
 
         wait_for(ready, "every node Ready", timeout, 1.0)
 
     def _cgroups(self, node: Node) -> None:
         for hierarchy in cgroup_hierarchies():
             path = hierarchy / node.cgroup_root.strip("/")
-            self.site.journal.record("cgroup", path=str(path))
+            self.lab.journal.record("cgroup", path=str(path))
             path.mkdir(exist_ok=True)
             if hierarchy.name == "cpuset":  # a new cpuset group starts empty
                 for knob in ("cpuset.cpus", "cpuset.mems"):
@@ -286,13 +286,13 @@ class Workers:
         they were killed), with their command lines of `up`."""
         containerd = f"{node.name}-containerd"
         for name in (containerd, f"{node.name}-kubelet"):
-            entry = self.site.info["processes"][name]
+            entry = self.lab.info["processes"][name]
             with contextlib.suppress(ClusterError):
                 self.daemons.kill(name, timeout=5.0)
             self.daemons.launch(name, entry["argv"], env=entry.get("env"))
             if name == containerd:
                 self.wait_containerd(node)
-        self.site.write_info()
+        self.lab.write_info()
 
     def wait_containerd(self, node: Node) -> None:
         """Until the node's containerd answers on its socket (a socket file left by one

@@ -14,10 +14,10 @@ from ipward_lab.kubecluster.state import ClusterState
 from ipward_lab.servers.pki import openssl, token_kubeconfig
 
 
-def make_pki(site: ClusterState) -> dict[str, str]:
+def make_pki(lab: ClusterState) -> dict[str, str]:
     """Every certificate and the token file the API server reads; the token of each
     user (`admin`, `system:kube-controller-manager`, `system:node:n1`...)."""
-    p = site.pki_dir
+    p = lab.pki_dir
 
     def ca(name: str, cn: str) -> None:
         openssl(
@@ -61,11 +61,11 @@ def make_pki(site: ClusterState) -> dict[str, str]:
     )  # fmt: skip
     signed("ipward-client", "ipward-etcd-ca", "/CN=ipward", "extendedKeyUsage=clientAuth\n")
     tokens = {
-        site.info["admin_token"]: ("admin", "system:masters"),
+        lab.info["admin_token"]: ("admin", "system:masters"),
         secrets.token_hex(16): ("system:kube-controller-manager", "system:masters"),
         secrets.token_hex(16): ("system:kube-scheduler", "system:masters"),
     }
-    for node in site.nodes:
+    for node in lab.nodes:
         tokens[secrets.token_hex(16)] = (
             f"system:node:{node.name}",
             "system:nodes,system:masters",
@@ -76,6 +76,6 @@ def make_pki(site: ClusterState) -> dict[str, str]:
     return {user: t for t, (user, _) in tokens.items()}
 
 
-def client_kubeconfig(site: ClusterState, path: Path, user: str, token: str) -> Path:
+def client_kubeconfig(lab: ClusterState, path: Path, user: str, token: str) -> Path:
     """A kubeconfig at `path` for the API server, as `user` with `token`."""
-    return token_kubeconfig(path, site.api_url, site.pki_dir / "ca.crt", token, user)
+    return token_kubeconfig(path, lab.api_url, lab.pki_dir / "ca.crt", token, user)

@@ -108,12 +108,12 @@ class Daemons:
     `route-syncer`...), recorded in cluster.json's `processes` (pid, argv, env) and in
     the journal (pid and start time, for `down`)."""
 
-    def __init__(self, site: ClusterState) -> None:
-        self.site = site
+    def __init__(self, lab: ClusterState) -> None:
+        self.lab = lab
 
     def launch(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
         """Start a daemon of the lab (a session of its own, output to logs/NAME.log)."""
-        log = self.site.state / "logs" / f"{name}.log"
+        log = self.lab.state / "logs" / f"{name}.log"
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 list(argv),
@@ -130,8 +130,8 @@ class Daemons:
         self, name: str, pid: int, argv: Sequence[str], env: dict[str, str] | None = None
     ) -> None:
         """Daemon `name` started as `pid` (by `launch`, or by a lab of its own)."""
-        self.site.journal.record("process", name=name, pid=pid, start=start_time(pid))
-        self.site.info.setdefault("processes", {})[name] = {
+        self.lab.journal.record("process", name=name, pid=pid, start=start_time(pid))
+        self.lab.info.setdefault("processes", {})[name] = {
             "pid": pid,
             "argv": list(argv),
             "env": env,
@@ -139,12 +139,12 @@ class Daemons:
 
     def running(self, name: str) -> bool:
         """Daemon `name` was started (and not forgotten)."""
-        return name in self.site.info.get("processes", {})
+        return name in self.lab.info.get("processes", {})
 
     def kill(self, name: str, timeout: float = 30.0) -> None:
         """SIGKILL the lab's daemon `name` (e.g. `n1-kubelet`, `n2-containerd`,
         `kube-apiserver`) and wait until it is gone; its pods and their shims live on."""
-        pid = self.site.info["processes"][name]["pid"]
+        pid = self.lab.info["processes"][name]["pid"]
         started = start_time(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -155,20 +155,20 @@ class Daemons:
     def forget(self, name: str) -> None:
         """Kill daemon `name` for good: it is no longer the lab's."""
         self.kill(name)
-        del self.site.info["processes"][name]
+        del self.lab.info["processes"][name]
 
     def restart(self, name: str) -> int:
         """Kill the daemon `name` and start it again with the same command line (a
         node's kubelet or containerd after a crash); its new pid."""
         self.kill(name)
-        entry = self.site.info["processes"][name]
+        entry = self.lab.info["processes"][name]
         pid = self.launch(name, entry["argv"], env=entry.get("env"))
-        self.site.write_info()
+        self.lab.write_info()
         return pid
 
     def alive(self, name: str) -> bool:
         """True; ClusterError with the tail of its log when daemon `name` exited."""
-        pid = self.site.info.get("processes", {}).get(name, {}).get("pid")
+        pid = self.lab.info.get("processes", {}).get(name, {}).get("pid")
         if pid is None or start_time(pid) is None:
             raise ClusterError(f"{name} exited:\n{self.log_tail(name)}")
         with contextlib.suppress(ChildProcessError):
@@ -179,7 +179,7 @@ class Daemons:
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         try:
-            text = (self.site.state / "logs" / f"{name}.log").read_text(errors="replace")
+            text = (self.lab.state / "logs" / f"{name}.log").read_text(errors="replace")
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])

@@ -154,8 +154,8 @@ class Routes:
 class RouteSyncer:
     """The route syncer as the lab runs it: one daemon while the pods' IPAM is ipward."""
 
-    def __init__(self, site: ClusterState, daemons: Daemons, clients: Clients) -> None:
-        self.site = site
+    def __init__(self, lab: ClusterState, daemons: Daemons, clients: Clients) -> None:
+        self.lab = lab
         self.daemons = daemons
         self.clients = clients
 
@@ -168,9 +168,9 @@ class RouteSyncer:
                 sys.executable,
                 "-m",
                 "ipward_lab.kubecluster.route_syncer",
-                str(self.site.state),
+                str(self.lab.state),
             ]
-            self.daemons.launch(DAEMON, self.site.in_cp(argv))
+            self.daemons.launch(DAEMON, self.lab.in_cp(argv))
 
     def stop(self) -> None:
         """Killed, when it runs, and no longer the lab's daemon."""
@@ -181,14 +181,14 @@ class RouteSyncer:
         """Every address ipward has given a sandbox routed in the fabric through the node
         of its record (the route syncer caught up with the records read now)."""
         records = json.loads(self.clients.ipward_run("alloc", "list", "--json").stdout)
-        node_ip = {n.name: n.ip for n in self.site.nodes}
+        node_ip = {n.name: n.ip for n in self.lab.nodes}
         want = {r["ip"]: node_ip[r["node"]] for r in records if r["container"]}
 
         def caught_up() -> bool:
             self.daemons.alive(DAEMON)
             out = run(
                 [
-                    "nsenter", f"--net={self.site.fabric_netns}",
+                    "nsenter", f"--net={self.lab.fabric_netns}",
                     "ip", "-j", "-4", "route", "show", "proto", ROUTE_PROTO,
                 ]
             )  # fmt: skip

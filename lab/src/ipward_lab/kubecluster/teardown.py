@@ -21,13 +21,13 @@ from ipward_lab.kubecluster.state import ClusterState
 from ipward_lab.machine import cgroup_hierarchies, mounts_under
 
 
-def down(site: ClusterState, say: Callable[[str], None] = print) -> list[str]:
+def down(lab: ClusterState, say: Callable[[str], None] = print) -> list[str]:
     """Remove everything the journal says was made, and every process in the lab's
     namespaces and cgroups; what could not be removed, as messages."""
-    entries = site.journal.entries()
+    entries = lab.journal.entries()
     if not entries:
-        if site.state.exists() and not any(site.state.iterdir()):
-            site.state.rmdir()
+        if lab.state.exists() and not any(lab.state.iterdir()):
+            lab.state.rmdir()
         return []
     left: list[str] = []
     ns_files = [
@@ -38,7 +38,7 @@ def down(site: ClusterState, say: Callable[[str], None] = print) -> list[str]:
     say("stopping processes")
     left += _kill_all(ns_files, cgroups, processes)
     say("removing mounts, namespaces and cgroups")
-    for point in mounts_under(site.state):
+    for point in mounts_under(lab.state):
         proc = subprocess.run(
             ["umount", "--lazy", point], capture_output=True, text=True, timeout=30
         )
@@ -47,9 +47,9 @@ def down(site: ClusterState, say: Callable[[str], None] = print) -> list[str]:
     for cgroup in cgroups:
         left += _remove_cgroup(cgroup)
     if not left:
-        shutil.rmtree(site.state, ignore_errors=True)
-        if site.state.exists():
-            left.append(f"could not remove {site.state}")
+        shutil.rmtree(lab.state, ignore_errors=True)
+        if lab.state.exists():
+            left.append(f"could not remove {lab.state}")
     return left
 
 
