@@ -1,9 +1,9 @@
-"""The system layer's fixtures: a real etcd for a module, an empty store on SQLite and
-on etcd (`either_store`), the plugin installed into a temporary CNI bin dir (the
-launcher, and the native plugin `install-cni --standalone` writes; `forwarder`: each of
-them on the forwarding path), the
-scenario worlds (`ipward_lab.simworld`), Kubernetes API servers (the loopback test
-server, the real kube-apiserver) and a real cluster for the `kube` tests."""
+"""The system layer's fixtures: a real etcd for a module, an empty store on SQLite, on
+etcd and on the Kubernetes API (`either_store`), the plugin installed into a temporary
+CNI bin dir (the launcher, and the native plugin `install-cni --standalone` writes;
+`forwarder`: each of them on the forwarding path), the scenario worlds
+(`ipward_lab.soak.world`), Kubernetes API servers (the loopback test server, the real
+kube-apiserver) and a real cluster for the `kube` tests."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import pytest
 
 from ipward.store import Store, open_backend
 from ipward.store.base import Delete
-from ipward_lab.etcdlab import EtcdServer, etcd_server
 from ipward_lab.fleet import IPWARD
-from ipward_lab.kubeadmin import KubeApi
-from ipward_lab.simworld import World
+from ipward_lab.servers.etcd import EtcdServer, etcd_server
+from ipward_lab.servers.kube_admin import KubeApi
+from ipward_lab.soak.world import World
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +115,10 @@ def world(
     the end."""
     url = sqlite_url
     if world_kube is not None and request.node.callspec.params.get("world_kube") == "k8s-store":
-        from ipward_lab import kubestore
+        from ipward_lab.servers import kube_store
 
-        kubestore.install(world_kube.kubeconfig, "ipward-system")
-        url = kubestore.store_url(world_kube.kubeconfig, "ipward-system")
+        kube_store.install(world_kube.kubeconfig, "ipward-system")
+        url = kube_store.store_url(world_kube.kubeconfig, "ipward-system")
     with World(tmp_path, plugin, url, kube=world_kube) as w:
         yield w
 
@@ -128,13 +128,13 @@ def scenario_kube(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
     """The API server of a scenario's `k8s` variant: a kube-apiserver of its own when
     KUBE_APISERVER names one (the scenarios name their nodes, namespace and pods alike,
     so they cannot share the session's), else the loopback test server."""
-    from ipward_lab import kubelab
+    from ipward_lab.servers import kube_apiserver
 
-    executable = kubelab.binary()
+    executable = kube_apiserver.binary()
     if executable is None:
         yield from _test_kube_server(tmp_path, kube_certs)
         return
-    with kubelab.kube_apiserver(executable, tmp_path) as lab:
+    with kube_apiserver.kube_apiserver(executable, tmp_path) as lab:
         api = KubeApi.of_real_server(lab)
         try:
             yield api
@@ -144,12 +144,12 @@ def scenario_kube(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
 
 @pytest.fixture(scope="session")
 def real_kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from ipward_lab import kubelab
+    from ipward_lab.servers import kube_apiserver
 
-    executable = kubelab.binary()
+    executable = kube_apiserver.binary()
     if executable is None:
         pytest.skip("KUBE_APISERVER does not name a kube-apiserver binary")
-    with kubelab.kube_apiserver(executable, tmp_path_factory.mktemp("kubelab")) as lab:
+    with kube_apiserver.kube_apiserver(executable, tmp_path_factory.mktemp("kubelab")) as lab:
         yield lab
 
 
@@ -157,22 +157,22 @@ def real_kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[An
 def kube_store_url(real_kube_apiserver: Any) -> str:
     """A `k8s://` store on the real kube-apiserver (ipward's CRDs installed, a namespace
     of its own): the session's; tests keep to keys of their own."""
-    from ipward_lab import kubestore
+    from ipward_lab.servers import kube_store
 
     namespace = f"store-{uuid.uuid4().hex[:8]}"
-    kubestore.install(real_kube_apiserver.kubeconfig, namespace)
-    return kubestore.store_url(real_kube_apiserver.kubeconfig, namespace)
+    kube_store.install(real_kube_apiserver.kubeconfig, namespace)
+    return kube_store.store_url(real_kube_apiserver.kubeconfig, namespace)
 
 
 @pytest.fixture
 def new_kube_store_url(real_kube_apiserver: Any, kube_store_url: str) -> str:
     """An empty `k8s://` store of the test's own: a new namespace (the CRDs installed
     once, with the session's)."""
-    from ipward_lab import kubestore
+    from ipward_lab.servers import kube_store
 
     namespace = f"store-{uuid.uuid4().hex[:8]}"
-    kubestore.install(real_kube_apiserver.kubeconfig, namespace)
-    return kubestore.store_url(real_kube_apiserver.kubeconfig, namespace)
+    kube_store.install(real_kube_apiserver.kubeconfig, namespace)
+    return kube_store.store_url(real_kube_apiserver.kubeconfig, namespace)
 
 
 @pytest.fixture(scope="session")
@@ -188,7 +188,7 @@ def kube_server(tmp_path: Path, kube_certs: Path) -> Iterator[KubeApi]:
 
 
 def _test_kube_server(tmp_path: Path, certs: Path) -> Iterator[KubeApi]:
-    from ipward_lab.kubeapi import kube_api_server
+    from ipward_lab.servers.kube_test_server import kube_api_server
 
     with kube_api_server(tmp_path, certs=certs) as server:
         api = KubeApi.of_test_server(server, tmp_path / "kubeconfig")
@@ -222,13 +222,15 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     `.info` (`up_seconds`, `deploy_seconds`). Skipped when the Kubernetes binaries are
     not found (the reason says where to get them). `IPWARD_KUBE_STATE=DIR`: the cluster
     up in DIR already (deployed with KUBE_TUNING), kept after: for working on a test."""
-    from ipward_lab import kubecluster
+    from ipward_lab.kubecluster.cluster import Cluster
+    from ipward_lab.kubecluster.prerequisites import unavailable_reason
+    from ipward_lab.kubecluster.teardown import machine_snapshot
     from kube_checks import KUBE_TUNING
 
-    reason = kubecluster.unavailable_reason()
+    reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    from ipward_lab.containerdlab import machine_lock
+    from ipward_lab.containerd.lab import machine_lock
 
     # A containerd lab writes to the machine's /run/containerd and /var/lib/cni while it
     # runs, which the snapshot compares: none runs meanwhile (they take the same lock).
@@ -236,10 +238,10 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     try:
         given = os.environ.get("IPWARD_KUBE_STATE")
         if given:
-            yield kubecluster.Cluster.load(Path(given))
+            yield Cluster.load(Path(given))
             return
-        before = kubecluster.machine_snapshot()
-        lab = kubecluster.Cluster(tmp_path_factory.mktemp("cluster"))
+        before = machine_snapshot()
+        lab = Cluster(tmp_path_factory.mktemp("cluster"))
         lab.machine_before = before  # type: ignore[attr-defined]
         say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
         try:

@@ -38,8 +38,8 @@ from ipward.core.records import AddressRecord
 from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward_lab import fleet
-from ipward_lab.etcdlab import etcd_server, free_port
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import etcd_server, free_port
 from ipward_lab.simcluster import write_sim_state
 from ipward_lab.waiting import wait_for
 from support import Gate, PluginResult, exec_plugin
@@ -419,10 +419,7 @@ def test_graceful_stop_drains_and_refuses(plugin, sqlite_url, start_agent):
         elif after_stop:
             after_stop += 1
         time.sleep(0.004)
-    deadline = time.monotonic() + 10
-    while agent.socket.exists() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert not agent.socket.exists()
+    wait_for(lambda: not agent.socket.exists(), "the agent's socket removed", 10, 0.005)
     late = exec_plugin(plugin, "ADD", cfg, container="late")  # after the stop began
     assert late.returncode == 1 and late.json["code"] == 11, late
     for t in threads:
@@ -479,9 +476,7 @@ def test_sigkill_mid_allocation_leaves_the_retry_its_address(plugin, sqlite_url,
         for t in threads:
             t.start()
         # Kill while calls stream through: a few ms after the first answer.
-        deadline = time.monotonic() + 10
-        while not results and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_for(lambda results=results: results, "a first answer", 10, 0.001)
         time.sleep(rng.uniform(0.0, 0.015))
         agent.kill()
         for t in threads:
@@ -551,9 +546,12 @@ def test_metrics_and_health(plugin, etcd, start_agent):
     assert http_get(f"{base}/healthz") == (200, "ok\n")
 
     etcd.stop()
-    deadline = time.monotonic() + 15
-    while (health := http_get(f"{base}/healthz"))[0] == 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
+
+    def unhealthy() -> tuple[int, str] | None:
+        health = http_get(f"{base}/healthz")
+        return health if health[0] != 200 else None
+
+    health = wait_for(unhealthy, "/healthz to stop answering 200", 15, 0.1)
     assert health[0] == 503 and "store" in health[1], health
     down = exec_plugin(plugin, "ADD", cfg, container="m4")
     assert down.returncode == 1 and down.json["code"] == 11, down

@@ -19,7 +19,7 @@ from ipward.core.pool import PoolSpec
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreUnreachable, open_backend, schema
 from ipward.store.base import Delete, Put
-from ipward_lab.etcdlab import EtcdServer
+from ipward_lab.servers.etcd import EtcdServer
 from ipward_lab.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,8 +16,8 @@ from ipward.ipam.ledger import Ledger
 from ipward.ipam.pools import create_pool
 from ipward.store import open_backend, open_store
 from ipward.store.base import Put
-from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import etcd_server
 from support import exec_plugin
 
 ADD_CONFIG = {"cniVersion": "1.0.0", "name": "net", "ipam": {"type": "ipward", "pool": "web"}}

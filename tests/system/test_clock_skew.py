@@ -29,8 +29,8 @@ from ipward.gc import clocks
 from ipward.store import Store, open_backend, open_store
 from ipward.store.base import Delete, Put
 from ipward_lab import fleet
-from ipward_lab.etcdlab import EtcdServer
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import EtcdServer
 from ipward_lab.simcluster import write_sim_state
 from ipward_lab.waiting import wait_for
 from support import ManualClock, exec_plugin

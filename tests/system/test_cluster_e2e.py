@@ -17,9 +17,9 @@ import pytest
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward.store import open_store
-from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import IPWARD, run_cli
 from ipward_lab.netlab import NetLab, Pod, bridge_network_config, skip_reason
+from ipward_lab.servers.etcd import etcd_server
 from ipward_lab.waiting import wait_for
 from test_agent import AgentProcess
 

@@ -41,8 +41,8 @@ from ipward.ipam import blocks
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT, Delete, Put
 from ipward_lab import fleet
-from ipward_lab.etcdlab import EtcdCluster, etcd_cluster, etcd_server
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import EtcdCluster, etcd_cluster, etcd_server
 from ipward_lab.waiting import wait_for
 from test_agent import AgentProcess
 
@@ -208,18 +208,17 @@ def wait_reading_stdin(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> 
     if READ_SYSCALL is None:
         time.sleep(0.3)
         return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def reading() -> bool:
         try:
             with open(f"/proc/{proc.pid}/syscall") as f:
                 fields = f.read().split()
-        except OSError:
+        except OSError:  # unreadable here: give it a start's time, as without READ_SYSCALL
             time.sleep(0.3)
-            return
-        if fields[:2] == [READ_SYSCALL, "0x0"]:
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"plugin {proc.pid} never read its stdin")
+            return True
+        return fields[:2] == [READ_SYSCALL, "0x0"]
+
+    wait_for(reading, f"plugin {proc.pid} to read its stdin", timeout, 0.001)
 
 
 def race(plugin: Path, calls: list[tuple[str, bytes, str]]) -> list[Answer]:
@@ -476,9 +475,7 @@ def test_agent_killed_mid_allocation(plugin, shared, agents):
         threads = [threading.Thread(target=one, args=(c,)) for c in batch]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 10
-        while not results and time.monotonic() < deadline:
-            time.sleep(0.0005)
+        wait_for(lambda results=results: results, "a first answer", 10, 0.0005)
         time.sleep(rng.uniform(0.0, 0.02))
         agent.kill()  # SIGKILL
         for t in threads:

@@ -28,6 +28,7 @@ Assertions hold for every interleaving; only the kill timing is random (seeded).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -49,6 +50,7 @@ from ipward.ipam.ledger import Ledger
 from ipward.store import open_store
 from ipward.store.base import DELETE, PUT
 from ipward_lab.fleet import run_cli
+from ipward_lab.waiting import wait_for
 
 NODE = "node-a"
 WORKERS = 16
@@ -274,36 +276,39 @@ def _pick_victim(
     a moment for one to appear); falling back to any."""
     where = rng.choice(("anywhere", "store-open", "in-write-txn"))
     if where != "anywhere":
-        until = time.monotonic() + 0.05
-        while True:
+
+        def found() -> list[int]:
             opened, writing = _wal_lockers(shm)
-            found = [
+            return [
                 pid
                 for pid in sorted(writing if where == "in-write-txn" else opened)
                 if (stat := _proc_stat(pid)) is not None and stat[1] in parents
             ]
-            if found:
-                return where, rng.choice(found)
-            if where == "store-open" or time.monotonic() >= until:
-                break
-            time.sleep(0.0005)
+
+        # One look for the store open, a moment for a write transaction; else any.
+        moment = 0.05 if where == "in-write-txn" else 0.0
+        with contextlib.suppress(TimeoutError):
+            pids = wait_for(found, f"a plugin {where}", moment, 0.0005, failure=TimeoutError)
+            return where, rng.choice(pids)
     children = _children(parents, plugin)
     return "anywhere", (rng.choice(children) if children else None)
 
 
 def _wait_group_gone(pgid: int, timeout: float = 30.0) -> None:
     """Until no process of the group is alive (a zombie can commit nothing)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def gone() -> bool:
         alive = [
             pid
             for pid in _live_pids()
             if (s := _proc_stat(pid)) is not None and s[2] == pgid and s[0] not in "ZX"
         ]
-        if not alive:
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"process group {pgid} still alive {timeout}s after SIGKILL: {alive}")
+        assert not alive, f"still alive: {alive}"
+        return True
+
+    wait_for(
+        gone, f"process group {pgid} gone after SIGKILL", timeout, 0.005, passing=(AssertionError,)
+    )
 
 
 def _run_plugins(
@@ -347,9 +352,9 @@ def _run_gated(plugin: Path, calls: list[tuple[dict[str, str], bytes]], tmp: Pat
                 [str(plugin)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env
             )
         )
-    deadline = time.monotonic() + 10
     waiting = {p.pid for p in procs}
-    while waiting and time.monotonic() < deadline:  # best effort: a gate, not an assertion
+
+    def all_reading() -> bool:
         for pid in list(waiting):
             try:
                 syscall = Path(f"/proc/{pid}/syscall").read_text().split()
@@ -357,7 +362,10 @@ def _run_gated(plugin: Path, calls: list[tuple[dict[str, str], bytes]], tmp: Pat
                 syscall = []
             if syscall[:2] == ["0", "0x0"]:  # blocked in read(0, ...)
                 waiting.discard(pid)
-        time.sleep(0.002)
+        return not waiting
+
+    with contextlib.suppress(TimeoutError):  # best effort: a gate, not an assertion
+        wait_for(all_reading, "every plugin in its read of stdin", 10, 0.002, failure=TimeoutError)
     for proc, (_, data) in zip(procs, calls, strict=True):
         assert proc.stdin is not None
         try:

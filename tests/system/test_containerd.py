@@ -2,7 +2,7 @@
 CRI with `ipward.cluster.cri.CriClient`; and `CriSource`, the CRI liveness source, against that
 containerd and against a stand-in CRI server (hung, failing, slow).
 
-The containerd tests (marked `net`) share one containerd per module (tests/containerdlab.py);
+The containerd tests (marked `net`) share one containerd per module (`ipward_lab.containerd.lab`);
 each test removes its own sandboxes. They need root and Debian's containerd, runc, gcc,
 libc6-dev and containernetworking-plugins: without them they fail, they do not skip.
 """
@@ -32,8 +32,8 @@ from ipward.cluster.cri import CriClient, CriError, CriSource
 from ipward.cluster.liveness import LivenessUnavailable, NotCovered, Sandbox, open_source
 from ipward.core.errors import InvalidConfig
 from ipward.store import open_store
-from ipward_lab import containerdlab, fleet
-from ipward_lab.containerdlab import ContainerdLab, LabError, machine_state
+from ipward_lab import fleet
+from ipward_lab.containerd.lab import CALL_TIMEOUT, REQUIRED, ContainerdLab, LabError, machine_state
 from ipward_lab.fleet import run_cli
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
@@ -376,10 +376,7 @@ def test_pods_through_the_node_agent_which_reconciles_with_containerd(
         def freed() -> list[dict]:
             return [e for e in agent.logged("freed") if f"pods/{ip_leaked}" in e["ips"]]
 
-        deadline = time.monotonic() + 60
-        while not freed() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        (free,) = freed()
+        (free,) = wait_for(freed, "the leaked address freed", 60, 0.1)
         assert "sandbox-gone" in free["reason"] and free["ts"] >= created_at + grace
         assert set(allocations(agent_store, "pods")) == {ip_a, ip_b}
         passes = [e for e in agent.logged("reconciled") if e["sandboxes"] >= 2]
@@ -424,7 +421,7 @@ def test_a_del_refused_while_the_agent_was_down_is_finished_by_the_agent_once_ba
         assert set(allocations(agent_store, "pods")) == {ip}
         agent.kill()
         with pytest.raises(CriError, match="unreachable"):  # the DEL refused: agent down
-            lab.cri().stop_pod_sandbox(sandbox, timeout=containerdlab.CALL_TIMEOUT)
+            lab.cri().stop_pod_sandbox(sandbox, timeout=CALL_TIMEOUT)
         assert Path(lab.sandbox_netns(sandbox)).exists()  # its address still on its veth
         assert set(allocations(agent_store, "pods")) == {ip}
         agent = start_agent().wait_ready()
@@ -500,7 +497,7 @@ def test_teardown_after_containerd_is_killed_leaves_the_machine_as_it_was(
 def test_a_missing_binary_fails_the_lab_naming_the_package(
     tmp_path: Path, cni_bin: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(containerdlab.REQUIRED, "ipward-no-such-binary", "some-package")
+    monkeypatch.setitem(REQUIRED, "ipward-no-such-binary", "some-package")
     lab = ContainerdLab(tmp_path / "lab", cni_bin / "ipward", {"type": "ipward"})
     with pytest.raises(LabError, match=r"ipward-no-such-binary \(Debian package some-package\)"):
         lab.start()
@@ -651,22 +648,26 @@ def test_a_restarted_runtime_is_seen_again_within_a_second(tmp_path: Path) -> No
     path = tmp_path / "cri.sock"
     source = CriSource(str(path), node=NODE)
     try:
-        down_until = time.monotonic() + 2.8  # long enough for the default backoff to pass 2 s
-        while time.monotonic() < down_until:
+        down_since = time.monotonic()
+
+        def unavailable_past_the_backoff() -> bool:
             with pytest.raises(LivenessUnavailable):
                 source.node_view(NODE)
-            time.sleep(0.1)
+            return time.monotonic() > down_since + 2.8  # the default backoff passes 2 s
+
+        wait_for(unavailable_past_the_backoff, "2.8 s of polls with the runtime down", 10, 0.1)
         server = StandIn(path)
         try:
             server.sandboxes = [pod_sandbox("s1", cri.SANDBOX_READY, time.time_ns())]
-            deadline = time.monotonic() + 1.4
-            while True:
-                try:
-                    assert set(source.node_view(NODE).sandboxes) == {"s1"}
-                    break
-                except LivenessUnavailable:
-                    assert time.monotonic() < deadline, "still unavailable 1.4 s after restart"
-                    time.sleep(0.05)
+            # The one wait here that bounds a speed: the point of the test.
+            view = wait_for(
+                lambda: source.node_view(NODE),
+                "the restarted runtime seen within 1.4 s",
+                1.4,
+                0.05,
+                passing=(LivenessUnavailable,),
+            )
+            assert set(view.sandboxes) == {"s1"}
         finally:
             server.stop()
     finally:

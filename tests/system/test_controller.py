@@ -36,8 +36,8 @@ from ipward.ipam.ledger import Ledger
 from ipward.store import Store, StoreError, open_store
 from ipward.store.base import Delete, Put, at_revision
 from ipward_lab import fleet
-from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import etcd_server
 from ipward_lab.waiting import wait_for
 
 TTL = 2  # etcd's floor
@@ -272,12 +272,16 @@ def test_one_leader_and_a_successor_after_sigkill(store_url, store, spawn):
         "the leader metric on both",
         10,
     )
-    # Through several keepalives, one leader and one waiting.
-    deadline = time.monotonic() + 1.5 * TTL
-    while time.monotonic() < deadline:
+    # Through several keepalives, one leader and one waiting: past 1.5 TTL, a lease not
+    # kept alive would have expired and the standby taken over.
+    since = time.monotonic()
+
+    def one_leader_past_the_ttl() -> bool:
         assert leader_id(store) == boss.ident
         assert standby.metric("ipward_controller_leader") == 0
-        time.sleep(0.2)
+        return time.monotonic() > since + 1.5 * TTL
+
+    wait_for(one_leader_past_the_ttl, "1.5 TTL of one leader", 3 * TTL, 0.2)
     assert boss.healthz() == "ok: leader" and standby.healthz() == "ok: standby"
 
     boss.kill()
@@ -601,7 +605,11 @@ def test_a_paused_leader_is_fenced_out_and_steps_down(store_url, store, spawn):
     wait_for(lambda: leader_id(store) == "new", "the successor to take over", TAKEOVER)
     # Wake the old leader once, by its own count, the blocks have been empty long enough
     # to be marked: were it to act on its stale belief, it would mark them now.
-    time.sleep(max(0.0, seen + release_delay + 0.5 - time.monotonic()))
+    wait_for(
+        lambda: time.monotonic() > seen + release_delay + 0.5,
+        "the blocks empty for the release delay, by the old leader's count",
+        release_delay + 1,
+    )
     os.kill(old.pid, signal.SIGCONT)
     wait_for(
         lambda: old.metric("ipward_controller_leader") == 0 and old.logged("leadership lost"),

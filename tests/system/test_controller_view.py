@@ -1,5 +1,5 @@
 """The controller's store view (`ipward.controller.view`) on real stores (SQLite, and a
-real etcd from `etcdlab`): after random writes it equals a fresh whole read; a
+real etcd from `servers.etcd`): after random writes it equals a fresh whole read; a
 compaction under its watch, a broken stream and its timer make it read whole, and it is
 right after; a record rewritten while the view lags is not freed (the compare-and-delete
 on the revision it read fails) and the next sync sees the new record."""
@@ -23,7 +23,7 @@ from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
 from ipward.store import Store, open_backend
 from ipward.store.base import Delete, Put
-from ipward_lab.etcdlab import EtcdServer
+from ipward_lab.servers.etcd import EtcdServer
 from ipward_lab.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)

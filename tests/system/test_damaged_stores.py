@@ -24,8 +24,8 @@ from ipward.ipam.check import check, repair
 from ipward.ipam.ledger import Ledger
 from ipward.store import open_store
 from ipward.store.base import Put
-from ipward_lab.etcdlab import EtcdServer
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import EtcdServer
 from support import exec_plugin
 
 POOL = "pods"  # an inline pool is named after its network

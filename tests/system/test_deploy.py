@@ -133,7 +133,7 @@ def test_etcd_certificates_from_the_script_work_with_a_real_etcd(tmp_path: Path)
     certificate; a real etcd started with the component's TLS flags accepts ipward's
     store client with the client Secret's files, and refuses it without them."""
     from ipward.store import StoreUnreachable, open_store
-    from ipward_lab.etcdlab import etcd_server
+    from ipward_lab.servers.etcd import etcd_server
 
     out = subprocess.run(
         [str(DEPLOY / "make-etcd-certs.sh"), "ipward-system", str(tmp_path / "pki")],
@@ -439,7 +439,7 @@ def test_agent_healthz_reports_its_cluster_source_refused(
     from ipward.kubeapi.client import ApiClient
     from ipward.kubeapi.config import from_kubeconfig
     from ipward_lab import fleet
-    from ipward_lab.kubeadmin import KubeAdmin
+    from ipward_lab.servers.kube_admin import KubeAdmin
 
     lab = real_kube_apiserver
     tag = uuid.uuid4().hex[:8]

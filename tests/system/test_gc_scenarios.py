@@ -19,10 +19,10 @@ import pytest
 from ipward.core import keys
 from ipward.core import records as rec
 from ipward_lab import fleet
-from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import run_cli
-from ipward_lab.kubeadmin import KubeApi
-from ipward_lab.simworld import GRACE, NS, World
+from ipward_lab.servers.etcd import etcd_server
+from ipward_lab.servers.kube_admin import KubeApi
+from ipward_lab.soak.world import GRACE, NS, World
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
 

@@ -17,7 +17,7 @@ from ipward.cluster.liveness import LivenessUnavailable, open_source
 from ipward.core.errors import InvalidConfig
 from ipward.kubeapi.client import ApiClient, ApiError, ApiUnreachable
 from ipward.kubeapi.config import from_kubeconfig, in_cluster
-from ipward_lab.kubeadmin import KubeApi
+from ipward_lab.servers.kube_admin import KubeApi
 from ipward_lab.waiting import wait_for
 from test_k8s_source import wait_watching
 

@@ -1,9 +1,9 @@
 """The memory lab's pieces work (the figures themselves are measured by
-`python -m ipward_lab.kubemem`, never asserted: they depend on the machine)."""
+`python -m ipward_lab.bench.k8s_memory`, never asserted: they depend on the machine)."""
 
 from __future__ import annotations
 
-from ipward_lab.kubemem import measure
+from ipward_lab.bench.k8s_memory import measure
 
 
 def test_memory_lab_measures_both_scopes() -> None:

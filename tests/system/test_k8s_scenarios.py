@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from ipward_lab import fleet
-from ipward_lab.kubeadmin import KubeApi
-from ipward_lab.simworld import NS, World
+from ipward_lab.servers.kube_admin import KubeApi
+from ipward_lab.soak.world import NS, World
 from ipward_lab.waiting import wait_for
 
 PODS = 4

@@ -22,8 +22,8 @@ from ipward.gc import rules as gc
 from ipward.ipam.ledger import Ledger
 from ipward.store import open_store
 from ipward_lab.fleet import run_cli
-from ipward_lab.kubeadmin import KubeApi
-from ipward_lab.pki import token_kubeconfig
+from ipward_lab.servers.kube_admin import KubeApi
+from ipward_lab.servers.pki import token_kubeconfig
 from ipward_lab.waiting import wait_for
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from ipward_lab.kubeadmin import KubeApi
-from ipward_lab.kubeapi import KubeApiServer, kube_api_server
+from ipward_lab.servers.kube_admin import KubeApi
+from ipward_lab.servers.kube_test_server import KubeApiServer, kube_api_server
 from support import recorded
 
 JSON = "application/json"

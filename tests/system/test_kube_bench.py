@@ -14,8 +14,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from ipward_lab import kubecluster
 from ipward_lab.bench import bench_command
+from ipward_lab.kubecluster.prerequisites import unavailable_reason
 
 # `slow` too: a cluster of its own (~2.5 min), not in CI's 15 minutes of kube tests.
 pytestmark = [pytest.mark.kube, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -25,7 +25,7 @@ QUICK_ROUNDS = 3
 
 
 def test_bench_kube_quick_measures_both_ipams_and_removes_its_cluster() -> None:
-    reason = kubecluster.unavailable_reason()
+    reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
     before = set(glob.glob("/tmp/ipwb-*"))

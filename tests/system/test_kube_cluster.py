@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
-from ipward_lab import kubecluster
-from ipward_lab.kubecluster import Cluster
+from ipward_lab.kubecluster.cluster import Cluster
+from ipward_lab.kubecluster.common import wait_for
+from ipward_lab.kubecluster.prerequisites import unavailable_reason
+from ipward_lab.kubecluster.teardown import leftovers, machine_snapshot, namespace_ids
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
 
@@ -58,7 +60,7 @@ SPREAD = {
 def test_down_after_a_crash_of_up_removes_what_it_made() -> None:
     """`up` killed (SIGKILL) once a node's kubelet is started: `down` finds all it made
     from the journal, and the machine keeps nothing of it."""
-    reason = kubecluster.unavailable_reason()
+    reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
     # Short: the nodes' socket paths under it must fit a Unix socket's.
@@ -73,7 +75,7 @@ def test_down_after_a_crash_of_up_removes_what_it_made() -> None:
     lab = Cluster(state)
     try:
         try:
-            kubecluster.wait_for(
+            wait_for(
                 lambda: (
                     any(e.get("name") == "n1-kubelet" for e in lab.journal.entries())
                     or up.poll() is not None
@@ -87,13 +89,13 @@ def test_down_after_a_crash_of_up_removes_what_it_made() -> None:
             up.wait()
         assert up.returncode == -9, up_log.read_text()
         lab = Cluster.load(state)  # cluster.json is written before anything is made
-        ns_ids = kubecluster.namespace_ids(lab)
+        ns_ids = namespace_ids(lab)
         assert len(ns_ids) == 4, "fabric, control plane, the node's network and mount namespaces"
         down = subprocess.run(
             [IPWARD, "cluster", "down", "--state", str(state)], capture_output=True, text=True
         )
         assert down.returncode == 0, down.stderr
-        assert kubecluster.leftovers(state, lab.info["id"], ns_ids) == []
+        assert leftovers(state, lab.info["id"], ns_ids) == []
     finally:
         lab.down(lambda text: None)  # whatever the test left (nothing when it passed)
         shutil.rmtree(state.parent, ignore_errors=True)
@@ -108,7 +110,7 @@ def test_deployment_spread_over_nodes_gets_addresses_from_ipward(kube_cluster: C
     lab = kube_cluster
     started = time.monotonic()
     lab.kubectl("apply", "-f", "-", input=json.dumps(SPREAD))
-    pods = kubecluster.wait_for(
+    pods = wait_for(
         lambda: (found := running_pods(lab, "app=spread")) and len(found) == REPLICAS and found,
         f"{REPLICAS} pods Running",
         RUNNING_TIMEOUT,
@@ -165,9 +167,9 @@ def test_down_leaves_the_machine_as_before(kube_cluster: Cluster) -> None:
     if os.environ.get("IPWARD_KUBE_STATE"):
         pytest.skip("the cluster is not this run's: it stays up")
     lab = kube_cluster
-    ns_ids = kubecluster.namespace_ids(lab)
+    ns_ids = namespace_ids(lab)
     assert len(ns_ids) == 2 + 2 * len(lab.nodes)
     left = lab.down(lambda text: None)
     assert left == []
-    assert kubecluster.leftovers(lab.state, lab.info["id"], ns_ids) == []
-    assert kubecluster.machine_snapshot() == lab.machine_before  # type: ignore[attr-defined]
+    assert leftovers(lab.state, lab.info["id"], ns_ids) == []
+    assert machine_snapshot() == lab.machine_before  # type: ignore[attr-defined]

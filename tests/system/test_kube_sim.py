@@ -20,9 +20,9 @@ from ipward.cluster.liveness import LivenessUnavailable, Pod
 from ipward.kubeapi.client import ApiClient
 from ipward.kubeapi.config import from_kubeconfig
 from ipward_lab.fleet import run_cli
-from ipward_lab.kubeadmin import KubeAdmin, KubeApi
+from ipward_lab.servers.kube_admin import KubeAdmin, KubeApi
 from ipward_lab.simcluster import SimCluster, SimFileSource
-from ipward_lab.simworld import agents
+from ipward_lab.soak.world import agents
 from ipward_lab.waiting import wait_for
 from support import ManualClock
 from test_sim import CI_RUN, fault_counts, possible, soak

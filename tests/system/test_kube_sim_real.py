@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from ipward_lab import kubelab
-from ipward_lab.etcdlab import free_port
-from ipward_lab.sim import Options, Soak
+from ipward_lab.servers import kube_apiserver
+from ipward_lab.servers.etcd import free_port
+from ipward_lab.soak import Options, Soak
 
 
-@pytest.mark.skipif(kubelab.binary() is None, reason="KUBE_APISERVER names no kube-apiserver")
+@pytest.mark.skipif(
+    kube_apiserver.binary() is None, reason="KUBE_APISERVER names no kube-apiserver"
+)
 def test_soak_through_the_real_kube_apiserver(tmp_path: Path) -> None:
     """A short soak on the real kube-apiserver (its own: `api-down` restarts it), with
     the faults it can make: no address on two ready pods, no live address lost,
@@ -29,7 +31,9 @@ def test_soak_through_the_real_kube_apiserver(tmp_path: Path) -> None:
     assert {kind for _, kind, _ in result.faults} == set(faults)
 
 
-@pytest.mark.skipif(kubelab.binary() is None, reason="KUBE_APISERVER names no kube-apiserver")
+@pytest.mark.skipif(
+    kube_apiserver.binary() is None, reason="KUBE_APISERVER names no kube-apiserver"
+)
 def test_the_kube_apiserver_lab_takes_another_port_when_its_first_is_taken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -40,9 +44,11 @@ def test_the_kube_apiserver_lab_takes_another_port_when_its_first_is_taken(
         taken.listen()
         first = taken.getsockname()[1]
         ports = iter([first])
-        monkeypatch.setattr(kubelab, "free_port", lambda: next(ports, None) or free_port())
-        executable = kubelab.binary()
+        monkeypatch.setattr(
+            "ipward_lab.servers.kube_apiserver.free_port", lambda: next(ports, None) or free_port()
+        )
+        executable = kube_apiserver.binary()
         assert executable is not None
-        with kubelab.kube_apiserver(executable, tmp_path) as lab:
+        with kube_apiserver.kube_apiserver(executable, tmp_path) as lab:
             assert lab.port != first and lab.ready()
             assert "address already in use" in lab.log_path.read_text()

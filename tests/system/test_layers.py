@@ -1,9 +1,10 @@
-"""The layer contracts of pyproject.toml's [tool.importlinter], checked by `lint-imports`:
-the product (`ipward`) never imports the labs (`ipward_lab`), and its packages import
-only the layers below them (cmd, agent | controller, gc | cni, cluster | ipam, store,
-core; `|`: siblings that never import each other). Shown to bite: the same check on a
-copy of the tree with one forbidden import added fails, naming it. (The key layout's
-rule: `tests/unit/test_key_layout.py`.)"""
+"""The import contracts of pyproject.toml's [tool.importlinter], checked by `lint-imports`:
+the product (`ipward`) never imports the labs (`ipward_lab`), its packages import only
+the layers below them (cmd, agent | controller, gc | cni, cluster | ipam, store, core;
+`|`: siblings that never import each other), and no modules or packages of the lab
+import each other in a circle. Shown to bite: the same check on a copy of the tree with
+one forbidden import added fails, naming it. (The key layout's rule:
+`tests/unit/test_key_layout.py`.)"""
 
 from __future__ import annotations
 
@@ -39,18 +40,19 @@ def test_the_product_never_imports_the_labs_and_keeps_its_layers() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the product never imports the labs KEPT" in done.stdout
     assert "the product's layers KEPT" in done.stdout
+    assert "no import circle in the lab KEPT" in done.stdout
 
 
-def copy_with(tmp_path: Path, module: str, source: str) -> Path:
+def copy_with(tmp_path: Path, module: str, source: str, root: str = "src/ipward") -> Path:
     """A copy of the product, the labs and the configuration, with `module` (a path under
-    src/ipward) written with `source`."""
+    `root`) written with `source`."""
     skip = shutil.ignore_patterns("__pycache__")
     shutil.copytree(REPO / "src" / "ipward", tmp_path / "src" / "ipward", ignore=skip)
     shutil.copytree(
         REPO / "lab" / "src" / "ipward_lab", tmp_path / "lab" / "src" / "ipward_lab", ignore=skip
     )
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    (tmp_path / "src" / "ipward" / module).write_text(source)
+    (tmp_path / root / module).write_text(source)
     return tmp_path
 
 
@@ -108,3 +110,37 @@ def test_an_import_against_the_layers_breaks_the_contract(
     assert done.returncode == 1, done.stdout + done.stderr
     assert "the product's layers BROKEN" in done.stdout
     assert names in done.stdout, done.stdout
+
+
+LAB = "lab/src/ipward_lab"
+
+
+@pytest.mark.parametrize(
+    ("module", "added", "names"),
+    [
+        # Within a package: the cluster lab's addresses importing its facade, which is
+        # made of modules that import them (as podroutes and kubecluster once did).
+        (
+            "kubecluster/layout.py",
+            "from ipward_lab.kubecluster import cluster\n",
+            ("No cycles are allowed in ipward_lab.kubecluster.", ".layout -> .cluster"),
+        ),
+        # Across packages, lazily: a loopback server reaching into the cluster lab, which
+        # uses the servers' certificates.
+        (
+            "servers/pki.py",
+            "def lab():\n    from ipward_lab.kubecluster import cluster\n\n    return cluster\n",
+            ("No cycles are allowed in ipward_lab.\n", ".servers -> .kubecluster"),
+        ),
+    ],
+    ids=["within-a-package", "across-packages-lazily"],
+)
+def test_an_import_circle_in_the_lab_breaks_the_contract(
+    tmp_path: Path, module: str, added: str, names: tuple[str, str]
+) -> None:
+    source = (REPO / LAB / module).read_text() + added
+    copy = copy_with(tmp_path, module, source, root=LAB)
+    done = lint_imports(copy, f"{copy / 'src'}:{copy / 'lab' / 'src'}")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "no import circle in the lab BROKEN" in done.stdout
+    assert all(name in done.stdout for name in names), done.stdout

@@ -60,8 +60,8 @@ from hypothesis.stateful import (
 
 from ipward.store import Store, open_store
 from ipward_lab import fleet
-from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import etcd_server
 from ipward_lab.waiting import wait_for
 from support import PluginResult, exec_plugin
 

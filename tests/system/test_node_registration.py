@@ -19,8 +19,8 @@ from ipward.core.records import NodeRegistration
 from ipward.store import open_backend, open_store
 from ipward.store.base import Delete
 from ipward_lab import fleet
-from ipward_lab.etcdlab import EtcdServer
 from ipward_lab.fleet import run_cli
+from ipward_lab.servers.etcd import EtcdServer
 from ipward_lab.waiting import wait_for
 
 NODE = "n1"

@@ -499,7 +499,7 @@ def test_prune_and_delete_of_a_large_pool_fit_etcd_transactions(tmp_path: Path) 
     free entries and several blocks in an earlier layout is pruned, then deleted, in
     bounded transactions, and nothing of it is left."""
     from ipward.ipam import pools
-    from ipward_lab.etcdlab import etcd_server
+    from ipward_lab.servers.etcd import etcd_server
 
     with etcd_server(tmp_path / "etcd") as server, open_store(server.url) as store:
         ledger = Ledger(store, "n1")

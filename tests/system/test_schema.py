@@ -19,8 +19,8 @@ from ipward.ipam.ledger import Ledger
 from ipward.store import open_backend, open_store, schema
 from ipward.store.base import Delete, Put
 from ipward_lab import fleet
-from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import IPWARD, run_cli
+from ipward_lab.servers.etcd import etcd_server
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
 

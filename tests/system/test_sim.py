@@ -12,8 +12,8 @@ from pathlib import Path
 from ipward.core import keys
 from ipward.store.base import Delete, at_revision
 from ipward_lab.fleet import IPWARD
-from ipward_lab.sim import FAULTS, NS, POOL, Options, Soak
-from ipward_lab.sim.result import fault_unavailable
+from ipward_lab.soak import FAULTS, NS, POOL, Options, Soak
+from ipward_lab.soak.result import fault_unavailable
 from ipward_lab.waiting import wait_for
 
 

@@ -23,10 +23,10 @@ from ipward.cluster.liveness import LivenessUnavailable, Pod
 from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab.fleet import run_cli
-from ipward_lab.sim.checker import Checker
-from ipward_lab.sim.result import Options, Result
 from ipward_lab.simcluster import SimCluster, SimFileSource
-from ipward_lab.simworld import agents
+from ipward_lab.soak.checker import Checker
+from ipward_lab.soak.result import Options, Result
+from ipward_lab.soak.world import agents
 from support import ManualClock
 
 NODES = ["node-a", "node-b", "node-c"]
@@ -115,7 +115,7 @@ def event_index(sim: SimCluster, pattern: str) -> int:
 
 def assert_invariants(sim: SimCluster, lab: Lab) -> None:
     """The soak's live checks on this cluster's pods: no address on two ready pods, no
-    ready pod's record lost (`ipward_lab.sim.checker`)."""
+    ready pod's record lost (`ipward_lab.soak.checker`)."""
     with open_store(lab.store) as store:
         found = Checker(sim, store, Result(Options()), pool=POOL).check_once()
     assert not found, found

@@ -33,7 +33,7 @@ from ipward.store import Store, open_store
 from ipward.store.base import Put
 from ipward_lab import fleet
 from ipward_lab.fleet import run_cli
-from ipward_lab.kubeadmin import KubeApi
+from ipward_lab.servers.kube_admin import KubeApi
 from ipward_lab.simcluster import SimFileSource, write_sim_state
 from ipward_lab.waiting import wait_for
 from support import exec_plugin

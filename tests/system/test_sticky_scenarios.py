@@ -17,9 +17,9 @@ import pytest
 
 from ipward.core import keys
 from ipward.core import records as rec
-from ipward_lab.kubeadmin import KubeApi
-from ipward_lab.sim.result import Violation
-from ipward_lab.simworld import NS, World
+from ipward_lab.servers.kube_admin import KubeApi
+from ipward_lab.soak.result import Violation
+from ipward_lab.soak.world import NS, World
 from ipward_lab.waiting import wait_for
 from support import exec_plugin
 

@@ -36,8 +36,7 @@ from ipward.store.base import (
     absent,
     at_revision,
 )
-from ipward_lab import etcdlab
-from ipward_lab.etcdlab import EtcdServer, etcd_cluster, etcd_server
+from ipward_lab.servers.etcd import EtcdServer, etcd_cluster, etcd_server, free_port
 from ipward_lab.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,6 +102,18 @@ class Collector:
     def take(self, n: int, timeout: float = 5.0) -> list[Event]:
         deadline = time.monotonic() + timeout
         return [self.events.get(timeout=max(deadline - time.monotonic(), 0)) for _ in range(n)]
+
+    def wait_iterating(self) -> None:
+        """Until its thread is inside the watch's `batches`: iterating, and with nothing
+        written, waiting there for events."""
+
+        def in_batches() -> bool:
+            frame = sys._current_frames().get(self.thread.ident or 0)
+            while frame is not None and frame.f_code.co_name != "batches":
+                frame = frame.f_back
+            return frame is not None
+
+        wait_for(in_batches, "the watch's iteration in its batches", 10, 0.005)
 
     def cancel(self, timeout: float = 3.0) -> None:
         self.watch.cancel()
@@ -384,7 +395,7 @@ def test_a_watch_sees_a_transaction_over_several_directories_at_its_revision(
 
 def test_watch_cancel_while_idle(store: Store, ns: str) -> None:
     events = Collector(store.watch(ns, store.revision() + 1))
-    time.sleep(0.2)  # let the iteration block waiting for events
+    events.wait_iterating()
     started = time.monotonic()
     events.cancel()
     assert time.monotonic() - started < 2
@@ -535,15 +546,17 @@ def test_etcd_unavailable(tmp_path: Path, ns: str) -> None:
 def write_until_done(store: Store, key: str, value: bytes) -> list[str]:
     """Write, retrying on StoreUnreachable; the errors seen before it went through."""
     errors: list[str] = []
-    deadline = time.monotonic() + 20
-    while True:
+
+    def written() -> bool:
         try:
             put(store, key, value)
-            return errors
         except StoreUnreachable as e:
             errors.append(str(e))
-            assert time.monotonic() < deadline, errors
-            time.sleep(0.1)
+            raise
+        return True
+
+    wait_for(written, f"a write of {key}", 20, 0.1, passing=(StoreUnreachable,))
+    return errors
 
 
 def test_etcd_cluster_failover(tmp_path: Path, ns: str) -> None:
@@ -754,8 +767,9 @@ def test_the_etcd_lab_takes_other_ports_when_its_first_is_taken(
         taken.listen()
         first = taken.getsockname()[1]
         chosen = iter([first])
-        really_free = etcdlab.free_port
-        monkeypatch.setattr(etcdlab, "free_port", lambda: next(chosen, None) or really_free())
+        monkeypatch.setattr(
+            "ipward_lab.servers.etcd.free_port", lambda: next(chosen, None) or free_port()
+        )
         with etcd_server(tmp_path) as server:
             assert server.client_port != first and server.healthy()
             assert "address already in use" in server.log_path.read_text()

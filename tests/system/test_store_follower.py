@@ -15,7 +15,7 @@ import pytest
 from ipward.store import Store, open_backend
 from ipward.store.base import DELETE, Delete, Event, KeyValue, Put
 from ipward.store.follower import BackgroundFollower, ChangeLog, Stamp, SyncedFollower
-from ipward_lab.etcdlab import EtcdServer
+from ipward_lab.servers.etcd import EtcdServer
 from ipward_lab.waiting import wait_for
 from support import ManualClock
 

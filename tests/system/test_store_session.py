@@ -12,7 +12,7 @@ import pytest
 from ipward.store import Store, StoreUnreachable, open_backend
 from ipward.store.base import Put
 from ipward.store.session import RETRY, LeaseSession
-from ipward_lab.etcdlab import EtcdServer
+from ipward_lab.servers.etcd import EtcdServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,7 @@ TOP_DIRS = ("src/", "lab/", "tests/", "docs/")
 
 # `cni/plugin.py:main`, `ipam/ledger.py:Ledger.allocate`
 STOP = re.compile(r"`([\w/]+\.py):([A-Za-z_][\w.]*)`")
-# `ipam/allocating.py`, `agent/`, `lab/src/ipward_lab/sim/`
+# `ipam/allocating.py`, `agent/`, `lab/src/ipward_lab/soak/`
 PATH = re.compile(r"`((?:[\w.-]+/)+(?:[\w.-]+\.(?:py|md))?)`")
 # Wrapped lines keep a citation whole: whitespace and comment marks may come between.
 GAP = r"[\s#]+"

@@ -38,11 +38,14 @@ N pods of a Deployment at once (until all are Running, each pod's time, each san
 CNI ADD from containerd's debug log) and rounds of a StatefulSet scaled 5->0->5 (their
 time, the addresses kept); a table with the ratios.
 
+`ipward bench --k8s` instead (`k8s_memory.measure`): the memory of the `k8s://` source,
+controller-scoped and agent-scoped, on the test API server filled with a cluster's pods.
+
 Modules, one a figure: `throughput` (1), `plugin_exec` (2), `latency` (3, 4, 5), `fill`
 (pools filled in bulk for them), `gc_memory` (6, 7), `cluster` (--cluster), `scale` and
-`scale_cluster` (--scale), `kube` (--kube), `report` (--report), `run` (the default run
-and the growth part, section by section), `command`, and `common` (what they share,
-`Results` among it).
+`scale_cluster` (--scale), `kube` (--kube), `k8s_memory` (--k8s), `report` (--report),
+`run` (the default run and the growth part, section by section), `command`, and
+`common` (what they share, `Results` among it).
 """
 
 from ipward_lab.bench.cluster import agent_exec_latency, run_cluster
@@ -61,7 +64,7 @@ from ipward_lab.bench.report import (
 )
 from ipward_lab.bench.run import run, run_growth
 from ipward_lab.bench.throughput import ledger_pair_rate, raw_cas_rate, throughput
-from ipward_lab.etcdlab import ETCD
+from ipward_lab.servers.etcd import ETCD
 
 __all__ = [
     "ETCD",

@@ -1,5 +1,5 @@
 """`ipward bench --cluster`: N real `ipward agent` processes (`fleet.Agent`) on one
-temporary etcd (`etcdlab`), C client threads per agent looping ADD then DEL through the
+temporary etcd (`servers.etcd`), C client threads per agent looping ADD then DEL through the
 plugin's own socket call, next to raw etcd CAS by as many threads in the same run (the
 loads take turns in rounds); then plugin exec ADD through an agent."""
 
@@ -43,8 +43,8 @@ from ipward_lab.bench.plugin_exec import (
     ipam_config,
     native_exec,
 )
-from ipward_lab.etcdlab import ETCD, etcd_server
 from ipward_lab.fleet import Agent, FleetError
+from ipward_lab.servers.etcd import ETCD, etcd_server
 
 CLUSTER_POOL = "benchcluster"
 CLUSTER_SUBNET = "10.64.0.0/14"

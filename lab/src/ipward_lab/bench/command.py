@@ -152,10 +152,10 @@ def bench_command(
                 out=report,
             )
         elif k8s:
-            from ipward_lab import kubemem
+            from ipward_lab.bench.k8s_memory import measure, report_lines
 
-            result = kubemem.measure(pods or (10_000 if quick else 100_000))
-            for line in kubemem.report_lines(result):
+            result = measure(pods or (10_000 if quick else 100_000))
+            for line in report_lines(result):
                 report(line)
         elif scale:
             result = run_scale(scale_sizes(quick, records), out=report, report_dir=report_dir)

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ipward.core.startpath import PLUGIN_PYTHON
-from ipward_lab.etcdlab import ETCD
 from ipward_lab.fleet import Agent, FleetError
+from ipward_lab.servers.etcd import ETCD
 
 HOST_LOCAL = "/usr/lib/cni/host-local"
 CNI_BIN_DIR = "/usr/lib/cni"

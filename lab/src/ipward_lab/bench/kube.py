@@ -1,5 +1,5 @@
-"""`ipward bench --kube`: pod start on a real cluster on this machine (`ipward_lab.
-kubecluster`, 3 nodes), under host-local and under ipward in the same run.
+"""`ipward bench --kube`: pod start on a real cluster on this machine
+(`ipward_lab.kubecluster`, 3 nodes), under host-local and under ipward in the same run.
 
 The bench makes a cluster of its own in a temporary state dir and measures host-local
 first (a fresh cluster's nodes are on host-local, each on its own range), then deploys
@@ -11,7 +11,7 @@ take turns on it).
 
 For each IPAM, in a namespace of its own:
 - pod start: one Deployment of N pods (default 100), applied at t0; the namespace's pods
-  read every 0.25 s, each pod's time to Running (`kubeworkloads.is_running`) and when
+  read every 0.25 s, each pod's time to Running (`workloads.is_running`) and when
   all were Running; the CNI ADD of each sandbox timed from its node's containerd log
   (at debug level it logs "begin cni setup" right before the ADD and "cni result" right
   after one that succeeded; a sandbox that began and has no result failed its ADD, and
@@ -35,11 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ipward_lab import kubecluster
 from ipward_lab.bench.common import BenchError, machine, percentile, print_table, version_of
-from ipward_lab.containerdlab import machine_lock
-from ipward_lab.kubecluster import Cluster, ClusterError, wait_for
-from ipward_lab.kubeworkloads import (
+from ipward_lab.containerd.lab import machine_lock
+from ipward_lab.kubecluster.cluster import Cluster, cluster
+from ipward_lab.kubecluster.common import ClusterError, wait_for
+from ipward_lab.kubecluster.prerequisites import find_binaries, unavailable_reason
+from ipward_lab.kubecluster.workloads import (
     addresses,
     deployment,
     is_running,
@@ -401,10 +402,10 @@ def run_kube(
     "elapsed_s"}."""
     if pods < 1 or rounds < 1:
         raise BenchError("--pods and --rounds must be at least 1")
-    reason = kubecluster.unavailable_reason()
+    reason = unavailable_reason()
     if reason:
         raise BenchError(reason)
-    binaries = kubecluster.find_binaries()
+    binaries = find_binaries()
     began = time.perf_counter()
     info = machine()
     info["containerd"] = version_of(["containerd", "--version"])
@@ -424,7 +425,7 @@ def run_kube(
     machine_lock.acquire()
     try:
         state = Path(tempfile.mkdtemp(prefix="ipwb-", dir="/tmp"))  # short: socket paths
-        with kubecluster.cluster(state, NODES, say) as lab:
+        with cluster(state, NODES, say) as lab:
             for ipam in IPAMS:
                 if ipam == "ipward":
                     lab.deploy(say)

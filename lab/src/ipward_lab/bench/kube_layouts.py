@@ -1,5 +1,6 @@
 """Candidate layouts of a store in the Kubernetes API, measured on a real kube-apiserver
-1.26 (`ipward_lab.kubelab`, on a throwaway etcd 3.4) next to raw etcd in the same run.
+1.26 (`ipward_lab.servers.kube_apiserver`, on a throwaway etcd 3.4) next to raw etcd in
+the same run.
 
     .venv/bin/python -m ipward_lab.bench.kube_layouts [--quick] [--rounds N] [--json FILE]
 
@@ -85,8 +86,8 @@ from ipward.core.records import (
 from ipward.kubeapi.client import JSON, ApiClient, ApiError, ApiUnreachable
 from ipward.kubeapi.config import Connection
 from ipward_lab.bench.common import BenchError, percentile
-from ipward_lab.etcdlab import run_etcdctl
-from ipward_lab.kubelab import ADMIN_TOKEN, KubeLab, binary, kube_apiserver
+from ipward_lab.servers.etcd import run_etcdctl
+from ipward_lab.servers.kube_apiserver import ADMIN_TOKEN, KubeLab, binary, kube_apiserver
 
 GROUP = "ipward.io"
 VERSION = "v1alpha1"

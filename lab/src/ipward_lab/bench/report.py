@@ -20,7 +20,7 @@ from ipward_lab.bench.common import (
     print_table,
 )
 from ipward_lab.bench.run import run
-from ipward_lab.etcdlab import ETCD
+from ipward_lab.servers.etcd import ETCD
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

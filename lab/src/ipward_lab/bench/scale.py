@@ -1,5 +1,5 @@
 """`ipward bench --scale`: how the costs grow up to Kubernetes' own limits (5,000 nodes,
-150,000 pods), on one temporary etcd (`etcdlab`) grown stage by stage
+150,000 pods), on one temporary etcd (`servers.etcd`) grown stage by stage
 (`ScaleCluster`). At every stage, with real processes (`fleet`):
 
   * the probe: a real agent on a node holding AGENT_PODS records, its runtime the
@@ -69,8 +69,8 @@ from ipward_lab.bench.scale_cluster import (
     SCALE_POOL,
     ScaleCluster,
 )
-from ipward_lab.etcdlab import etcd_server
 from ipward_lab.fleet import Agent, Controller, FleetError
+from ipward_lab.servers.etcd import etcd_server
 
 FULL_STAGES = (1_000, 1_500, 10_000, 50_000, 150_000)
 QUICK_STAGES = (1_000, 1_500, 10_000)

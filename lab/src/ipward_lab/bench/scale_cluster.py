@@ -22,7 +22,7 @@ from ipward.ipam.pools import create_pool
 from ipward.store.base import Put, Store
 from ipward_lab.bench.common import BenchError
 from ipward_lab.bench.fill import PoolFill, write_adds, write_batches
-from ipward_lab.etcdlab import EtcdServer
+from ipward_lab.servers.etcd import EtcdServer
 from ipward_lab.simcluster import write_sim_state
 
 SCALE_POOL = "benchscale"

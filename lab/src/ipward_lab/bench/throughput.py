@@ -22,7 +22,7 @@ from ipward_lab.bench.common import (
     Results,
     verdict,
 )
-from ipward_lab.etcdlab import ETCD, etcd_store
+from ipward_lab.servers.etcd import ETCD, etcd_store
 
 TARGET_LEDGER_VS_CAS = 0.5  # ledger pairs/s >= 0.5 x raw CAS/s
 

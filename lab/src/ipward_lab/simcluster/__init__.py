@@ -18,7 +18,7 @@ Parts (`SimCluster` is them put together, in `cluster`, with the driver):
   * `publishing`: snapshots, composed with the faults, written for readers; with an API
     server, the thread keeping it in step with the model;
   * `mirror`: what the model wants an API server to hold, and the requests that get it
-    there (`KubeMirror`, through `ipward_lab.kubeadmin`);
+    there (`KubeMirror`, through `ipward_lab.servers.kube_admin`);
   * `source`: the state file's format, its writer and the `sim://` source reading it.
 
 Model

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ipward.kubeapi.client import ApiError
-from ipward_lab.kubeadmin import KubeAdmin, api_time
+from ipward_lab.servers.kube_admin import KubeAdmin, api_time
 
 
 @dataclass(frozen=True)

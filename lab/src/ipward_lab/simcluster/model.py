@@ -25,7 +25,7 @@ from ipward_lab.simcluster.mirror import KubeMirror
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ipward_lab.kubeadmin import KubeAdmin
+    from ipward_lab.servers.kube_admin import KubeAdmin
 
 PENDING = "Pending"
 RUNNING = "Running"

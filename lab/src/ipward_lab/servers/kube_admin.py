@@ -19,8 +19,8 @@ from ipward.kubeapi.config import from_kubeconfig
 
 if TYPE_CHECKING:
     from ipward.cluster.liveness import LivenessSource
-    from ipward_lab.kubeapi import KubeApiServer
-    from ipward_lab.kubelab import KubeLab
+    from ipward_lab.servers.kube_apiserver import KubeLab
+    from ipward_lab.servers.kube_test_server import KubeApiServer
 
 IMAGE = "example.invalid/pause:1"
 
@@ -194,7 +194,7 @@ class KubeApi:
         self.url = url
         self.kubeconfig = kubeconfig  # admin token
         self.ca_file = ca_file  # the server's certificate
-        self.client_pki = client_pki  # a client certificate it accepts (ipward_lab.pki)
+        self.client_pki = client_pki  # a client certificate it accepts (ipward_lab.servers.pki)
         self.tag = tag
         self.server: KubeApiServer | None = server  # None for the real one
         self.client = ApiClient(from_kubeconfig(str(kubeconfig)))

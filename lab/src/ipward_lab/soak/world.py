@@ -1,7 +1,7 @@
 """Real processes behind a simulated cluster, for the scenario tests: one `ipward agent`
 per simulated node, all on one store, so the simulated kubelets' plugin calls allocate
 for real (`agents`); and a `World` of agents, controllers and the simulated cluster,
-checked by the soak's checker (`ipward_lab.sim.checker`)."""
+checked by the soak's checker (`ipward_lab.soak.checker`)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from ipward.core import records as rec
 from ipward.store import open_store
 from ipward_lab import fleet
 from ipward_lab.fleet import run_cli
-from ipward_lab.kubeadmin import KubeApi
-from ipward_lab.sim.checker import Checker
-from ipward_lab.sim.result import Options, Result
+from ipward_lab.servers.kube_admin import KubeApi
 from ipward_lab.simcluster import SimCluster
+from ipward_lab.soak.checker import Checker
+from ipward_lab.soak.result import Options, Result
 from ipward_lab.waiting import wait_for
 
 if TYPE_CHECKING:
-    from ipward_lab.kubeapi import KubeApiServer
+    from ipward_lab.servers.kube_test_server import KubeApiServer
 
 
 @contextmanager
@@ -278,7 +278,7 @@ class World:
 
     def assert_invariants(self) -> None:
         """The soak's checks, now: no address on two ready pods, no ready pod's record
-        lost, `ipward check` clean (`ipward_lab.sim.checker`)."""
+        lost, `ipward check` clean (`ipward_lab.soak.checker`)."""
         found = self.checker.check_once() + self.checker.store_problems()
         if found:
             raise AssertionError(f"invariants broken: {found}")

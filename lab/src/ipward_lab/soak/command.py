@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from ipward_lab.sim.result import APIS, BACKENDS, FAULTS, Options, fault_unavailable
-from ipward_lab.sim.soak import Soak, SoakError
-from ipward_lab.sim.view import summary, write_report
+from ipward_lab.soak.driver import Soak, SoakError
+from ipward_lab.soak.result import APIS, BACKENDS, FAULTS, Options, fault_unavailable
+from ipward_lab.soak.view import summary, write_report
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """containerd 1.6's configuration for the labs: the CRI plugin with runc (cgroupfs), the
 CNI dirs given, `restrict_oom_score_adj` (this kernel refuses a negative
 `oom_score_adj`, so runc fails every sandbox without it) and the sandboxes' network
-namespaces under the state dir. Used by `ipward_lab.containerdlab` and by each node of the
+namespaces under the state dir. Used by `ipward_lab.containerd.lab` and by each node of the
 cluster lab (`ipward_lab.kubecluster`)."""
 
 from __future__ import annotations
@@ -9,7 +9,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ipward_lab.images import PAUSE_IMAGE
+from ipward_lab.containerd.images import PAUSE_IMAGE
+
+# What a lab running containerd on this configuration, with the images compiled here,
+# needs of the machine: binary -> the Debian package that provides it.
+CONTAINERD_TOOLS = {
+    "containerd": "containerd",
+    "containerd-shim-runc-v2": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
+    "gcc": "gcc",
+}
 
 
 def _toml_str(value: str) -> str:

@@ -14,13 +14,13 @@ from ipward.core import records as rec
 from ipward.core.records import AddressRecord
 from ipward.ipam.check import check
 from ipward.store import Store, StoreError
-from ipward_lab.sim.result import NS, POOL, Result, Violation
 from ipward_lab.simcluster import SimCluster
+from ipward_lab.soak.result import NS, POOL, Result, Violation
 
 
 class Checker:
     """The checks of one pool's addresses and one namespace's pods (the soak's, or a
-    scenario world's: `ipward_lab.simworld`)."""
+    scenario world's: `ipward_lab.soak.world`)."""
 
     def __init__(
         self, sim: SimCluster, store: Store, result: Result, pool: str = POOL, namespace: str = NS

@@ -31,10 +31,15 @@ process back, then convergence (exactly the running pods' addresses recorded, ev
 running), `ipward check`, then everything deleted and the pool empty, `ipward check`
 again. Any violation makes the exit status 1, with the history of the address (every
 version of its record, with revisions).
+
+Parts: `driver` (`Soak`: the run), `checker` (what is checked, all along and at the
+end), `view` (live view, summary, HTML report), `result` (options, faults, violations),
+`command` (`ipward sim`); and `world`, the soak's processes and checker around the
+simulated cluster for the scenario tests (`World`, `agents`).
 """
 
-from ipward_lab.sim.command import sim_command
-from ipward_lab.sim.result import FAULTS, NS, POOL, Options, Result, Violation
-from ipward_lab.sim.soak import Soak
+from ipward_lab.soak.command import sim_command
+from ipward_lab.soak.driver import Soak
+from ipward_lab.soak.result import FAULTS, NS, POOL, Options, Result, Violation
 
 __all__ = ["FAULTS", "NS", "POOL", "Options", "Result", "Soak", "Violation", "sim_command"]

@@ -3,7 +3,7 @@
 * Test images (`build_test_image`): static programs compiled here (`gcc -static`), a
   `pause` (the CRI sandbox image) and a `sleep` (the test pods' command), packed as a
   one-layer OCI image layout tarball for `ctr images import`. Used by
-  `ipward_lab.containerdlab` and the cluster lab (`ipward_lab.kubecluster`).
+  `ipward_lab.containerd.lab` and the cluster lab (`ipward_lab.kubecluster`).
 * The ipward image (`build_ipward_image`): the repository's `Containerfile`, built by
   Debian's `buildah` on a base made from Debian's own packages (`debootstrap
   --variant=minbase --include=python3,python3-venv bookworm`, from the Debian source

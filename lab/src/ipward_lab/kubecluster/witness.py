@@ -21,10 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ipward_lab.kubecluster import OBSERVER_MARK
+from ipward_lab.kubecluster.processes import OBSERVER_MARK
 
 if TYPE_CHECKING:
-    from ipward_lab.kubecluster import Cluster, Node
+    from ipward_lab.kubecluster.layout import Node
+    from ipward_lab.kubecluster.state import ClusterState
 
 NETNS_DIR = "/run/containerd/io.containerd.grpc.v1.cri/netns"  # in a node's mount namespace
 
@@ -81,7 +82,7 @@ class NetnsScanner:
     """The addresses of every network namespace of one node's runtime, on request. Its
     process carries OBSERVER_MARK: a node's power off spares it."""
 
-    def __init__(self, lab: Cluster, node: Node) -> None:
+    def __init__(self, lab: ClusterState, node: Node) -> None:
         self.lab = lab
         self.node = node
         self.proc: subprocess.Popen[str] | None = None
@@ -162,7 +163,7 @@ class AddressWitness:
     """Every node's namespaces scanned in a thread until `stop()`; `doubles()` lists the
     addresses two namespaces held at the same time, `held()` what the last scans saw."""
 
-    def __init__(self, lab: Cluster, interval: float = 0.02) -> None:
+    def __init__(self, lab: ClusterState, interval: float = 0.02) -> None:
         self.lab = lab
         self.interval = interval
         self.scanners = [NetnsScanner(lab, n) for n in lab.nodes]

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Group
 from rich.table import Table
 
-from ipward_lab.sim.result import Options, Result
+from ipward_lab.soak.result import Options, Result
 
 API_SERVERS = {
     "none": "none (the cluster from the state file, sim://)",

@@ -27,12 +27,14 @@ from ipward.ipam.pools import create_pool
 from ipward.kubeapi.client import ApiClient
 from ipward.kubeapi.config import from_kubeconfig
 from ipward.store import Store, StoreError, open_store
-from ipward_lab import fleet, kubelab
-from ipward_lab.etcdlab import EtcdCluster, EtcdServer, first_start
-from ipward_lab.kubeadmin import KubeAdmin
-from ipward_lab.kubeapi import KubeApiServer, kube_api_server
-from ipward_lab.sim.checker import Checker
-from ipward_lab.sim.result import (
+from ipward_lab import fleet
+from ipward_lab.servers import kube_apiserver
+from ipward_lab.servers.etcd import EtcdCluster, EtcdServer, first_start
+from ipward_lab.servers.kube_admin import KubeAdmin
+from ipward_lab.servers.kube_test_server import KubeApiServer, kube_api_server
+from ipward_lab.simcluster import SimCluster
+from ipward_lab.soak.checker import Checker
+from ipward_lab.soak.result import (
     GC_REASONS,
     NETWORK,
     NS,
@@ -43,8 +45,7 @@ from ipward_lab.sim.result import (
     Violation,
     fault_unavailable,
 )
-from ipward_lab.sim.view import live_view
-from ipward_lab.simcluster import SimCluster
+from ipward_lab.soak.view import live_view
 
 # The k8s:// sources' options. The test server has no watch cache to lag: stale after
 # 4 s unheard (watches of 2 s; api-stall goes past it), as_of 1 s before an event or a
@@ -83,7 +84,7 @@ class Soak:
         self.run_dir = Path(tempfile.mkdtemp(prefix="ipw-sim-"))  # short socket paths
         self._exits = contextlib.ExitStack()  # the API server, when there is one
         self.kube_server: KubeApiServer | None = None  # --api test
-        self.kube_lab: kubelab.KubeLab | None = None  # --api real
+        self.kube_lab: kube_apiserver.KubeLab | None = None  # --api real
         self.k8s_url = ""  # what agents (--cluster) and controllers (--liveness) read
         self.kube_admin: KubeAdmin | None = None  # the simulated cluster publishes with it
         self._stall_looked = 0.0  # when the controllers' logs were last read for api-stall
@@ -161,10 +162,12 @@ class Soak:
             self.kube_server = self._exits.enter_context(kube_api_server(where))
             kubeconfig = self.kube_server.kubeconfig(where / "kubeconfig")
         else:
-            executable = kubelab.binary()
+            executable = kube_apiserver.binary()
             if executable is None:
                 raise SoakError("--api real needs KUBE_APISERVER naming a kube-apiserver binary")
-            self.kube_lab = self._exits.enter_context(kubelab.kube_apiserver(executable, where))
+            self.kube_lab = self._exits.enter_context(
+                kube_apiserver.kube_apiserver(executable, where)
+            )
             kubeconfig = self.kube_lab.kubeconfig
         self.k8s_url = f"k8s://?kubeconfig={kubeconfig}{K8S_OPTIONS[self.o.api]}"
         client = ApiClient(from_kubeconfig(str(kubeconfig)), timeout=5.0)

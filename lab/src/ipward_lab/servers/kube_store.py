@@ -14,14 +14,18 @@ from ipward.kubeapi.client import ApiClient, ApiError
 from ipward.kubeapi.config import from_kubeconfig
 from ipward_lab.waiting import wait_for
 
-CRDS = Path(__file__).resolve().parents[3] / "deploy" / "base" / "crds"
+CHECKOUT = Path(__file__).resolve().parents[4]  # lab/src/ipward_lab/servers/ -> the checkout
+CRDS = CHECKOUT / "deploy" / "base" / "crds"
 
 
 def install(kubeconfig: Path | str, namespace: str) -> None:
     """ipward's CRDs (kept when there) and `namespace` (kept when there)."""
+    paths = sorted(CRDS.glob("*.yaml"))
+    if not paths:
+        raise FileNotFoundError(f"no CRDs in {CRDS}")
     client = ApiClient(from_kubeconfig(str(kubeconfig)))
     try:
-        for path in sorted(CRDS.glob("*.yaml")):
+        for path in paths:
             crd = yaml.safe_load(path.read_text())
             _create(client, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
             name = str(crd["metadata"]["name"])

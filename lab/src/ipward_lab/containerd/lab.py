@@ -2,7 +2,7 @@
 temp dir and a network namespace of its own, with a pause image built here.
 
 `ContainerdLab` (a context manager):
-  * compiles a pause program (`ipward_lab.images`: `gcc -static -Os`, `pause()` in a
+  * compiles a pause program (`ipward_lab.containerd.images`: `gcc -static -Os`, `pause()` in a
     loop, reaps children on SIGCHLD, exits on SIGTERM/SIGINT) and packs it as a one-layer
     OCI image layout tarball, imported with `ctr images import` and named as the CRI
     `sandbox_image`: nothing is downloaded;
@@ -45,8 +45,8 @@ from typing import Any
 import grpc
 
 from ipward.cluster.cri import CriClient, CriError
-from ipward_lab.containerd import containerd_config
-from ipward_lab.images import PAUSE_IMAGE, ImageError, build_pause, build_pause_image
+from ipward_lab.containerd.config import CONTAINERD_TOOLS, containerd_config
+from ipward_lab.containerd.images import PAUSE_IMAGE, ImageError, build_pause, build_pause_image
 from ipward_lab.machine import SYSTEM_PATH, cgroup_hierarchies, mounts_under, which
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
@@ -86,11 +86,7 @@ IMAGE_NAME = PAUSE_IMAGE
 CNI_VERSION = "1.0.0"  # Debian's bridge 1.1.1 refuses 1.1.0
 
 REQUIRED = {
-    "containerd": "containerd",
-    "containerd-shim-runc-v2": "containerd",
-    "ctr": "containerd",
-    "runc": "runc",
-    "gcc": "gcc",
+    **CONTAINERD_TOOLS,
     "nsenter": "util-linux",
     "ip": "iproute2",
     "umount": "mount",

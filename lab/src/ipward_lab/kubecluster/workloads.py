@@ -1,13 +1,13 @@
-"""Workloads for the cluster lab (`ipward_lab.kubecluster`) and when their pods run: the
-test pod (the static `sleep` image, never pulled), StatefulSets, Deployments and bare
-pods of it, and `is_running`, what "Running" means for a pod on kubelet 1.26. Shared by
-`ipward bench --kube` and the `kube` stories."""
+"""Workloads for the cluster lab and when their pods run: the test pod (the static `sleep`
+image, never pulled), StatefulSets, Deployments and bare pods of it, and `is_running`,
+what "Running" means for a pod on kubelet 1.26. Shared by `ipward bench --kube` and the
+`kube` stories."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ipward_lab.images import SLEEP_IMAGE
+from ipward_lab.containerd.images import SLEEP_IMAGE
 
 
 def container(env: dict[str, str] | None = None, args: list[str] | None = None) -> dict[str, Any]:

@@ -19,7 +19,8 @@ ends). Its routes carry the protocol ROUTE_PROTO, so a full sync (at each whole 
 compares exactly its own routes.
 
 Run by the lab in the control plane's namespace, where the store is reached:
-`python -m ipward_lab.podroutes STATE`.
+`python -m ipward_lab.kubecluster.route_syncer STATE`, started and stopped with the
+pods' IPAM (`RouteSyncer`, which `deploy.Deployment.use_ipam` calls).
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ from ipward.core import keys
 from ipward.store import open_store
 from ipward.store.base import DELETE, Event, KeyValue
 from ipward.store.follower import BackgroundFollower, Stamp
-from ipward_lab.kubecluster import POD_NET
+from ipward_lab.kubecluster.clients import Clients
+from ipward_lab.kubecluster.common import run, wait_for
+from ipward_lab.kubecluster.layout import POD_NET
+from ipward_lab.kubecluster.processes import Daemons
+from ipward_lab.kubecluster.state import ClusterState
 
 ROUTE_PROTO = "77"  # marks the routes this daemon owns (a number no routing daemon names)
+DAEMON = "route-syncer"  # its name among the lab's daemons
 
 
 class Fabric:
@@ -143,6 +149,53 @@ class Routes:
                 self.owners[ip] = node
             changed.add(ip)
         sync_changed(self.fabric, self.owners, changed)
+
+
+class RouteSyncer:
+    """The route syncer as the lab runs it: one daemon while the pods' IPAM is ipward."""
+
+    def __init__(self, lab: ClusterState, daemons: Daemons, clients: Clients) -> None:
+        self.lab = lab
+        self.daemons = daemons
+        self.clients = clients
+
+    def start(self) -> None:
+        """Started (again, when it runs: a fresh whole read of the index)."""
+        if self.daemons.running(DAEMON):
+            self.daemons.restart(DAEMON)
+        else:
+            argv = [
+                sys.executable,
+                "-m",
+                "ipward_lab.kubecluster.route_syncer",
+                str(self.lab.state),
+            ]
+            self.daemons.launch(DAEMON, self.lab.in_cp(argv))
+
+    def stop(self) -> None:
+        """Killed, when it runs, and no longer the lab's daemon."""
+        if self.daemons.running(DAEMON):
+            self.daemons.forget(DAEMON)
+
+    def wait_routes(self, timeout: float = 30.0) -> None:
+        """Every address ipward has given a sandbox routed in the fabric through the node
+        of its record (the route syncer caught up with the records read now)."""
+        records = json.loads(self.clients.ipward_run("alloc", "list", "--json").stdout)
+        node_ip = {n.name: n.ip for n in self.lab.nodes}
+        want = {r["ip"]: node_ip[r["node"]] for r in records if r["container"]}
+
+        def caught_up() -> bool:
+            self.daemons.alive(DAEMON)
+            out = run(
+                [
+                    "nsenter", f"--net={self.lab.fabric_netns}",
+                    "ip", "-j", "-4", "route", "show", "proto", ROUTE_PROTO,
+                ]
+            )  # fmt: skip
+            have = {r["dst"]: r.get("gateway") for r in json.loads(out or "[]")}
+            return want.items() <= have.items()
+
+        wait_for(caught_up, "the route syncer's routes for every address", timeout, 0.1)
 
 
 def main(argv: list[str]) -> int:

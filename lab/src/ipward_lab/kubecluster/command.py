@@ -1,5 +1,5 @@
-"""`ipward cluster`: a real Kubernetes cluster on this machine (`ipward_lab.kubecluster`),
-and ipward deployed on it from its own image and manifests."""
+"""`ipward cluster`: a real Kubernetes cluster on this machine (`cluster.Cluster`), and
+ipward deployed on it from its own image and manifests."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ from pathlib import Path
 
 import click
 
-from ipward_lab.images import ImageError, build_ipward_image
-from ipward_lab.kubecluster import (
-    CHECKOUT,
-    DEFAULT_STATE,
-    Cluster,
-    ClusterError,
-    kubectl_binary,
-    unavailable_reason,
-)
+from ipward_lab.containerd.images import ImageError, build_ipward_image
+from ipward_lab.kubecluster.cluster import Cluster
+from ipward_lab.kubecluster.common import ClusterError
+from ipward_lab.kubecluster.layout import CHECKOUT, DEFAULT_STATE
+from ipward_lab.kubecluster.prerequisites import kubectl_binary, unavailable_reason
 
 EXIT_FAILED = 1
 EXIT_CANNOT_RUN = 2

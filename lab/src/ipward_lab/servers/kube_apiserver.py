@@ -1,6 +1,6 @@
-"""A real kube-apiserver on loopback for tests: a throwaway etcd (`ipward_lab.etcdlab`), then
+"""A real kube-apiserver on loopback for tests: a throwaway etcd (`ipward_lab.servers.etcd`), then
 `$KUBE_APISERVER` with a self-signed serving certificate, a static token file, a client
-CA (`ipward_lab.pki`) and service-account keys made with `openssl`; ready when `/readyz`
+CA (`ipward_lab.servers.pki`) and service-account keys made with `openssl`; ready when `/readyz`
 answers; a kubeconfig written for it. Everything is stopped and removed when the
 context manager exits, also on failure. The server alone can be stopped and started
 again (`stop`, `start`): the soak's `api-down` on the real thing.
@@ -24,8 +24,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from ipward_lab.etcdlab import etcd_server, first_start, free_port, wait_serving
-from ipward_lab.pki import ClientPki, client_pki, openssl, token_kubeconfig
+from ipward_lab.servers.etcd import etcd_server, first_start, free_port, wait_serving
+from ipward_lab.servers.pki import ClientPki, client_pki, openssl, token_kubeconfig
 
 READY_TIMEOUT = 90.0
 # token -> (user, groups). system:masters may do anything (RBAC); nobody may do nothing.

@@ -4,7 +4,7 @@ fresh process opens a source on it, waits until synced and reports its resident 
 
 Two figures: a controller-scoped source (every pod, node, namespace, StatefulSet) and an
 agent-scoped one (one node's pods, `per_node` of them, and the namespaces). Run with
-`python -m ipward_lab.kubemem [PODS]`, or `ipward bench --k8s [--pods N]`.
+`python -m ipward_lab.bench.k8s_memory [PODS]`, or `ipward bench --k8s [--pods N]`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ipward_lab.kubeapi import kube_api_server
+from ipward_lab.servers.kube_test_server import kube_api_server
 
 # Run in the measured process: import, read the baseline, open the source, wait, read.
 PROBE = """

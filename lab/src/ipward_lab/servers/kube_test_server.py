@@ -55,8 +55,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ipward.cluster.liveness import MIRROR_ANNOTATION
-from ipward_lab.etcdlab import free_port
-from ipward_lab.pki import CLIENT_USER, client_pki, serving_cert, token_kubeconfig
+from ipward_lab.servers.etcd import free_port
+from ipward_lab.servers.pki import CLIENT_USER, client_pki, serving_cert, token_kubeconfig
 
 
 @dataclass(frozen=True)
