@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 BAR_WIDTH = 20
 MAX_BLOCK_BARS = 32
 ATTEMPTS = 5  # an object's step tried again when it changed meanwhile (the controller's write)
+NO_RESOURCE = (
+    "the Kubernetes API serves no IPPool resource (ippools.ipward.io): install it"
+    " (kubectl apply -k deploy/base)"
+)
 
 
 # -- pools ------------------------------------------------------------------------------
@@ -244,7 +248,14 @@ def _get_object(client: ApiClient, name: str) -> PoolObject | None:
 
 
 def _objects(client: ApiClient) -> dict[str, PoolObject]:
-    listed = client.request("GET", ippool.PATH)
+    from ipward.kubeapi.client import ApiError
+
+    try:
+        listed = client.request("GET", ippool.PATH)
+    except ApiError as e:
+        if e.status == 404:
+            raise IpwardError(NO_RESOURCE) from None
+        raise
     return dict(ippool.parse(item) for item in listed.get("items") or [])
 
 
@@ -269,6 +280,8 @@ def _create_object(c: Context, client: ApiClient, spec: PoolSpec) -> None:
             ) from None
         if e.status in (400, 422):
             raise InvalidConfig(f"the Kubernetes API refused pool {name}: {e.message}") from None
+        if e.status == 404:
+            raise IpwardError(NO_RESOURCE) from None
         raise
     obj = ippool.parse(answer)[1]
     steps = _steps(c, client)
