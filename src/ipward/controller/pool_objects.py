@@ -243,7 +243,7 @@ class PoolObjects:
         self._started = False
         self._written: dict[str, float] = {}  # pool -> monotonic time of its last status write
         # pool -> what of it asks for a pass when it changes (the reflector's thread only)
-        self._shapes: dict[str, tuple | None] = {}
+        self._shapes: dict[str, tuple] = {}
 
     def start(self) -> None:
         self.reflector.start()
@@ -265,8 +265,12 @@ class PoolObjects:
             obj = self.reflector.get(name)
         except LivenessUnavailable:
             return
-        shape = None if obj is None else (obj.uid, obj.generation, obj.deleting, obj.finalizers)
-        if name not in self._shapes or self._shapes[name] != shape:
+        if obj is None:  # deleted
+            self._shapes.pop(name, None)
+            self.wake()
+            return
+        shape = (obj.uid, obj.generation, obj.deleting, obj.finalizers)
+        if self._shapes.get(name) != shape:
             self._shapes[name] = shape
             self.wake()
 
