@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -169,27 +169,13 @@ def config(agent: fleet.Agent, pool: str) -> dict:
     }
 
 
-def answered(call: Callable[[], Any]) -> Any:
-    """A plugin call, again while it answers 11 (try again later), as a runtime does:
-    the first transaction of an agent after another process rewrote a pool spec it
-    holds a replica of may time out on the Kubernetes store (reported with this work)."""
-
-    def answer() -> Any:
-        result = call()
-        return None if result.json is not None and result.json.get("code") == 11 else result
-
-    return wait_for(answer, "an answer other than 11")
-
-
 def add(plugin: Path, agent: fleet.Agent, pool: str, pod: str) -> Any:
     args = f"K8S_POD_NAMESPACE=shop;K8S_POD_NAME={pod}"
-    return answered(
-        lambda: exec_plugin(plugin, "ADD", config(agent, pool), container=pod, args=args)
-    )
+    return exec_plugin(plugin, "ADD", config(agent, pool), container=pod, args=args)
 
 
 def delete(plugin: Path, agent: fleet.Agent, pool: str, pod: str) -> Any:
-    return answered(lambda: exec_plugin(plugin, "DEL", config(agent, pool), container=pod))
+    return exec_plugin(plugin, "DEL", config(agent, pool), container=pod)
 
 
 def cli_json(*args: str, url: str) -> Any:
