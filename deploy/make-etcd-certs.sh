@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Makes the TLS material for ipward's etcd and prints the two Secrets as YAML:
-#   ipward-etcd-server  the members' certificate (server and peer), for components/etcd
-#   ipward-etcd         what ipward's agent and controller use: endpoints, ca.crt, and a
-#                       client certificate (tls.crt, tls.key)
-# Usage: deploy/make-etcd-certs.sh [NAMESPACE] [OUTDIR] | kubectl apply -f -
-# Needs openssl and kubectl. Keep OUTDIR (it holds the CA key) somewhere safe, or delete it.
+# For overlays/etcd: makes the TLS material of an etcd of your own that runs outside the
+# pod network (on hosts), and prints the Secret `ipward-etcd` (namespace ipward-system)
+# that ipward's agents and controllers read: endpoints, ca.crt, and a client certificate
+# (tls.crt, tls.key). The members' certificate (server and peer, for every host named in
+# ENDPOINTS) is left in OUTDIR: server.crt, server.key, ca.crt, for each member's
+#   --cert-file --key-file --trusted-ca-file --client-cert-auth
+#   (and the same as --peer-* for the members among themselves).
+# Usage: deploy/make-etcd-certs.sh HOST:PORT[,HOST:PORT...] [OUTDIR] | kubectl apply -f -
+# Needs openssl and kubectl. Keep OUTDIR (it holds the CA key) somewhere safe.
 set -euo pipefail
-namespace=${1:-ipward-system}
+endpoints=${1:?usage: $0 HOST:PORT[,HOST:PORT...] [OUTDIR]}
 out=${2:-$(mktemp -d)}
 days=${IPWARD_CERT_DAYS:-3650}
 mkdir -p "$out"
@@ -16,10 +19,16 @@ openssl req -x509 -newkey rsa:2048 -nodes -days "$days" -subj "/CN=ipward-etcd-c
   -keyout ca.key -out ca.crt 2>/dev/null
 
 sans="DNS:localhost,IP:127.0.0.1"
-for i in 0 1 2; do
-  for domain in "ipward-etcd.$namespace.svc" "ipward-etcd.$namespace.svc.cluster.local"; do
-    sans="$sans,DNS:ipward-etcd-$i.$domain"
-  done
+IFS=, read -ra members <<<"$endpoints"
+for member in "${members[@]}"; do
+  host=${member%:*}
+  host=${host#[}
+  host=${host%]}
+  if [[ $host =~ ^[0-9.]+$ || $host == *:* ]]; then
+    sans="$sans,IP:$host"
+  else
+    sans="$sans,DNS:$host"
+  fi
 done
 openssl req -newkey rsa:2048 -nodes -subj "/CN=ipward-etcd" -keyout server.key -out server.csr 2>/dev/null
 printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth,clientAuth\n' "$sans" > server.ext
@@ -31,11 +40,7 @@ printf 'extendedKeyUsage=clientAuth\n' > client.ext
 openssl x509 -req -in client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days "$days" \
   -extfile client.ext -out client.crt 2>/dev/null
 
-endpoints="ipward-etcd-0.ipward-etcd.$namespace.svc:2379,ipward-etcd-1.ipward-etcd.$namespace.svc:2379,ipward-etcd-2.ipward-etcd.$namespace.svc:2379"
-kubectl create secret generic ipward-etcd-server --namespace "$namespace" --dry-run=client -o yaml \
-  --from-file=ca.crt=ca.crt --from-file=tls.crt=server.crt --from-file=tls.key=server.key
-echo ---
-kubectl create secret generic ipward-etcd --namespace "$namespace" --dry-run=client -o yaml \
+kubectl create secret generic ipward-etcd --namespace ipward-system --dry-run=client -o yaml \
   --from-literal=endpoints="$endpoints" \
   --from-file=ca.crt=ca.crt --from-file=tls.crt=client.crt --from-file=tls.key=client.key
-echo "certificates in $out" >&2
+echo "certificates in $out (the members': server.crt, server.key, ca.crt)" >&2

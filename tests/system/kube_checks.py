@@ -39,7 +39,7 @@ from ipward_lab.kubecluster.workloads import is_running
 
 CONFIRM_SECONDS = 3.0
 ADD_GRACE = 10.0
-# The kube tests' deployment: deploy/base with these options (an overlay), so that what
+# The kube tests' deployment: deploy/overlays/etcd with these options (an overlay), so that what
 # ipward does after its ADD grace or a release delay comes in seconds.
 KUBE_TUNING = Tuning(
     agent_args=(f"--add-grace={ADD_GRACE:g}", "--reconcile-interval=3"),

@@ -1,9 +1,11 @@
-"""The Kubernetes deployment (`deploy/`): the manifests render with `kubectl kustomize`,
-validate against the API schemas of Kubernetes 1.26 and 1.31 and in a server-side dry
-run on the real kube-apiserver, start ipward with options the code accepts, the init
-container installs a plugin the runtime can exec, the RBAC grants exactly what the
-agent and the controller call, and the etcd certificates the helper script makes work
-with a real etcd and ipward's own store client."""
+"""The Kubernetes deployment (`deploy/`): the manifests render with `kubectl kustomize`
+(the base, the etcd overlay, the runtimes' components), validate against the API schemas
+of Kubernetes 1.26 and 1.31 and in a server-side dry run on the real kube-apiserver,
+start ipward with options the code accepts, the init container installs a plugin the
+runtime can exec, the agent sees its runtime's socket and the plugin's notes, Pod
+Security admits the agent, the RBAC grants exactly what the agent and the controller
+call, and the etcd certificates the helper script makes work with a real etcd and
+ipward's own store client."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,9 +29,20 @@ from ipward_lab.waiting import wait_for
 from support import REPO, exec_plugin
 
 DEPLOY = REPO / "deploy"
-RENDERINGS = {
+# A rendering: a directory to `kubectl kustomize`, or the base with a component added
+# (as an operator's overlay would add it).
+RENDERINGS: dict[str, Path | str] = {
     "base": DEPLOY / "base",
-    "with-etcd": DEPLOY / "overlays" / "with-etcd",
+    "etcd": DEPLOY / "overlays" / "etcd",
+    "k3s": "components/k3s",
+    "crio": "components/crio",
+}
+# Where each rendering's agent finds its container runtime's socket on the host.
+RUNTIME_SOCKETS = {
+    "base": "/run/containerd/containerd.sock",
+    "etcd": "/run/containerd/containerd.sock",
+    "k3s": "/run/k3s/containerd/containerd.sock",
+    "crio": "/var/run/crio/crio.sock",
 }
 KUBERNETES_VERSIONS = ("1.26.0", "1.31.0")
 POD_RANGES = {"ranges": [[{"subnet": "10.92.0.0/24"}]]}
@@ -36,11 +50,26 @@ POD_RANGES = {"ranges": [[{"subnet": "10.92.0.0/24"}]]}
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 
 
-def render(path: Path) -> list[dict]:
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(path)], capture_output=True, text=True, check=True
-    ).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
+def rendered(name: str) -> str:
+    """`kubectl kustomize` of the rendering `name`, as YAML."""
+    where = RENDERINGS[name]
+    with tempfile.TemporaryDirectory(dir=DEPLOY) as overlay:  # kustomize's paths are relative
+        if isinstance(where, str):
+            kustomization = {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": ["../base"],
+                "components": [f"../{where}"],
+            }
+            Path(overlay, "kustomization.yaml").write_text(json.dumps(kustomization))
+            where = Path(overlay)
+        return subprocess.run(
+            ["kubectl", "kustomize", str(where)], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def render(name: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(rendered(name)) if doc]
 
 
 def by_kind(docs: list[dict], kind: str, name: str) -> dict:
@@ -55,7 +84,7 @@ def by_kind(docs: list[dict], kind: str, name: str) -> dict:
 def test_manifests_validate(rendering: str, version: str) -> None:
     import kubernetes_validate
 
-    docs = render(RENDERINGS[rendering])
+    docs = render(rendering)
     assert docs
     for doc in docs:
         # Strict: a misspelt or misplaced field is an error, not silently dropped.
@@ -63,22 +92,27 @@ def test_manifests_validate(rendering: str, version: str) -> None:
         assert doc["metadata"].get("namespace", "ipward-system") == "ipward-system", doc["kind"]
 
 
-# The only writes: the controller's to its IPPool objects, a finalizer and a status
-# (docs/design.md 5.16).
+# The only writes: the ledger's objects (docs/design.md 5.15), and the controller's to
+# its IPPool objects, a finalizer and a status (5.16).
 WRITES = {
+    ("ipward-agent", "ledgershards"): {"create", "update"},
+    ("ipward-controller", "ledgershards"): {"create", "update", "delete"},
     ("ipward-controller", "ippools"): {"patch"},
     ("ipward-controller", "ippools/status"): {"update"},
 }
 
 
 @needs_kubectl
-def test_nothing_writes_or_reads_secrets() -> None:
-    """Least privilege: read verbs only (but the controller's finalizer and status of
-    its IPPool objects), and never secrets (the etcd credentials come from a mounted
-    Secret, not from the API)."""
-    docs = render(RENDERINGS["with-etcd"])
+@pytest.mark.parametrize("rendering", ["base", "etcd"])
+def test_nothing_writes_or_reads_secrets(rendering: str) -> None:
+    """Least privilege: read verbs only (but the ledger's objects, in ipward's namespace
+    only, and the controller's finalizer and status of its IPPool objects), and never
+    secrets (the etcd credentials come from a mounted Secret, not from the API)."""
+    docs = render(rendering)
     roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
     assert {r["metadata"]["name"] for r in roles} == {"ipward-agent", "ipward-controller"}
+    for role in ("ipward-agent", "ipward-controller"):
+        assert by_kind(docs, "Role", role)["metadata"]["namespace"] == "ipward-system"
     for role in roles:
         for rule in role["rules"]:
             for resource in rule["resources"]:
@@ -97,23 +131,29 @@ def _container(docs: list[dict], kind: str, name: str, container: str) -> tuple[
     return found[0], spec
 
 
+ENV = {
+    "NODE_NAME": "node-1",
+    "POD_NAME": "ipward-controller-7d9f-x2",
+    "POD_IP": "10.0.0.5",
+    "ETCD_ENDPOINTS": "e0:2379,e1:2379,e2:2379",
+}
+
+
 def _container_args(docs: list[dict], kind: str, name: str, container: str) -> list[str]:
-    env = {
-        "NODE_NAME": "node-1",
-        "POD_NAME": "ipward-controller-7d9f-x2",
-        "POD_IP": "10.0.0.5",
-        "ETCD_ENDPOINTS": "e0:2379,e1:2379,e2:2379",
-    }
     args = []
     for arg in _container(docs, kind, name, container)[0]["args"]:
-        for var, value in env.items():
+        for var, value in ENV.items():
             arg = arg.replace(f"$({var})", value)
         assert "$(" not in arg, f"unresolved variable in {arg!r}"
         args.append(arg)
     return args
 
 
+STORES = {"base": "k8s://", "etcd": "etcds://e0:2379,e1:2379,e2:2379?ca="}
+
+
 @needs_kubectl
+@pytest.mark.parametrize("rendering", sorted(STORES))
 @pytest.mark.parametrize(
     ("kind", "name", "container"),
     [
@@ -122,55 +162,63 @@ def _container_args(docs: list[dict], kind: str, name: str, container: str) -> l
         ("Deployment", "ipward-controller", "controller"),
     ],
 )
-def test_container_args_are_accepted_by_the_cli(kind: str, name: str, container: str) -> None:
+def test_container_args_are_accepted_by_the_cli(
+    rendering: str, kind: str, name: str, container: str
+) -> None:
     """Every container's command line parses with the real `ipward` CLI (options exist,
-    values have the right types), so a renamed option cannot break the deployment."""
+    values have the right types), so a renamed option cannot break the deployment; the
+    base keeps the ledger in the Kubernetes API, the etcd overlay in the Secret's etcd,
+    whose variables the container has."""
     import click
 
     from ipward.cmd.cli import cli
 
-    args = _container_args(render(RENDERINGS["base"]), kind, name, container)
+    docs = render(rendering)
+    args = _container_args(docs, kind, name, container)
     command_name, rest = args[0], args[1:]
     command = cli.commands[command_name]
     assert isinstance(command, click.Command)
-    with command.make_context(command_name, rest, resilient_parsing=False) as ctx:
-        assert ctx.params
+    with command.make_context(command_name, list(rest), resilient_parsing=False) as ctx:
+        assert ctx.params  # (click consumes the list it is given)
     store_urls = [a.split("=", 1)[1] for a in rest if a.startswith("--store=")]
-    assert all(u.startswith("etcds://e0:2379,e1:2379,e2:2379?ca=") for u in store_urls)
+    assert len(store_urls) == (0 if container == "install-cni" else 1)
+    assert all(u.startswith(STORES[rendering]) for u in store_urls)
+    spec = _container(docs, kind, name, container)[0]
+    used = {var for var in ENV if any(f"$({var})" in a for a in spec["args"])}
+    assert used <= {e["name"] for e in spec.get("env", [])}, "an argument's variable not set"
 
 
 @needs_kubectl
 def test_etcd_certificates_from_the_script_work_with_a_real_etcd(tmp_path: Path) -> None:
-    """`deploy/make-etcd-certs.sh` makes a CA, a member certificate and a client
-    certificate; a real etcd started with the component's TLS flags accepts ipward's
-    store client with the client Secret's files, and refuses it without them."""
+    """`deploy/make-etcd-certs.sh ENDPOINTS` makes a CA, a member certificate for the
+    endpoints' hosts (left in its directory) and the client Secret `ipward-etcd`; a
+    real etcd started with the TLS flags the script names accepts ipward's store client
+    with the Secret's files, and refuses it without them."""
     from ipward.store import StoreUnreachable, open_store
     from ipward_lab.servers.etcd import etcd_server
 
+    pki = tmp_path / "pki"
     out = subprocess.run(
-        [str(DEPLOY / "make-etcd-certs.sh"), "ipward-system", str(tmp_path / "pki")],
+        [str(DEPLOY / "make-etcd-certs.sh"), "127.0.0.1:2379", str(pki)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    secrets = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d}
-    assert set(secrets) == {"ipward-etcd-server", "ipward-etcd"}
-    files: dict[str, dict[str, Path]] = {}
-    for name, secret in secrets.items():
-        directory = tmp_path / name
-        directory.mkdir()
-        files[name] = {}
-        for key, value in secret["data"].items():
-            path = directory / key
-            path.write_bytes(base64.b64decode(value))
-            files[name][key] = path
-    server, client = files["ipward-etcd-server"], files["ipward-etcd"]
-    assert client["endpoints"].read_text().count(":2379") == 3
+    (secret,) = [d for d in yaml.safe_load_all(out) if d]
+    assert (secret["metadata"]["name"], secret["metadata"]["namespace"]) == (
+        "ipward-etcd",
+        "ipward-system",
+    )
+    client = {}
+    for key, value in secret["data"].items():
+        client[key] = tmp_path / key
+        client[key].write_bytes(base64.b64decode(value))
+    assert client["endpoints"].read_text() == "127.0.0.1:2379"
     args = [
         "--client-cert-auth",
-        f"--trusted-ca-file={server['ca.crt']}",
-        f"--cert-file={server['tls.crt']}",
-        f"--key-file={server['tls.key']}",
+        f"--trusted-ca-file={pki / 'ca.crt'}",
+        f"--cert-file={pki / 'server.crt'}",
+        f"--key-file={pki / 'server.key'}",
     ]
     with etcd_server(tmp_path / "etcd", args, client_scheme="https") as etcd:
         tls = f"?ca={client['ca.crt']}&timeout=2"
@@ -191,7 +239,7 @@ def test_install_cni_writes_the_native_plugin_into_the_hosts_cni_bin_dir_only() 
     """The init container writes the native plugin (`--standalone`) into a writable
     mount of the host's /opt/cni/bin, and mounts nothing else of the host's: the plugin
     needs nothing of it."""
-    docs = render(RENDERINGS["base"])
+    docs = render("base")
     container, spec = _container(docs, "DaemonSet", "ipward-agent", "install-cni")
     args = _container_args(docs, "DaemonSet", "ipward-agent", "install-cni")
     assert "--standalone" in args
@@ -200,6 +248,73 @@ def test_install_cni_writes_the_native_plugin_into_the_hosts_cni_bin_dir_only() 
     bin_dir = mounts[_option(args, "--bin-dir")]
     assert host_paths[bin_dir["name"]] == "/opt/cni/bin" and not bin_dir.get("readOnly")
     assert list(mounts) == [_option(args, "--bin-dir")]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("rendering", sorted(RUNTIME_SOCKETS))
+def test_the_agent_sees_its_runtimes_socket_and_the_plugins_notes(rendering: str) -> None:
+    """The agent's `--liveness cri://` names the mount of the runtime's socket on the
+    host where each rendering's runtime keeps it (containerd's default, k3s's, CRI-O's),
+    and it reads the plugin's notes of the node's attachments where the plugin writes
+    them (read-only), which its start checks the ledger against."""
+    from ipward.cni.notes import NOTES_DIR
+
+    docs = render(rendering)
+    container, spec = _container(docs, "DaemonSet", "ipward-agent", "agent")
+    args = _container_args(docs, "DaemonSet", "ipward-agent", "agent")
+    host_paths = {v["name"]: v.get("hostPath", {}).get("path") for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    socket = mounts[_option(args, "--liveness").removeprefix("cri://")]
+    assert host_paths[socket["name"]] == RUNTIME_SOCKETS[rendering] and socket["readOnly"]
+    notes = mounts[NOTES_DIR.decode()]
+    assert host_paths[notes["name"]] == NOTES_DIR.decode() and notes["readOnly"]
+
+
+@needs_kubectl
+def test_pod_security_admits_the_agent_in_a_cluster_that_enforces_baseline(
+    real_kube_apiserver: Any,
+) -> None:
+    """The agent's pod is privileged (root, the host's network and paths): ipward's
+    namespace, as rendered, lets Pod Security admission take it whatever the cluster's
+    default level; the same pod in a namespace that enforces `baseline` is refused, as
+    it would be in ipward's without the labels."""
+    import uuid
+
+    from ipward.kubeapi.client import ApiClient
+    from ipward.kubeapi.config import from_kubeconfig
+
+    docs = render("base")
+    namespace = by_kind(docs, "Namespace", "ipward-system")
+    template = by_kind(docs, "DaemonSet", "ipward-agent")["spec"]["template"]
+    tag = uuid.uuid4().hex[:8]
+    client = ApiClient(from_kubeconfig(str(real_kube_apiserver.kubeconfig)))
+    try:
+        outcomes = {}
+        for name, labels in (
+            (f"ipw-psa-{tag}", namespace["metadata"]["labels"]),
+            (f"ipw-baseline-{tag}", {"pod-security.kubernetes.io/enforce": "baseline"}),
+        ):
+            client.request(
+                "POST", "/api/v1/namespaces", body={"metadata": {"name": name, "labels": labels}}
+            )
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "ipward-agent-x"},
+                "spec": {**template["spec"], "nodeName": "n1"},
+            }
+            try:
+                client.request(
+                    "POST", f"/api/v1/namespaces/{name}/pods", {"dryRun": "All"}, body=pod
+                )
+                outcomes[name] = "admitted"
+            except ApiError as e:
+                outcomes[name] = f"{e.status} {e}"
+        assert outcomes[f"ipw-psa-{tag}"] == "admitted"
+        refused = outcomes[f"ipw-baseline-{tag}"]
+        assert refused.startswith("403") and "baseline" in refused, refused
+    finally:
+        client.close()
 
 
 # -- RBAC: exactly what the code calls ------------------------------------------------------
@@ -228,8 +343,8 @@ def api_calls(requests: Iterable[tuple[str, str, str]]) -> set[tuple[str, str, s
     return calls
 
 
-def granted(docs: list[dict], role: str) -> set[tuple[str, str, str]]:
-    rules = by_kind(docs, "ClusterRole", role)["rules"]
+def granted(docs: list[dict], role: str, kind: str = "ClusterRole") -> set[tuple[str, str, str]]:
+    rules = by_kind(docs, kind, role)["rules"]
     return {
         (group, resource, verb)
         for rule in rules
@@ -242,12 +357,13 @@ def granted(docs: list[dict], role: str) -> set[tuple[str, str, str]]:
 def k8s_options(
     docs: list[dict], kind: str, name: str, container: str, kubeconfig: Path
 ) -> list[str]:
-    """The container's options that name the Kubernetes API (in the cluster: `k8s://`,
-    the service account), pointed at `kubeconfig` instead."""
+    """The container's options that read the cluster from the Kubernetes API (in the
+    cluster: `k8s://`, the service account), pointed at `kubeconfig` instead. (Its
+    `--store`, the ledger in the API, is the audit-log test's.)"""
     out = []
     for arg in _container_args(docs, kind, name, container):
         option, _, value = arg.partition("=")
-        if value.startswith("k8s://"):
+        if value.startswith("k8s://") and option != "--store":
             assert value == "k8s://", f"{arg}: options the test does not carry over"
             out += [option, f"k8s://?kubeconfig={kubeconfig}"]
     assert out, f"{container} does not read the Kubernetes API"
@@ -274,7 +390,7 @@ def test_rbac_grants_exactly_what_the_agent_and_the_controller_call(
     left behind, fails here."""
     from ipward_lab import fleet
 
-    docs = render(RENDERINGS["base"])
+    docs = render("base")
     server = kube_server.server
     kube_server.admin.namespace("shop")
     kube_server.admin.node("n1")
@@ -382,18 +498,22 @@ rules:
 
 @needs_kubectl
 @pytest.mark.kstore
-def test_rbac_grants_exactly_what_the_pool_objects_reconciliation_calls(tmp_path: Path) -> None:
-    """The controller on a `k8s://` store whose pools are objects, as the manifests'
-    service account (its ClusterRole and binding as rendered), on a real kube-apiserver
-    of its own that keeps an audit log: it holds an object applied without its
-    finalizer, applies it, writes its status, deletes its pool and releases it once the
-    object is deleted. Its requests to IPPools, as the API server's audit log has them,
-    must be exactly what its ClusterRole grants of them. (The ledger's own objects,
-    `ledgershards`, it reaches through a stand-in Role here: not the IPPools' part.)"""
+def test_rbac_grants_exactly_what_the_ledger_and_the_pool_objects_calls(
+    tmp_path: Path, plugin: Path
+) -> None:
+    """ipward as `kubectl apply -k deploy/base` makes it, on a real kube-apiserver of its
+    own that keeps an audit log: the controller and an agent as the manifests' service
+    accounts (their roles and bindings as rendered), on the `k8s://` ledger in an empty
+    namespace, which they make. The controller holds an object made by `ipward pool
+    create` and one applied without its finalizer, applies them, writes their status,
+    deletes one's pool and releases it once the object is deleted; the agent serves an
+    ADD and a DEL of the other's. Their requests to the ledger's objects and to IPPools,
+    as the audit log has them, must be exactly what their roles grant of them."""
     from ipward.core import ippool
     from ipward.kubeapi.client import ApiClient
     from ipward.kubeapi.config import from_kubeconfig
     from ipward.store.kube import DEFAULT_NAMESPACE
+    from ipward.store.kube.objects import PLURAL
     from ipward_lab import fleet
     from ipward_lab.servers import kube_apiserver, kube_store
     from ipward_lab.servers.pki import token_kubeconfig
@@ -401,9 +521,16 @@ def test_rbac_grants_exactly_what_the_pool_objects_reconciliation_calls(tmp_path
     executable = kube_apiserver.binary()
     if executable is None:
         pytest.skip("KUBE_APISERVER does not name a kube-apiserver binary")
-    docs = render(RENDERINGS["base"])
+    docs = render("base")
     policy, audit = tmp_path / "audit-policy.yaml", tmp_path / "audit.log"
     policy.write_text(AUDIT_POLICY)
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    made = [
+        ("ServiceAccount", f"/api/v1/namespaces/{DEFAULT_NAMESPACE}/serviceaccounts"),
+        ("ClusterRole", f"{rbac}/clusterroles"),
+        ("ClusterRoleBinding", f"{rbac}/clusterrolebindings"),
+    ]
+    run_dir = Path(tempfile.mkdtemp(prefix="ipw-audit-"))  # AF_UNIX paths are short
     with kube_apiserver.kube_apiserver(executable, tmp_path) as lab:
         lab.stop()  # again, keeping an audit log
         lab.args += [f"--audit-policy-file={policy}", f"--audit-log-path={audit}"]
@@ -411,32 +538,39 @@ def test_rbac_grants_exactly_what_the_pool_objects_reconciliation_calls(tmp_path
         lab.wait_ready()
         kube_store.install(lab.kubeconfig, DEFAULT_NAMESPACE)
         admin = ApiClient(from_kubeconfig(str(lab.kubeconfig)))
-        controller = None
+        daemons: list[Any] = []
         try:
-            for kind, path in (
-                ("ServiceAccount", f"/api/v1/namespaces/{DEFAULT_NAMESPACE}/serviceaccounts"),
-                ("ClusterRole", "/apis/rbac.authorization.k8s.io/v1/clusterroles"),
-                ("ClusterRoleBinding", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"),
-            ):
-                admin.request("POST", path, body=by_kind(docs, kind, "ipward-controller"))
-            _stand_in_ledger_role(admin, DEFAULT_NAMESPACE)
-            token = admin.request(
-                "POST",
-                f"/api/v1/namespaces/{DEFAULT_NAMESPACE}/serviceaccounts/ipward-controller/token",
-                body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}},
-            )["status"]["token"]
-            config = token_kubeconfig(tmp_path / "sa.kubeconfig", lab.url, lab.ca_file, token)
-            url = kube_store.store_url(config, DEFAULT_NAMESPACE)
+            urls = {}
+            for account in ("ipward-agent", "ipward-controller"):
+                for kind, path in made:
+                    admin.request("POST", path, body=by_kind(docs, kind, account))
+                token = admin.request(
+                    "POST",
+                    f"/api/v1/namespaces/{DEFAULT_NAMESPACE}/serviceaccounts/{account}/token",
+                    body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest"},
+                )["status"]["token"]
+                config = token_kubeconfig(tmp_path / account, lab.url, lab.ca_file, token)
+                urls[account] = kube_store.store_url(config, DEFAULT_NAMESPACE)
+                namespaced = f"{rbac}/namespaces/{DEFAULT_NAMESPACE}"
+                for kind, path in (("Role", "roles"), ("RoleBinding", "rolebindings")):
+                    admin.request("POST", f"{namespaced}/{path}", body=by_kind(docs, kind, account))
+
+            extra = ("--interval", "0.2", "--lease-ttl", "2")
+            daemons.append(fleet.Controller("c1", urls["ipward-controller"], tmp_path, extra))
             as_admin = kube_store.store_url(lab.kubeconfig, DEFAULT_NAMESPACE)
-            made = run_cli("pool", "create", "web", "--range", "10.93.0.0/24", store=as_admin)
-            assert made.returncode == 0, made.stderr  # the store made, and a held object
+            wait_for(
+                lambda: run_cli("pool", "list", store=as_admin).returncode == 0,
+                "the ledger made by the controller",
+            )
+            made_by_cli = run_cli(
+                "pool", "create", "web", "--range", "10.93.0.0/24", store=as_admin
+            )
+            assert made_by_cli.returncode == 0, made_by_cli.stderr
             body = {"apiVersion": ippool.API_VERSION, "kind": ippool.KIND}
             spec = {"ranges": [{"subnet": "10.94.0.0/24"}]}
             admin.request(
                 "POST", ippool.PATH, body={**body, "metadata": {"name": "db"}, "spec": spec}
             )
-            extra = ("--interval", "0.2", "--lease-ttl", "2")
-            controller = fleet.Controller("c1", url, tmp_path, extra)
 
             def ready(name: str) -> bool:
                 obj = ippool.parse(admin.request("GET", ippool.path(name)))[1]
@@ -444,43 +578,53 @@ def test_rbac_grants_exactly_what_the_pool_objects_reconciliation_calls(tmp_path
                 return found is not None and found["status"] == "True"
 
             wait_for(lambda: ready("web") and ready("db"), "both objects Ready")
+            # Its runtime (`--liveness`): a simulated one listing no sandbox, so that it
+            # reconciles, following its node's index, as with the manifests' cri://.
+            runtime = tmp_path / "runtime.json"
+            runtime.write_text(json.dumps({"as_of": time.time(), "runtimes": {"n1": {}}}))
+            agent = fleet.Agent(
+                "n1",
+                urls["ipward-agent"],
+                run_dir / "agent.sock",
+                tmp_path,
+                extra=("--liveness", f"sim://{runtime}", "--reconcile-interval", "0.5"),
+            )
+            daemons.append(agent.wait_ready())
+            config = {
+                "cniVersion": "1.1.0",
+                "name": "podnet",
+                "ipam": {"type": "ipward", "agentSocket": str(agent.socket), "pool": "web"},
+            }
+            added = exec_plugin(plugin, "ADD", config, "sb1")
+            assert added.returncode == 0, added
+            assert exec_plugin(plugin, "DEL", config, "sb1").returncode == 0
             admin.request("DELETE", ippool.path("db"))
             wait_for(lambda: "db" not in _names(admin), "db's object released and gone")
-            controller.stop()
+            for daemon in daemons:
+                daemon.stop()
         finally:
-            if controller is not None:
-                controller.kill()
+            for daemon in daemons:
+                daemon.kill()
             admin.close()
-    calls = set()
+            shutil.rmtree(run_dir, ignore_errors=True)
+    calls: dict[str, set[tuple[str, str, str]]] = {}
     for line in audit.read_text().splitlines():
         event = json.loads(line)
         ref = event.get("objectRef") or {}
-        if ref.get("apiGroup") == ippool.GROUP and ref.get("resource") == ippool.PLURAL:
-            subresource = f"/{ref['subresource']}" if ref.get("subresource") else ""
-            calls.add((ippool.GROUP, f"{ippool.PLURAL}{subresource}", event["verb"]))
-    grants = {g for g in granted(docs, "ipward-controller") if g[0] == ippool.GROUP}
-    assert calls == grants, _difference("ipward-controller", calls, grants)
-
-
-def _stand_in_ledger_role(admin: Any, namespace: str) -> None:
-    """The ledger's objects for the controller's service account (what the store needs
-    of them is the Kubernetes store's part of the manifests, not checked here)."""
-    rbac = "/apis/rbac.authorization.k8s.io/v1"
-    rule = {"apiGroups": ["ipward.io"], "resources": ["ledgershards"], "verbs": ["*"]}
-    role = {"metadata": {"name": "ledger-stand-in"}, "rules": [rule]}
-    admin.request("POST", f"{rbac}/namespaces/{namespace}/roles", body=role)
-    binding = {
-        "metadata": {"name": "ledger-stand-in"},
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Role",
-            "name": "ledger-stand-in",
-        },
-        "subjects": [
-            {"kind": "ServiceAccount", "name": "ipward-controller", "namespace": namespace}
-        ],
-    }
-    admin.request("POST", f"{rbac}/namespaces/{namespace}/rolebindings", body=binding)
+        resource = ref.get("resource")
+        if ref.get("apiGroup") != ippool.GROUP or resource not in (PLURAL, ippool.PLURAL):
+            continue
+        account = event["user"]["username"].rpartition(":")[2]
+        subresource = f"/{ref['subresource']}" if ref.get("subresource") else ""
+        calls.setdefault(account, set()).add(
+            (ippool.GROUP, f"{resource}{subresource}", event["verb"])
+        )
+    for account in ("ipward-agent", "ipward-controller"):
+        grants = granted(docs, account, "Role") | {
+            g for g in granted(docs, account) if g[0] == ippool.GROUP
+        }
+        made_calls = calls.get(account, set())
+        assert made_calls == grants, _difference(account, made_calls, grants)
 
 
 def _names(admin: Any) -> list[str]:
@@ -496,12 +640,7 @@ def test_manifests_are_accepted_by_a_real_kube_apiserver(
 ) -> None:
     """A server-side dry run on the real kube-apiserver (its own validation, admission
     and strict field checks), the namespace made first as `kubectl apply` would."""
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(RENDERINGS[rendering])],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = rendered(rendering)
     kubectl = ["kubectl", f"--kubeconfig={real_kube_apiserver.kubeconfig}"]
     namespace = subprocess.run(
         [*kubectl, "create", "namespace", "ipward-system", "--dry-run=client", "-o", "yaml"],

@@ -3,9 +3,8 @@
 
 The bench makes a cluster of its own in a temporary state dir and measures host-local
 first (a fresh cluster's nodes are on host-local, each on its own range), then deploys
-ipward as a user gets it (`deploy/base`, no tuning) and measures ipward on the same
-nodes. It never switches back: ipward's controllers then run on the pod network with
-addresses from ipward. The cluster is removed at the end, also on failure or Ctrl-C. It
+ipward as a user gets it (`deploy/overlays/etcd`, no tuning) and measures ipward on the
+same nodes. It never switches back. The cluster is removed at the end, also on failure or Ctrl-C. It
 holds the machine's containerd lock all along (the `kube` tests and the containerd labs
 take turns on it).
 
@@ -451,8 +450,8 @@ def run_kube(
     out("  pods read every 0.25 s; Running: every container running. CNI ADD: from")
     out("  containerd's 'begin cni setup' to its 'cni result' per sandbox (the whole conflist:")
     out("  bridge, its IPAM, portmap). StatefulSet (Parallel): scaled to 0 until none is")
-    out("  left, to 5 until 5 are Running. host-local first, then ipward (deploy/base) on")
-    out("  the same cluster.")
+    out("  left, to 5 until 5 are Running. host-local first, then ipward")
+    out("  (deploy/overlays/etcd) on the same cluster.")
     elapsed = time.perf_counter() - began
     out(
         f"  whole run: {elapsed:.0f} s (cluster up in {cluster_info.get('up_s')} s, ipward"

@@ -1,7 +1,7 @@
 """ipward deployed on the cluster lab as its README says: its image built here and loaded
 on every node, the store and the pool `pods`, the Secret naming its etcd, `kubectl apply
--k deploy/base` (or the lab's overlay of it, `Tuning`), every node's network switched
-from host-local to ipward and the routes with it."""
+-k deploy/overlays/etcd` (or the lab's overlay of it, `Tuning`), every node's network
+switched from host-local to ipward and the routes with it."""
 
 from __future__ import annotations
 
@@ -31,19 +31,19 @@ from ipward_lab.kubecluster.state import ClusterState
 
 @dataclass(frozen=True)
 class Tuning:
-    """Options a deployment adds to deploy/base's, as an operator would in an overlay of
-    their own (the lab's is written in the state dir): more arguments for the agent's
-    and the controller's containers, and for `ipward pool create pods`. Empty: deploy/
-    base as it is."""
+    """Options a deployment adds to deploy/overlays/etcd's, as an operator would in an
+    overlay of their own (the lab's is written in the state dir): more arguments for the
+    agent's and the controller's containers, and for `ipward pool create pods`. Empty:
+    the overlay as it is."""
 
     agent_args: tuple[str, ...] = ()
     controller_args: tuple[str, ...] = ()
     pool_args: tuple[str, ...] = ()
 
     def kustomization(self, where: Path) -> Path:
-        """The directory to `kubectl apply -k`: deploy/base itself, or an overlay of it
-        made in `where` that appends the arguments."""
-        base = CHECKOUT / "deploy" / "base"
+        """The directory to `kubectl apply -k`: deploy/overlays/etcd itself, or an
+        overlay of it made in `where` that appends the arguments."""
+        base = CHECKOUT / "deploy" / "overlays" / "etcd"
         if not (self.agent_args or self.controller_args):
             return base
         patches = []
@@ -86,15 +86,13 @@ class Deployment:
     def deploy(self, say: Callable[[str], None] = print, tuning: Tuning | None = None) -> None:
         """ipward installed as its README says: its image (built here) on every node, the
         store with the pool `pods` (`ipward pool create`), the Secret naming its etcd,
-        `kubectl apply -k deploy/base` (through an overlay of the lab's when `tuning`
-        adds options); every node's network switched from host-local to ipward (its
-        `ipam`), and the routes from the node ranges' to the route syncer's.
+        `kubectl apply -k deploy/overlays/etcd` (through an overlay of the lab's when
+        `tuning` adds options); every node's network switched from host-local to ipward
+        (its `ipam`), and the routes from the node ranges' to the route syncer's.
 
-        Its etcd is outside the cluster (the base's Secret), not the `with-etcd` overlay:
-        the overlay's image comes from a registry this machine cannot reach, its members
-        find each other by names only a cluster DNS resolves (none here), and its pods
-        would be on the pod network whose IPAM is ipward, which needs that etcd to give
-        them addresses (they start only if they start before the switch)."""
+        Its etcd is outside the cluster, on the control plane's host (the overlay's
+        Secret), as README says it must be: on the pod network whose IPAM is ipward, an
+        etcd member would need that etcd to get its address."""
         tuning = tuning or Tuning()
         started = time.monotonic()
         image = build_ipward_image(CHECKOUT, say)
