@@ -346,3 +346,23 @@ def test_cli_lists_and_releases_a_sticky_reservation(sqlite_url, sqlite_store) -
     assert len(json.loads(done.stdout)["ips"]) == 2
     assert sqlite_store.range("ips/")[0] == []
     assert run_cli("check", store=sqlite_url).returncode == 0
+
+
+def test_pool_create_warns_when_not_borrowing_leaves_registered_nodes_without_a_block(
+    sqlite_url: str,
+) -> None:
+    """Three agents registered; a /28 pool in the default /26 blocks is one block. Not
+    borrowing (an explicit choice now), two nodes could never take an address from it:
+    the pool is made, with a warning that says so and what to change. Borrowing (the
+    default), no warning."""
+    with open_store(sqlite_url) as store:
+        store.txn([], [Put(keys.node_key(f"n{i}"), b"{}") for i in range(3)])
+    limited = run_cli(
+        "pool", "create", "tiny", "--range", "10.249.0.0/28", "--no-borrow", store=sqlite_url
+    )
+    assert limited.returncode == 0, limited.stderr
+    assert "warning: pool tiny does not borrow and has 1 IPv4 block of /26: at most 1 of 3" in (
+        limited.stderr
+    )
+    fine = run_cli("pool", "create", "small", "--range", "10.249.1.0/28", store=sqlite_url)
+    assert fine.returncode == 0 and "warning" not in fine.stderr, fine.stderr

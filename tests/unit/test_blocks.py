@@ -76,13 +76,20 @@ def test_nodes_allocate_only_from_their_own_blocks(sqlite_store, a, b):
 
 
 def test_exhaustion_without_borrow_and_a_borrowed_address_with_it(sqlite_store, a, b):
-    pool = spec()
+    pool = spec(borrow=False)
     for i in range(3 * 16 - 1):  # three blocks for node a (the first lacks .0)
         a.allocate([pool], att(f"a{i}"), PodInfo())
     b.allocate([pool], att("b0"), PodInfo())  # the last block goes to b
-    with pytest.raises(PoolExhausted):
+    before = sqlite_store.range("")[0]
+    with pytest.raises(PoolExhausted) as refused:
         a.allocate([pool], att("more"), PodInfo())
-    lending = spec(borrow=True)
+    # The error says where the free addresses are and what to change; nothing written.
+    said = str(refused.value)
+    assert "no IPv4 address for node node-a" in said, said
+    assert "such as 10.0.0.49, in node-b's block 10.0.0.48/28" in said, said
+    assert "spec.borrow: true" in said and "--block-v4" in said, said
+    assert sqlite_store.range("")[0] == before
+    lending = spec()  # the default borrows
     borrowed = a.allocate([lending], att("borrower"), PodInfo())[0].ip
     record = rec.decode(sqlite_store.get(keys.ip_key("p", borrowed)).value)
     assert record["node"] == "node-a"
@@ -91,6 +98,18 @@ def test_exhaustion_without_borrow_and_a_borrowed_address_with_it(sqlite_store, 
     a.free(att("borrower"))
     assert sqlite_store.range("freeq/p/4/node-b/")[0]
     assert check(sqlite_store)[0] == []
+
+
+def test_a_full_pool_that_does_not_borrow_says_only_that_it_is_full(sqlite_store, a, b):
+    """Nowhere else to look: every address of every block held, on both nodes."""
+    pool = spec(borrow=False)
+    for i in range(3 * 16 - 1):
+        a.allocate([pool], att(f"a{i}"), PodInfo())
+    for i in range(16 - 1):  # the last block lacks the broadcast address
+        b.allocate([pool], att(f"b{i}"), PodInfo())
+    for ledger in (a, b):
+        with pytest.raises(PoolExhausted, match=r"^pool p has no free IPv4 address \(62 in all\)$"):
+            ledger.allocate([pool], att("more"), PodInfo())
 
 
 def test_controller_assigned_block_is_filled_when_the_current_one_runs_out(sqlite_store, a, clock):

@@ -706,3 +706,19 @@ def test_a_combined_batch_writes_an_attachment_once(sqlite_store, clock, monkeyp
     assert len(answers["cdup"]) == 4 and len(set(answers["cdup"])) == 1, answers
     problems, _ = check(sqlite_store)
     assert not problems, problems
+
+
+def test_an_inline_pool_keeps_the_borrow_it_was_stored_with(ledger, sqlite_store):
+    """Borrowing became the default (issue 27, 6), which a network config does not
+    declare: an inline pool stored before, not borrowing, stays so, with its layout and
+    no write of its spec, so agents of both versions agree on it; a new one borrows."""
+    old = inline("10.20.0.0/24", borrow=False)
+    add_to(ledger, old, "before")  # as the earlier version stored it
+    written = sqlite_store.get(layout.pool_key("net"))
+    add_to(ledger, inline("10.20.0.0/24"), "after")  # the new default, undeclared
+    kv = sqlite_store.get(layout.pool_key("net"))
+    assert kv.mod_revision == written.mod_revision
+    stored = PoolSpec.decode(kv.value)
+    assert stored.borrow is False and stored.version == 0 and stored.retired == []
+    add_to(ledger, PoolSpec("new", [[{"subnet": "10.21.0.0/24"}]], source="cni-config"), "n")
+    assert PoolSpec.decode(sqlite_store.get(layout.pool_key("new")).value).borrow is True

@@ -89,7 +89,7 @@ def test_an_objects_defaults_are_the_clis() -> None:
             block_prefix={4: 28, 6: 120},
             warm=3,
             release_delay=60,
-            borrow=True,
+            borrow=False,
             namespaces=["shop"],
             nodes=["n1", "n2"],
         ),
@@ -105,6 +105,9 @@ def test_the_object_the_cli_makes_declares_its_pool_again(declared: PoolSpec) ->
 def test_the_object_the_cli_makes_says_only_what_differs_from_the_defaults() -> None:
     made = ippool.manifest(PoolSpec("p", [[{"subnet": "10.0.0.0/24", "gateway": "10.0.0.1"}]]))
     assert made["spec"] == {"ranges": [{"subnet": "10.0.0.0/24"}]}
+    assert ippool.declared(obj(made["spec"])).borrow is True  # borrowing is the default
+    no_borrow = PoolSpec("p", [[{"subnet": "10.0.0.0/24"}]], borrow=False)
+    assert ippool.manifest(no_borrow)["spec"]["borrow"] is False
 
 
 # -- the status ------------------------------------------------------------------------------
@@ -135,7 +138,27 @@ def test_a_condition_that_changes_takes_the_new_time_and_the_others_keep_theirs(
         ippool.READY: ("True", NOW),
         ippool.OVERLAPS: ("False", NOW),
         ippool.EXHAUSTED: ("True", LATER),
+        ippool.NODES_LIMITED: ("False", NOW),
     }
+
+
+def test_a_pool_that_does_not_borrow_says_when_it_has_fewer_blocks_than_nodes() -> None:
+    """A /28 in /26 blocks is one block: not borrowing, one node of three takes from it
+    (issue 27, 6: 14 of 20 pods stayed ContainerCreating on the other two)."""
+    tiny = PoolSpec("tiny", [[{"subnet": "10.249.0.0/28"}]], source=IPPOOL, borrow=False)
+    status = ippool.status(obj({}), APPLIED, tiny, {}, None, NOW, nodes=3)
+    limited = ippool.condition(obj({}, status=status), ippool.NODES_LIMITED)
+    assert limited is not None and limited["status"] == "True", limited
+    assert "has 1 IPv4 block of /26: at most 1 of 3 nodes" in limited["message"]
+    assert "spec.borrow: true" in limited["message"]
+    for spec, nodes in (
+        (tiny, 1),  # as many blocks as nodes
+        (PoolSpec("tiny", [[{"subnet": "10.249.0.0/28"}]], source=IPPOOL), 3),  # borrows
+        (PoolSpec("n", [[{"subnet": "10.249.0.0/28"}]], borrow=False, nodes=["n1"]), 3),
+    ):
+        status = ippool.status(obj({}), APPLIED, spec, {}, None, NOW, nodes=nodes)
+        fine = ippool.condition(obj({}, status=status), ippool.NODES_LIMITED)
+        assert fine is not None and fine["status"] == "False", (spec.name, nodes, fine)
 
 
 def test_a_refused_change_says_which_generation_the_pool_keeps_serving() -> None:

@@ -29,7 +29,12 @@ from ipward.core.errors import (
     PoolExists,
     TryAgainLater,
 )
-from ipward.core.policy import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM
+from ipward.core.policy import (
+    DEFAULT_BORROW,
+    DEFAULT_COOLDOWN,
+    DEFAULT_RELEASE_DELAY,
+    DEFAULT_WARM,
+)
 from ipward.core.pool import CLI, IPPOOL, PoolSpec, check_routes, default_gateway
 from ipward.core.records import AddressRecord, BlockRecord
 
@@ -133,9 +138,10 @@ def parse_route_option(text: str) -> dict:
 )
 @click.option(
     "--borrow/--no-borrow",
-    default=False,
+    default=DEFAULT_BORROW,
     show_default=True,
-    help="Let a node take one address from another node's block when no block is free.",
+    help="Let a node take one address from another node's block when no block is free"
+    " (without it, a pool of fewer blocks than nodes serves only the nodes that hold one).",
 )
 @click.option(
     "--namespace",
@@ -200,6 +206,9 @@ def pool_create(
     else:
         with _api(objects):
             _create_object(c, objects, spec)
+    limited = spec.nodes_limit(len(c.store.range(keys.NODES)[0]))  # the registered agents
+    if limited is not None:
+        click.echo(f"ipward: warning: {limited}", err=True)
     c.emit(
         spec.to_dict(), f"created pool [bold]{name}[/] ({spec.attachments_capacity():,} addresses)"
     )

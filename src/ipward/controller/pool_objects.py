@@ -354,7 +354,7 @@ class PoolObjects:
             keys_of = view.pool(obj.name)
             use = ippool.usage(served, keys_of.records, keys_of.blocks)
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
-        status = ippool.status(obj, verdict, served, use, held, now)
+        status = ippool.status(obj, verdict, served, use, held, now, len(view.registered))
         if status == obj.status:
             return
         if self.steps.write_status(obj, status):

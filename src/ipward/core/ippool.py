@@ -32,7 +32,12 @@ from ipward.core.addr import (
     parse_ip,
 )
 from ipward.core.errors import InvalidConfig
-from ipward.core.policy import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM
+from ipward.core.policy import (
+    DEFAULT_BORROW,
+    DEFAULT_COOLDOWN,
+    DEFAULT_RELEASE_DELAY,
+    DEFAULT_WARM,
+)
 from ipward.core.pool import IPPOOL, Layout, PoolSpec, check_routes, count, default_gateway, seconds
 
 TYPE_CHECKING = False
@@ -58,6 +63,7 @@ T = TypeVar("T")
 READY = "Ready"
 OVERLAPS = "Overlaps"
 EXHAUSTED = "Exhausted"
+NODES_LIMITED = "NodesLimited"  # not borrowing, fewer blocks than the nodes it serves
 APPLIED = "Applied"  # the ledger holds the object's spec
 INVALID = "Invalid"  # a mistake the schema could not see
 REFUSED = "Refused"  # the name is another's (a network config's inline pool), or the
@@ -187,7 +193,7 @@ def declared(obj: PoolObject) -> PoolSpec:
     delay = spec.get("releaseDelaySeconds", DEFAULT_RELEASE_DELAY)
     release_delay = seconds(delay, "spec.releaseDelaySeconds")
     warm = count(spec.get("warm", DEFAULT_WARM), "spec.warm")
-    borrow = _boolean(spec.get("borrow", False), "spec.borrow")
+    borrow = _boolean(spec.get("borrow", DEFAULT_BORROW), "spec.borrow")
     namespaces = _strings(spec.get("namespaces", []), "spec.namespaces")
     nodes = _strings(spec.get("nodes", []), "spec.nodes")
     return _at(  # what only the ranges together can get wrong (two sharing a block)
@@ -247,7 +253,7 @@ def manifest(spec: PoolSpec) -> dict:
         ("warm", spec.warm, DEFAULT_WARM),
         ("cooldownSeconds", spec.cooldown, DEFAULT_COOLDOWN),
         ("releaseDelaySeconds", spec.release_delay, DEFAULT_RELEASE_DELAY),
-        ("borrow", spec.borrow, False),
+        ("borrow", spec.borrow, DEFAULT_BORROW),
     ):
         if value != default_value:
             body[field] = value
@@ -319,9 +325,11 @@ def status(
     use: Mapping[int, Usage],
     held: tuple[int, Sequence[str]] | None,
     now: str,
+    nodes: int = 0,
 ) -> dict:
     """The status of `obj`: `verdict` on its spec; `served`, the ledger's pool of that
-    name when it is the object's (with `use`, its usage); `held`, while it is being
+    name when it is the object's (with `use`, its usage, and `nodes`, the registered
+    nodes it may serve); `held`, while it is being
     deleted, how many addresses still hold it and a few of their holders; `now`, the
     time of a condition that changes (one that does not keeps its time, so a status
     that did not change is equal to the one before)."""
@@ -379,6 +387,17 @@ def status(
             now,
         ),
     ]
+    limited = served.nodes_limit(nodes) if served is not None else None
+    out["conditions"].append(
+        _condition(
+            obj,
+            NODES_LIMITED,
+            limited is not None,
+            "FewerBlocksThanNodes" if limited is not None else "EveryNodeServed",
+            limited or "every node it serves can take addresses from it",
+            now,
+        )
+    )
     return out
 
 

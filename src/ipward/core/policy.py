@@ -17,6 +17,10 @@ DEFAULT_COOLDOWN = 30.0
 DEFAULT_WARM = 16
 # Seconds a surplus block stays empty before the controller asks it back.
 DEFAULT_RELEASE_DELAY = 180.0
+# A node with no block left to claim may take one address of another node's block: a
+# pool then serves every node whatever its size, and as nodes are added (blocks sized
+# for today's node count would not). A pool stored before this default kept its own.
+DEFAULT_BORROW = True
 # A block's hand-back compares each of its addresses absent in one etcd transaction,
 # whose compares etcd caps at 128 by default: larger blocks are never asked back.
 MAX_RELEASABLE_BLOCK = 128

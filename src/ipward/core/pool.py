@@ -27,7 +27,12 @@ from ipward.core.addr import (
     parse_ip,
 )
 from ipward.core.errors import InvalidConfig, PoolNotAllowed
-from ipward.core.policy import DEFAULT_COOLDOWN, DEFAULT_RELEASE_DELAY, DEFAULT_WARM
+from ipward.core.policy import (
+    DEFAULT_BORROW,
+    DEFAULT_COOLDOWN,
+    DEFAULT_RELEASE_DELAY,
+    DEFAULT_WARM,
+)
 from ipward.core.records import decode, encode
 
 TYPE_CHECKING = False
@@ -227,7 +232,7 @@ class PoolSpec:
         source: str = CLI,
         warm: int = DEFAULT_WARM,
         release_delay: float = DEFAULT_RELEASE_DELAY,
-        borrow: bool = False,
+        borrow: bool = DEFAULT_BORROW,
         namespaces: Sequence[str] = (),
         nodes: Sequence[str] = (),
         version: int = 0,
@@ -397,6 +402,25 @@ class PoolSpec:
     def attachments_capacity(self) -> int:
         """How many attachments fit: each takes one address of every range set."""
         return min(rs.capacity() for rs in self.range_sets)
+
+    def nodes_limit(self, nodes: int) -> str | None:
+        """Why the pool cannot serve all of `nodes` nodes (those it names, else the
+        cluster's), or None: not borrowing, a node takes addresses only from blocks of its
+        own, so a family with fewer blocks than nodes leaves the others without."""
+        if self.borrow:
+            return None
+        nodes = len(self.nodes) or nodes
+        for rs in self.range_sets:
+            blocks = rs.block_count()
+            if blocks < nodes:
+                return (
+                    f"pool {self.name} does not borrow and has {blocks} IPv{rs.family}"
+                    f" block{'s' if blocks != 1 else ''} of /{rs.block_prefix}: at most"
+                    f" {blocks} of {nodes} nodes can take addresses from it; let it borrow"
+                    " (spec.borrow: true; 'ipward pool create' without --no-borrow) or give"
+                    " it smaller blocks (spec.blockSize, --block-v4/--block-v6)"
+                )
+        return None
 
 
 def coverage(layouts: Sequence[Layout], family: int) -> list[tuple[int, int]]:

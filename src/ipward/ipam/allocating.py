@@ -102,6 +102,11 @@ def pool_guard(cache: StoreCache, spec: PoolSpec) -> Guard:
                 f"pool {spec.name!r} exists and was made by {made_by}; name it with"
                 " 'pool' in the CNI config instead of inline ranges, or rename the network"
             )
+        # A network config does not declare `borrow`: an inline pool keeps the one it was
+        # stored with (made before borrowing became the default: not borrowing), so
+        # agents of two versions never rewrite it back and forth.
+        if spec.inline:
+            spec.borrow = stored.borrow
         if not spec.succeed(stored):
             compares = [at_revision(key, kv.mod_revision)]  # type: ignore[union-attr]
             if spec.declaration() == stored.declaration():
@@ -170,13 +175,26 @@ def _unrequested(
     taken_back = claims.take_back(cache, pool, rs, verify, cooled_only=False)
     if taken_back is not None:
         return taken_back  # the same, in a block being handed back
-    if pool.borrow:
-        borrowed = claims.borrow(cache, pool, index, rs, verify)
-        if borrowed is not None:
-            return borrowed
+    elsewhere = claims.borrow(cache, pool, index, rs, verify)
+    if elsewhere is not None and pool.borrow:
+        return elsewhere
+    family = "IPv6" if rs.family == 6 else "IPv4"
+    if elsewhere is None:
+        raise PoolExhausted(
+            f"pool {pool.name} has no free {family} address ({rs.capacity()} in all)"
+        )
+    # Not borrowing, and another node's block has room: say where, and what to change
+    # (a look only: the pick is not written).
+    owner = cache.get(keys.block_key(pool.name, elsewhere.block))
+    node = BlockRecord.decode(owner.value).node if owner is not None else "another node"
     raise PoolExhausted(
-        f"pool {pool.name} has no free {'IPv6' if rs.family == 6 else 'IPv4'} address"
-        f" ({rs.capacity()} in all)"
+        f"pool {pool.name} has no {family} address for node {cache.node}: every block of"
+        f" it ({rs.capacity()} addresses in all) is claimed, and the free ones are in other"
+        f" nodes' blocks (such as {elsewhere.ip}, in {node}'s block {elsewhere.block}),"
+        " which this pool does not borrow from. Let it borrow (an IPPool's spec.borrow:"
+        " true; a pool made by 'ipward pool create --no-borrow' made again without it) or"
+        " give it smaller blocks (spec.blockSize, --block-v4/--block-v6), so that every"
+        " node gets one"
     )
 
 
