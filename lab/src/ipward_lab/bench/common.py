@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ipward.core.startpath import PLUGIN_PYTHON
-from ipward_lab.fleet import Agent, FleetError
+from ipward_lab.fleet import FleetError, Process
 from ipward_lab.servers.etcd import ETCD
 
 HOST_LOCAL = "/usr/lib/cni/host-local"
@@ -176,9 +176,10 @@ def verdict(ok: bool) -> str:
     return "meets" if ok else "MISSES"
 
 
-def stop_agent(agent: Agent) -> None:
-    """SIGTERM (the agent drains and exits), then SIGKILL if it does not."""
+def stop_process(proc: Process) -> None:
+    """SIGTERM (an agent drains, a controller ends its pass, and exits), then SIGKILL
+    if it does not."""
     try:
-        agent.stop(AGENT_STOP_TIMEOUT)
+        proc.stop(AGENT_STOP_TIMEOUT)
     except (subprocess.TimeoutExpired, FleetError):
-        agent.kill()
+        proc.kill()
