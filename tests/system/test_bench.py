@@ -509,9 +509,10 @@ def test_k8s_store_quick_run() -> None:
     # An ADD alone writes its node's object and its block's (docs/design.md 5.15).
     assert f["k8s_store.k8s.add_1.ledger_writes_per_op"] >= 2
     assert f["k8s_store.k8s.add_32.vs_raw"] > 0
+    assert f["k8s_store.k8s.add_1.writes_less_idle_per_op"] > 0
     assert set(result["targets"]) == {
         "k8s_store.k8s.add_32.vs_raw",
-        "k8s_store.k8s.add_1.writes_per_op",
+        "k8s_store.k8s.add_1.writes_less_idle_per_op",
     }
     fill = {k.removeprefix("k8s_store.fill."): v for k, v in f.items() if ".fill." in k}
     assert fill["records"] == 3000 and fill["nodes"] == 100

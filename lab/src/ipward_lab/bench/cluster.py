@@ -18,9 +18,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from ipward.core.pool import PoolSpec
-from ipward.ipam.pools import create_pool
-from ipward.store import open_store
 from ipward.store.base import Put, Store, at_revision
 from ipward_lab.bench.common import (
     AGENT_READY_TIMEOUT,
@@ -43,7 +40,7 @@ from ipward_lab.bench.plugin_exec import (
     ipam_config,
     native_exec,
 )
-from ipward_lab.fleet import Agent, FleetError
+from ipward_lab.fleet import Agent, FleetError, run_cli
 from ipward_lab.servers.etcd import ETCD, etcd_server
 
 CLUSTER_POOL = "benchcluster"
@@ -54,15 +51,6 @@ TARGET_CLUSTER_VS_CAS = 0.5  # aggregate ADDs/s >= 0.5 x raw CAS/s at the same c
 TARGET_AGENT_EXEC_OVER_PYTHON_MS = 5.0  # plugin ADD (through the agent) - bare interpreter
 TARGET_NATIVE_VS_HOST_LOCAL = 1.0  # the native plugin's ADD median over host-local's (issue 29)
 EXEC_RATE_CONCURRENCY = 32  # execs at once for the exec-bound rate of a node
-
-
-def cluster_pool() -> PoolSpec:
-    return PoolSpec(
-        CLUSTER_POOL,
-        [[{"subnet": CLUSTER_SUBNET}]],
-        cooldown=0,
-        block_prefix={4: CLUSTER_BLOCK_V4},
-    )
 
 
 class AgentCaller:
@@ -411,14 +399,26 @@ class _Rounds:
 def start_agents(
     stack: contextlib.ExitStack, tmp: Path, url: str, agents: int, out: Callable[[str], object]
 ) -> list[Agent]:
-    """The pool on the store at `url`, and `agents` agents on it (fleet.Agent, answering;
-    sockets and logs in `tmp`), each stopped by `stack`."""
-    admin = open_store(url)  # as ipward makes a store: its schema key first
-    stack.callback(admin.close)
-    spec = cluster_pool()
-    create_pool(admin, spec)
+    """The pool on the store at `url`, made as a user makes it (`ipward pool create`: on
+    the Kubernetes store an IPPool object, which the controller then keeps the status
+    of), and `agents` agents on it (fleet.Agent, answering; sockets and logs in `tmp`),
+    each stopped by `stack`."""
+    made = run_cli(
+        "pool",
+        "create",
+        CLUSTER_POOL,
+        "--range",
+        CLUSTER_SUBNET,
+        "--cooldown",
+        "0",
+        "--block-v4",
+        str(CLUSTER_BLOCK_V4),
+        store=url,
+    )
+    if made.returncode != 0:
+        raise BenchError(f"ipward pool create {CLUSTER_POOL}: {made.stderr.strip()[-500:]}")
     out(
-        f"  ... pool {spec.name} {CLUSTER_SUBNET} (/{CLUSTER_BLOCK_V4} blocks, cooldown 0);"
+        f"  ... pool {CLUSTER_POOL} {CLUSTER_SUBNET} (/{CLUSTER_BLOCK_V4} blocks, cooldown 0);"
         f" starting {plural(agents, 'agent')}"
     )
     procs: list[Agent] = []

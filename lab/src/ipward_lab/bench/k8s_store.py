@@ -506,15 +506,17 @@ def load_figures(sides: list[Side], r: Results) -> None:
         "target": f">= {TARGET_ADD_32_VS_RAW}",
         "met": ratio >= TARGET_ADD_32_VS_RAW,
     }
-    per_add = f["k8s_store.k8s.add_1.writes_per_op"]
-    r.targets["k8s_store.k8s.add_1.writes_per_op"] = {
+    # An ADD's writes: every write in its phase (the controller's status updates in),
+    # less what the store writes idle in as long (the leases' keep-alives).
+    tally = sides[0].tallies["add_1"]
+    idle = f["k8s_store.k8s.idle.writes_per_s"] * tally.seconds
+    per_add = f["k8s_store.k8s.add_1.writes_per_op"] - idle / tally.ops
+    f["k8s_store.k8s.add_1.writes_less_idle_per_op"] = per_add
+    r.targets["k8s_store.k8s.add_1.writes_less_idle_per_op"] = {
         "value": per_add,
         "target": f"<= {TARGET_WRITES_PER_ADD_ALONE}",
         "met": per_add <= TARGET_WRITES_PER_ADD_ALONE,
     }
-    tally = sides[0].tallies["add_1"]
-    idle = f["k8s_store.k8s.idle.writes_per_s"] * tally.seconds
-    f["k8s_store.k8s.add_1.writes_less_idle_per_op"] = per_add - idle / tally.ops
 
 
 def _per_request_kind(side: Side, tally: Tally) -> dict[str, int]:
@@ -674,12 +676,17 @@ def _print_targets(r: Results, errors: dict[str, str], out: Callable[[str], obje
         f"  ADDs/s at 32-way through one agent, over the raw update rate of 32 writers:"
         f" {add['value']:.2f}x (target {add['target']}: {verdict(add['met'])})"
     )
-    writes = r.targets["k8s_store.k8s.add_1.writes_per_op"]
+    writes = r.targets["k8s_store.k8s.add_1.writes_less_idle_per_op"]
     out(
-        f"  API writes per ADD alone: {writes['value']:.2f}, less the idle rate"
-        f" ({f['k8s_store.k8s.idle.writes_per_s']:.1f} writes/s)"
-        f" {f['k8s_store.k8s.add_1.writes_less_idle_per_op']:.2f}"
-        f" (target {writes['target']}: {verdict(writes['met'])})"
+        f"  API writes per ADD alone: {writes['value']:.2f} (every write of the phase,"
+        f" {f['k8s_store.k8s.add_1.writes_per_op']:.2f} an ADD, less the idle store's"
+        f" {f['k8s_store.k8s.idle.writes_per_s']:.1f} writes/s; target {writes['target']}:"
+        f" {verdict(writes['met'])})"
+    )
+    out(
+        f"  API writes per ADD at 32-way: {f['k8s_store.k8s.add_32.writes_per_op']:.2f}"
+        f" through one agent, {f['k8s_store.k8s.add_32x3.writes_per_op']:.2f} across"
+        f" {AGENTS} agents"
     )
     if errors:
         for key, what in sorted(errors.items()):
