@@ -338,14 +338,8 @@ def run_cluster(
     r.notes["elapsed_s"] = f"{elapsed:.1f}"
     r.notes["agents"] = str(agents)
     r.notes["concurrency"] = str(concurrency)
-    return {
-        "machine": info,
-        "figures": r.figures,
-        "targets": r.targets,
-        "errors": errors,
-        "notes": r.notes,
-        "tables": {"cluster": rows, "exec": exec_rows},
-    }
+    r.tables.update(cluster=rows, exec=exec_rows)
+    return r.with_errors(info, errors)
 
 
 CLUSTER_NOTES = [

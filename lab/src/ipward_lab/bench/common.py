@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ipward.core.startpath import PLUGIN_PYTHON
 from ipward_lab.fleet import FleetError, Process
@@ -42,6 +43,18 @@ class Results:
     notes: dict[str, str] = field(default_factory=dict)
     tables: dict[str, list[list[str]]] = field(default_factory=dict)
     series: dict = field(default_factory=dict)
+
+    def with_errors(self, info: dict, errors: dict[str, Any]) -> dict:
+        """A run of agents under load as `--json` prints it: the machine, the figures,
+        targets, notes and tables, and the calls that failed (by kind)."""
+        return {
+            "machine": info,
+            "figures": self.figures,
+            "targets": self.targets,
+            "errors": errors,
+            "notes": self.notes,
+            "tables": self.tables,
+        }
 
 
 def p99(samples: Sequence[float]) -> float:

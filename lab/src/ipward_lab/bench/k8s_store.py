@@ -646,26 +646,15 @@ def run_k8s_store(sizes: K8sStoreSizes = FULL, out: Callable[[str], object] = pr
     elapsed = time.perf_counter() - began
     r.notes["load_average_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     r.notes["elapsed_s"] = f"{elapsed:.1f}"
-    tables = {
-        "load": load_rows(r.figures),
-        "cost": cost_rows(r.figures),
-        "fill": fill_rows(fill),
-    }
-    for rows in tables.values():
+    r.tables.update(load=load_rows(r.figures), cost=cost_rows(r.figures), fill=fill_rows(fill))
+    for rows in r.tables.values():
         out("")
         print_table(rows, out)
     _print_targets(r, errors, out)
     for line in NOTES:
         out(line)
     out(f"  whole run: {elapsed:.0f} s; load average at the end {r.notes['load_average_at_end']}")
-    return {
-        "machine": info,
-        "figures": r.figures,
-        "targets": r.targets,
-        "errors": errors,
-        "notes": r.notes,
-        "tables": tables,
-    }
+    return r.with_errors(info, errors)
 
 
 def _print_targets(r: Results, errors: dict[str, str], out: Callable[[str], object]) -> None:
