@@ -35,7 +35,7 @@ from ipward_lab.bench import (
     write_adds,
     write_all,
 )
-from ipward_lab.bench.k8s_store import request_counts, request_outcomes
+from ipward_lab.bench.k8s_store import request_counts, request_outcomes, writes_by_resource
 from ipward_lab.bench.scale import FULL as FULL_SCALE
 from ipward_lab.bench.scale import scale_sizes
 from ipward_lab.report import PNG_MAGIC, Page, save_png
@@ -313,6 +313,8 @@ def test_api_requests_are_counted_by_what_they_did() -> None:
     counts = request_counts(text)
     assert counts["PUT ledgershards 200"] == 2
     assert counts["POST ledgershards 201"] == 2
+    assert counts["PUT customresourcedefinitions/status 200"] == 2  # a subresource apart
+    assert writes_by_resource(counts)["ledgershards"] == 4
     assert not any(key.startswith("WATCH") for key in counts)
     outcomes = request_outcomes(counts)
     assert outcomes["ledger_writes"] == 4

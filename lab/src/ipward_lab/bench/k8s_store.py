@@ -314,7 +314,8 @@ def request_counts(metrics: str) -> Counter[str]:
         labels_text, _, value = line.rpartition(" ")
         labels = dict(_LABEL.findall(labels_text))
         if labels.get("verb") not in ("WATCH", "CONNECT"):
-            key = f"{labels.get('verb')} {labels.get('resource')} {labels.get('code')}"
+            resource = "/".join(filter(None, (labels.get("resource"), labels.get("subresource"))))
+            key = f"{labels.get('verb')} {resource} {labels.get('code')}"
             counts[key] += int(float(value))
     return counts
 
@@ -335,6 +336,17 @@ def request_outcomes(requests: Counter[str]) -> dict[str, int]:
         else:
             outcomes["refused"] += n
     return outcomes
+
+
+def writes_by_resource(requests: Counter[str]) -> dict[str, int]:
+    """The writes done (2xx; `request_counts`) by resource ("ippools/status": a
+    subresource)."""
+    written: Counter[str] = Counter()
+    for key, n in requests.items():
+        verb, resource, code = key.split(" ")
+        if verb in WRITE_VERBS and code.startswith("2"):
+            written[resource] += n
+    return dict(written)
 
 
 def _api_requests(lab: KubeLab) -> Counter[str]:
@@ -492,6 +504,9 @@ def load_figures(sides: list[Side], r: Results) -> None:
                 f[f"{key}.{kind}_cpu_ms_per_op"] = seconds * 1000 / tally.ops
             for kind, n in counts.items():
                 f[f"{key}.{kind}_per_op"] = n / tally.ops
+            if side.name == "k8s":
+                for resource, n in writes_by_resource(tally.requests).items():
+                    f[f"{key}.writes.{resource}_per_op"] = n / tally.ops
         for load in LOADS:
             if load.raw:
                 continue
