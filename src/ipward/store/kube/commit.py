@@ -419,9 +419,10 @@ class Committer:
         """This process's turn on the objects a transaction may write: its transactions
         on one object wait for each other here rather than race for it in the API server,
         where all but one of them conflict (409), read it again and retry (16 DELs at
-        once on one node: 4 conflicts per update, 3 DELs/s, some answered 11 after the
-        timeout). The turns are taken in one order, so two transactions never hold each
-        other's; an object's turn may be shared with others' (TURNS locks in all)."""
+        once on one node: over 100 conflicts racing, none taking turns;
+        tests/system/test_kube_store_turns.py). The turns are taken in one order, so
+        two transactions never hold each other's; an object's turn may be shared with
+        others' (TURNS locks in all)."""
         held: list[threading.Lock] = []
         try:
             for turn in sorted({hash(sid) % TURNS for sid in shard_ids}):
