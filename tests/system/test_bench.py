@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from ipward_lab.bench.scale import FULL as FULL_SCALE
 from ipward_lab.bench.scale import PLOT_SCALE, ScaleSizes, run_scale
 from ipward_lab.fleet import IPWARD
 from ipward_lab.report import PNG_MAGIC
+from ipward_lab.servers import kube_apiserver
 
 
 @pytest.mark.skipif(not os.access(PLUGIN_PYTHON, os.X_OK), reason=f"no {PLUGIN_PYTHON}")
@@ -475,6 +477,57 @@ def test_kubernetes_source_memory_next_to_its_targets() -> None:
     for scope, target in (("controller", "200 MiB"), ("agent", "60 MiB")):
         assert figures[scope]["rss"] > figures[scope]["baseline"] > 0
         assert f"{scope}: " in done.stderr and f"target {target}" in done.stderr
+
+
+K8S_STORE_LOADS = ("raw_1", "add_1", "del_1", "raw_32", "add_32", "del_32", "add_32x3", "del_32x3")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # about 2.5 minutes on 2 cores
+@pytest.mark.skipif(kube_apiserver.binary() is None, reason="KUBE_APISERVER names no binary")
+@pytest.mark.skipif(not os.access(ETCD, os.X_OK), reason=f"no {ETCD}")
+def test_k8s_store_quick_run() -> None:
+    """`ipward bench --k8s-store --quick --json`: both stores under every load, the API
+    writes counted, the fill's objects, memory and relist storm; its servers and
+    directories gone after."""
+    before = set(glob.glob("/tmp/ipward-bench-k8s-store-*"))
+    done = subprocess.run(
+        [*IPWARD, "bench", "--k8s-store", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    f = result["figures"]
+    for side in ("k8s", "etcd"):
+        for load in K8S_STORE_LOADS:
+            key = f"k8s_store.{side}.{load}"
+            assert f[f"{key}.ops"] > 0 and f[f"{key}.per_s"] > 0, key
+            assert 0 < f[f"{key}.p50_ms"] <= f[f"{key}.p99_ms"], key
+            assert f[f"{key}.writes_per_op"] > 0, key
+    # An ADD alone writes its node's object and its block's (docs/design.md 5.15).
+    assert f["k8s_store.k8s.add_1.ledger_writes_per_op"] >= 2
+    assert f["k8s_store.k8s.add_32.vs_raw"] > 0
+    assert f["k8s_store.k8s.add_1.writes_less_idle_per_op"] > 0
+    assert set(result["targets"]) == {
+        "k8s_store.k8s.add_32.vs_raw",
+        "k8s_store.k8s.add_1.writes_less_idle_per_op",
+    }
+    fill = {k.removeprefix("k8s_store.fill."): v for k, v in f.items() if ".fill." in k}
+    assert fill["records"] == 3000 and fill["nodes"] == 100
+    assert fill["objects.node"] == fill["objects.lease"] == 100  # a node's: its own, its lease
+    assert fill["objects.addr"] > 0
+    assert fill["objects"] >= fill["objects.node"] + fill["objects.lease"] + fill["objects.addr"]
+    assert 0 < fill["object_bytes_p50"] <= fill["object_bytes_max"] < 1.5 * 2**20
+    assert fill["agent_hwm_mib"] > 0 and fill["controller_hwm_mib"] > 0
+    assert fill["changed_pods"] > 0
+    assert fill["relist.done"] + fill["relist.errors"] == fill["relist.agents"] == 100
+    assert fill["relist.done"] > 0 and fill["relist.keys"] > 0
+    assert 0 < fill["relist.api_rss_before_mib"] <= fill["relist.api_rss_peak_mib"]
+    assert set(result["tables"]) == {"load", "cost", "fill"}
+    assert "relist storm" in done.stderr and "ADDs/s at 32-way" in done.stderr
+    assert set(glob.glob("/tmp/ipward-bench-k8s-store-*")) == before
 
 
 def _positive(figures: dict[str, float]) -> None:

@@ -35,6 +35,7 @@ from ipward_lab.bench import (
     write_adds,
     write_all,
 )
+from ipward_lab.bench.k8s_store import request_counts, request_outcomes, writes_by_resource
 from ipward_lab.bench.scale import FULL as FULL_SCALE
 from ipward_lab.bench.scale import scale_sizes
 from ipward_lab.report import PNG_MAGIC, Page, save_png
@@ -78,6 +79,7 @@ def test_command_options() -> None:
         "--concurrency",
         "--report",
         "--scale",
+        "--k8s-store",
         "--records",
         "--k8s",
         "--pods",
@@ -99,6 +101,11 @@ def test_command_options() -> None:
         (["--kube", "--pods", "0"], "--pods"),
         (["--scale", "--cluster"], "--cluster"),
         (["--scale", "--no-etcd"], "--no-etcd"),
+        (["--k8s-store", "--scale"], "--scale"),
+        (["--k8s-store", "--cluster"], "--cluster"),
+        (["--k8s-store", "--k8s"], "--k8s"),
+        (["--k8s-store", "--no-etcd"], "--no-etcd"),
+        (["--k8s-store", "--report", "/nonexistent/x"], "--report"),
     ):
         refused = CliRunner().invoke(bench_command, wrong)
         assert refused.exit_code == 2 and named in refused.output, refused.output
@@ -292,3 +299,27 @@ def test_scale_sizes() -> None:
     assert scale_sizes(False, 20_000).stages == (1_000, 1_500, 10_000, 20_000)
     assert scale_sizes(True, 5_000).stages == (1_000, 1_500, 5_000)
     assert scale_sizes(True, 5_000).agents == scale_sizes(True, None).agents
+
+
+def test_api_requests_are_counted_by_what_they_did() -> None:
+    """`--k8s-store` counts the API server's requests from its /metrics (lines of a real
+    kube-apiserver 1.26.1 after 2 creates and 2 updates of ledger objects): every write,
+    of every resource, by outcome; reads apart; watches (counted as each ends) left out."""
+    text = (Path(__file__).parent / "data" / "kube-apiserver-metrics.txt").read_text()
+    put = next(
+        line for line in text.splitlines() if 'verb="PUT"' in line and "ledgershards" in line
+    )
+    text += put.replace('verb="PUT"', 'verb="WATCH"') + "\n"
+    counts = request_counts(text)
+    assert counts["PUT ledgershards 200"] == 2
+    assert counts["POST ledgershards 201"] == 2
+    assert counts["PUT customresourcedefinitions/status 200"] == 2  # a subresource apart
+    assert writes_by_resource(counts)["ledgershards"] == 4
+    assert not any(key.startswith("WATCH") for key in counts)
+    outcomes = request_outcomes(counts)
+    assert outcomes["ledger_writes"] == 4
+    assert outcomes["writes"] > 4  # the API server's own: namespaces, roles, its lease
+    assert outcomes["conflicts"] == 1  # its own create of a namespace that was there
+    samples = [line for line in text.splitlines() if line.startswith("apiserver_request_total{")]
+    served = sum(int(line.rsplit(" ", 1)[1]) for line in samples if 'verb="WATCH"' not in line)
+    assert sum(outcomes.values()) - outcomes["ledger_writes"] == served

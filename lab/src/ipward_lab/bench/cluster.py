@@ -18,9 +18,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from ipward.core.pool import PoolSpec
-from ipward.ipam.pools import create_pool
-from ipward.store import open_store
 from ipward.store.base import Put, Store, at_revision
 from ipward_lab.bench.common import (
     AGENT_READY_TIMEOUT,
@@ -33,7 +30,7 @@ from ipward_lab.bench.common import (
     percentile_ms,
     plural,
     print_table,
-    stop_agent,
+    stop_process,
     verdict,
 )
 from ipward_lab.bench.plugin_exec import (
@@ -43,7 +40,7 @@ from ipward_lab.bench.plugin_exec import (
     ipam_config,
     native_exec,
 )
-from ipward_lab.fleet import Agent, FleetError
+from ipward_lab.fleet import Agent, FleetError, run_cli
 from ipward_lab.servers.etcd import ETCD, etcd_server
 
 CLUSTER_POOL = "benchcluster"
@@ -56,16 +53,7 @@ TARGET_NATIVE_VS_HOST_LOCAL = 1.0  # the native plugin's ADD median over host-lo
 EXEC_RATE_CONCURRENCY = 32  # execs at once for the exec-bound rate of a node
 
 
-def _cluster_pool() -> PoolSpec:
-    return PoolSpec(
-        CLUSTER_POOL,
-        [[{"subnet": CLUSTER_SUBNET}]],
-        cooldown=0,
-        block_prefix={4: CLUSTER_BLOCK_V4},
-    )
-
-
-class _Client:
+class AgentCaller:
     """One client thread of the cluster load: ADD then DEL of a new attachment, again and
     again, through `forward()` to its agent (what the plugin executable does)."""
 
@@ -144,13 +132,17 @@ class _Client:
                 self.allocs += 1
                 self.held.append(container)
 
-    def release_held(self) -> None:
-        """DEL what allocate_only kept (not measured)."""
+    def release_held(self, measured: bool = False) -> None:
+        """DEL what allocate_only kept (`measured`: each DEL's time and success, as
+        `loop` counts them)."""
         while self.held:
-            self.call("DEL", self.held.pop())
+            deleted, del_s = self.call("DEL", self.held.pop())
+            if measured:
+                self.del_s.append(del_s)
+                self.dels += deleted
 
 
-class _CasClient:
+class CasClient:
     """One thread of the reference: get + txn(compare mod_revision, put) on a key of its
     own, through a store client it shares with the other threads of its group."""
 
@@ -178,7 +170,7 @@ class _CasClient:
                 self.count += 1
 
 
-def _parallel(work: Sequence[Callable[[], None]]) -> float:
+def parallel(work: Sequence[Callable[[], None]]) -> float:
     """Run each callable in a thread of its own, all released at once; returns the
     seconds from the release to the end of the last one. Re-raises the first failure."""
     barrier = threading.Barrier(len(work) + 1)
@@ -204,7 +196,7 @@ def _parallel(work: Sequence[Callable[[], None]]) -> float:
     return elapsed
 
 
-def _etcd_counters(client_url: str) -> dict[str, float] | None:
+def etcd_counters(client_url: str) -> dict[str, float] | None:
     """etcd's own counts (from its /metrics): Txn and Range calls served, WAL fsyncs;
     None when they cannot be read (the figures are diagnostics, not the measurement)."""
     counts = {"txn": 0.0, "range": 0.0, "fsync": 0.0}
@@ -233,9 +225,9 @@ class _Counted:
         self.seconds = 0.0
 
     def measure(self, phase: Callable[[], float]) -> float:
-        before = _etcd_counters(self.client_url)
+        before = etcd_counters(self.client_url)
         elapsed = phase()
-        after = _etcd_counters(self.client_url)
+        after = etcd_counters(self.client_url)
         self.seconds += elapsed
         if before is None or after is None or self.sums is None:
             self.sums = None
@@ -319,10 +311,12 @@ def run_cluster(
     ):
         tmp = Path(tmp_name)
         server = stack.enter_context(etcd_server(tmp / "etcd"))
-        procs, stores = _start(stack, tmp, server.url, agents, out)
+        out("  ... etcd up")
+        procs = start_agents(stack, tmp, server.url, agents, out)
+        stores = etcd_clients(stack, server.url, agents)
         threads = agents * concurrency
-        clients = [_Client(i, str(procs[i // concurrency].socket)) for i in range(threads)]
-        cas = [_CasClient(stores[i // concurrency], f"bench/cas/{i}") for i in range(threads)]
+        clients = [AgentCaller(i, str(procs[i // concurrency].socket)) for i in range(threads)]
+        cas = [CasClient(stores[i // concurrency], f"bench/cas/{i}") for i in range(threads)]
         counted = _measure(clients, cas, f"http://{server.endpoint}", rounds, out)
         errors, examples = _load_figures(clients, cas, counted, r)
         _agent_exec(tmp, str(procs[0].socket), exec_runs, rate_seconds, out, r)
@@ -344,14 +338,8 @@ def run_cluster(
     r.notes["elapsed_s"] = f"{elapsed:.1f}"
     r.notes["agents"] = str(agents)
     r.notes["concurrency"] = str(concurrency)
-    return {
-        "machine": info,
-        "figures": r.figures,
-        "targets": r.targets,
-        "errors": errors,
-        "notes": r.notes,
-        "tables": {"cluster": rows, "exec": exec_rows},
-    }
+    r.tables.update(cluster=rows, exec=exec_rows)
+    return r.with_errors(info, errors)
 
 
 CLUSTER_NOTES = [
@@ -368,7 +356,7 @@ def _print_tables(
     exec_rows: list[list[str]],
     errors: dict[str, int],
     examples: dict[str, str],
-    clients: list[_Client],
+    clients: list[AgentCaller],
     f: dict[str, float],
     out: Callable[[str], object],
 ) -> None:
@@ -402,20 +390,30 @@ class _Rounds:
     warm_pairs: int
 
 
-def _start(
+def start_agents(
     stack: contextlib.ExitStack, tmp: Path, url: str, agents: int, out: Callable[[str], object]
-) -> tuple[list[Agent], list[Store]]:
-    """The pool, `agents` agents (fleet.Agent, answering) and a store client per agent
-    for the raw CAS threads, each stopped or closed by `stack`."""
-    from ipward.store.etcd import EtcdStore  # grpc: only when etcd is measured
-
-    admin = open_store(url)  # as ipward makes a store: its schema key first
-    stack.callback(admin.close)
-    spec = _cluster_pool()
-    create_pool(admin, spec)
+) -> list[Agent]:
+    """The pool on the store at `url`, made as a user makes it (`ipward pool create`: on
+    the Kubernetes store an IPPool object, which the controller then keeps the status
+    of), and `agents` agents on it (fleet.Agent, answering; sockets and logs in `tmp`),
+    each stopped by `stack`."""
+    made = run_cli(
+        "pool",
+        "create",
+        CLUSTER_POOL,
+        "--range",
+        CLUSTER_SUBNET,
+        "--cooldown",
+        "0",
+        "--block-v4",
+        str(CLUSTER_BLOCK_V4),
+        store=url,
+    )
+    if made.returncode != 0:
+        raise BenchError(f"ipward pool create {CLUSTER_POOL}: {made.stderr.strip()[-500:]}")
     out(
-        f"  ... etcd up; pool {spec.name} {CLUSTER_SUBNET} (/{CLUSTER_BLOCK_V4} blocks,"
-        f" cooldown 0); starting {plural(agents, 'agent')}"
+        f"  ... pool {CLUSTER_POOL} {CLUSTER_SUBNET} (/{CLUSTER_BLOCK_V4} blocks, cooldown 0);"
+        f" starting {plural(agents, 'agent')}"
     )
     procs: list[Agent] = []
     for i in range(agents):
@@ -427,7 +425,7 @@ def _start(
             metrics=False,
             log_level="info",  # no line per request: the agents are measured
         )
-        stack.callback(stop_agent, agent)  # stopped before etcd (the stack unwinds in reverse)
+        stack.callback(stop_process, agent)  # stopped before the store (the stack unwinds)
         procs.append(agent)
     deadline = time.monotonic() + AGENT_READY_TIMEOUT
     try:
@@ -435,17 +433,24 @@ def _start(
             agent.wait_ready(max(deadline - time.monotonic(), 0.0))
     except FleetError as e:
         raise BenchError(str(e)) from None
+    return procs
+
+
+def etcd_clients(stack: contextlib.ExitStack, url: str, count: int) -> list[Store]:
+    """`count` store clients of the etcd at `url` for raw CAS threads, closed by `stack`."""
+    from ipward.store.etcd import EtcdStore  # grpc: only when etcd is measured
+
     stores: list[Store] = []
-    for _ in range(agents):
+    for _ in range(count):
         store = EtcdStore.from_url(url)
         stack.callback(store.close)
         stores.append(store)
-    return procs, stores
+    return stores
 
 
 def _measure(
-    clients: list[_Client],
-    cas: list[_CasClient],
+    clients: list[AgentCaller],
+    cas: list[CasClient],
     client_url: str,
     rounds: _Rounds,
     out: Callable[[str], object],
@@ -454,8 +459,8 @@ def _measure(
     after, untimed); etcd's counts of each kind of phase."""
     warm = rounds.warm_pairs
     out(f"  ... warm-up: {warm} ADD+DEL pairs and {warm} raw CAS per thread")
-    _parallel([partial(c.loop, warm, None, False) for c in clients])
-    _parallel([partial(c.loop, warm, None, False) for c in cas])
+    parallel([partial(c.loop, warm, None, False) for c in clients])
+    parallel([partial(c.loop, warm, None, False) for c in cas])
     ops, seconds = rounds.ops, rounds.seconds
     size = f"{ops} per thread" if ops else f"{seconds:.1f} s"
     out(
@@ -467,15 +472,15 @@ def _measure(
     cas_load = [partial(c.loop, ops, seconds, True) for c in cas]
     alloc_load = [partial(c.allocate_only, ops, seconds) for c in clients]
     for _ in range(rounds.chunks):
-        counted["cluster"].measure(partial(_parallel, cluster_load))
-        counted["cas"].measure(partial(_parallel, cas_load))
-        counted["alloc"].measure(partial(_parallel, alloc_load))
-        _parallel([c.release_held for c in clients])
+        counted["cluster"].measure(partial(parallel, cluster_load))
+        counted["cas"].measure(partial(parallel, cas_load))
+        counted["alloc"].measure(partial(parallel, alloc_load))
+        parallel([c.release_held for c in clients])
     return counted
 
 
 def _load_figures(
-    clients: list[_Client], cas: list[_CasClient], counted: dict[str, _Counted], r: Results
+    clients: list[AgentCaller], cas: list[CasClient], counted: dict[str, _Counted], r: Results
 ) -> tuple[dict[str, int], dict[str, str]]:
     """The load's figures and target into `r`; the errors by kind and an example of each."""
     adds = sum(c.adds for c in clients)

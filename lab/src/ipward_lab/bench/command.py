@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
@@ -56,10 +57,23 @@ K8S_MIN_PODS = 110  # the agent's scope holds one node's 110 pods
     " DIR/scale.html, DIR/scale.json and the plot.",
 )
 @click.option(
+    "--k8s-store",
+    "k8s_store",
+    is_flag=True,
+    help="Instead: ipward on the Kubernetes store (k8s://) on a kube-apiserver of its own"
+    " (KUBE_APISERVER), next to a temporary etcd: ADDs and DELs through real agents (1"
+    " caller, 32 through one agent, 32 across 3) against each store's raw update rate,"
+    " the API writes each costs with a controller running; then the store filled with"
+    " --records addresses on 30 a node: its objects' sizes, an agent's and the"
+    " controller's memory, every agent relisting at once (~15 min; --quick: 3,000"
+    " addresses, ~3 min).",
+)
+@click.option(
     "--records",
     type=click.IntRange(1000),
     help="--scale: the largest stage (default 150,000; --quick 10,000); the standard"
-    " stages below it come first.",
+    " stages below it come first. --k8s-store: the addresses of the fill (default"
+    " 150,000; --quick 3,000).",
 )
 @click.option(
     "--k8s",
@@ -106,6 +120,7 @@ def bench_command(
     concurrency: int | None,
     duration: float | None,
     scale: bool,
+    k8s_store: bool,
     records: int | None,
     k8s: bool,
     kube: bool,
@@ -122,8 +137,13 @@ def bench_command(
         raise click.UsageError("--agents, --concurrency and --duration go with --cluster")
     if cluster and no_etcd:
         raise click.UsageError("--cluster measures agents on etcd: it does not go with --no-etcd")
-    if records is not None and not scale:
-        raise click.UsageError("--records goes with --scale")
+    if records is not None and not (scale or k8s_store):
+        raise click.UsageError("--records goes with --scale or --k8s-store")
+    if k8s_store and (scale or cluster or k8s or kube or report_dir or no_etcd):
+        raise click.UsageError(
+            "--k8s-store is a run of its own: drop --scale, --cluster, --k8s, --kube,"
+            " --report and --no-etcd"
+        )
     if pods is not None and not (k8s or kube):
         raise click.UsageError("--pods goes with --k8s or --kube")
     if k8s and pods is not None and pods < K8S_MIN_PODS:
@@ -143,7 +163,14 @@ def bench_command(
             "--report runs the cluster part itself (unless --no-etcd): drop --cluster"
         )
     try:
-        if kube:
+        if k8s_store:
+            from ipward_lab.bench.k8s_store import FULL, QUICK, run_k8s_store
+
+            sizes = QUICK if quick else FULL
+            if records is not None:
+                sizes = dataclasses.replace(sizes, records=records)
+            result = run_k8s_store(sizes, out=report)
+        elif kube:
             from ipward_lab.bench.kube import run_kube
 
             result = run_kube(

@@ -14,9 +14,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ipward.core.startpath import PLUGIN_PYTHON
-from ipward_lab.fleet import Agent, FleetError
+from ipward_lab.fleet import FleetError, Process
 from ipward_lab.servers.etcd import ETCD
 
 HOST_LOCAL = "/usr/lib/cni/host-local"
@@ -42,6 +43,18 @@ class Results:
     notes: dict[str, str] = field(default_factory=dict)
     tables: dict[str, list[list[str]]] = field(default_factory=dict)
     series: dict = field(default_factory=dict)
+
+    def with_errors(self, info: dict, errors: dict[str, Any]) -> dict:
+        """A run of agents under load as `--json` prints it: the machine, the figures,
+        targets, notes and tables, and the calls that failed (by kind)."""
+        return {
+            "machine": info,
+            "figures": self.figures,
+            "targets": self.targets,
+            "errors": errors,
+            "notes": self.notes,
+            "tables": self.tables,
+        }
 
 
 def p99(samples: Sequence[float]) -> float:
@@ -176,9 +189,10 @@ def verdict(ok: bool) -> str:
     return "meets" if ok else "MISSES"
 
 
-def stop_agent(agent: Agent) -> None:
-    """SIGTERM (the agent drains and exits), then SIGKILL if it does not."""
+def stop_process(proc: Process) -> None:
+    """SIGTERM (an agent drains, a controller ends its pass, and exits), then SIGKILL
+    if it does not."""
     try:
-        agent.stop(AGENT_STOP_TIMEOUT)
+        proc.stop(AGENT_STOP_TIMEOUT)
     except (subprocess.TimeoutExpired, FleetError):
-        agent.kill()
+        proc.kill()

@@ -59,7 +59,7 @@ from ipward_lab.bench.common import (
     plural,
     print_table,
     settled_memory,
-    stop_agent,
+    stop_process,
     verdict,
 )
 from ipward_lab.bench.plugin_exec import ExecError, exec_kinds, ipam_config
@@ -153,7 +153,7 @@ def probe_agent(cluster: ScaleCluster, tmp: Path, passes: int) -> dict[str, floa
     node = cluster.agent_nodes[0]
     agent = Agent(
         node,
-        cluster.server.url,
+        cluster.url,
         tmp / "sockets" / f"probe-{cluster.records}.sock",
         tmp / "logs",
         extra=(
@@ -185,7 +185,7 @@ def probe_agent(cluster: ScaleCluster, tmp: Path, passes: int) -> dict[str, floa
         if work is not None and work.poll() is None:  # the probe failed: not left running
             work.kill()
             work.wait()
-        stop_agent(agent)
+        stop_process(agent)
         cluster.register([node])  # its lease went with it
     wrong = [p for p in lines if p.get("records") != AGENT_PODS or p.get("freed")]
     if wrong:
@@ -235,7 +235,7 @@ def _start_pass_work(cluster: ScaleCluster, node: str, times: int) -> subprocess
         "import sys; from ipward_lab.bench.scale import pass_work_ms;"
         " print(pass_work_ms(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))"
     )
-    args = [cluster.server.url, node, cluster.runtime_state(node), str(times)]
+    args = [cluster.url, node, cluster.runtime_state(node), str(times)]
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
 
 
@@ -351,8 +351,8 @@ def duties_load(cluster: ScaleCluster, samples: int) -> dict[str, float]:
     at the former ones (both every second)."""
     nodes = [n for n in cluster.nodes if n not in cluster.agent_nodes] or cluster.nodes
     sample = [nodes[i % len(nodes)] for i in range(samples)]
-    assert cluster.server.proc is not None
-    pid = cluster.server.proc.pid
+    assert cluster.etcd.proc is not None
+    pid = cluster.etcd.proc.pid
     store = cluster.store
     leases = [store.lease_grant(REGISTRATION_TTL) for _ in sample]
     try:
@@ -386,7 +386,7 @@ def start_controller(cluster: ScaleCluster, tmp: Path) -> Controller:
     (SIGUSR1; its own interval an hour); returned once its first pass is done."""
     controller = Controller(
         f"scale-{cluster.records}",
-        cluster.server.url,
+        cluster.url,
         tmp / "logs",
         extra=(
             "--interval",
@@ -526,7 +526,7 @@ def churn_figures(
         for node in cluster.agent_nodes:
             agent = Agent(
                 node,
-                cluster.server.url,
+                cluster.url,
                 tmp / "sockets" / f"churn-{node}-{cluster.records}.sock",
                 tmp / "logs",
                 extra=(
@@ -538,7 +538,7 @@ def churn_figures(
                 log_level="info",  # no line per request: the agents are measured
             )
             stack.callback(cluster.register, [node])  # its lease goes when it stops
-            stack.callback(stop_agent, agent)
+            stack.callback(stop_process, agent)
             agents.append(agent)
         try:
             for agent in agents:
@@ -768,7 +768,7 @@ def run_scale(
         tmp = Path(tmp_name)
         store = open_store(server.url)  # as ipward makes a store: its schema key first
         try:
-            cluster = ScaleCluster(server, store, tmp, sizes.agents)
+            cluster = ScaleCluster(server.url, store, tmp, sizes.agents, server)
             for records in sizes.stages:
                 stage_began = time.perf_counter()
                 failed: dict[str, str] = {}

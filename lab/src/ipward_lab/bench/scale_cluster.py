@@ -1,7 +1,8 @@
-"""The cluster `ipward bench --scale` measures: one pool on one etcd, nodes registered
-as their agents register them, blocks and allocations as ledgers and the controller
-leave them (`PoolFill`), grown stage by stage, and the simulated cluster's published
-state (`sim://`) that the controller and the agents read."""
+"""The cluster `ipward bench --scale` measures: one pool on one store (etcd; the
+Kubernetes store for `--k8s-store`), nodes registered as their agents register them,
+blocks and allocations as ledgers and the controller leave them (`PoolFill`), grown
+stage by stage, and the simulated cluster's published state (`sim://`) that the
+controller and the agents read."""
 
 from __future__ import annotations
 
@@ -49,15 +50,18 @@ def node_count(records: int, agents: int) -> int:
 
 
 class ScaleCluster:
-    """One pool on one etcd, grown stage by stage (`grow`). The first `agents` nodes
-    hold AGENT_PODS records each (real agents run there); the others NODE_PODS or so.
-    Record i is pod `scale/pod-<i>` (UID `uid-<i>`), sandbox `sandbox-<i>` until
-    `change` gives it a new one. `cluster_state` is what the controller reads (every
-    pod and node: a cluster's API; no runtime, which a controller cannot reach), and
-    `runtime_state(node)` what an agent's runtime lists (its node's sandboxes)."""
+    """One pool on the store at `url` (`store` open on it; `etcd` the etcd that keeps
+    it: the store's own, or the API server's), grown stage by stage (`grow`). The first
+    `agents` nodes hold AGENT_PODS records each (real agents run there); the others
+    NODE_PODS or so. Record i is pod `scale/pod-<i>` (UID `uid-<i>`), sandbox
+    `sandbox-<i>` until `change` gives it a new one. `cluster_state` is what the
+    controller reads (every pod and node: a cluster's API; no runtime, which a
+    controller cannot reach), and `runtime_state(node)` what an agent's runtime lists
+    (its node's sandboxes)."""
 
-    def __init__(self, server: EtcdServer, store: Store, tmp: Path, agents: int) -> None:
-        self.server = server
+    def __init__(self, url: str, store: Store, tmp: Path, agents: int, etcd: EtcdServer) -> None:
+        self.url = url
+        self.etcd = etcd
         self.store = store
         self.tmp = tmp
         self.agents = agents
@@ -200,7 +204,7 @@ class ScaleCluster:
 
     def db_size(self) -> dict[str, float]:
         """etcd's own database size (`etcdctl endpoint status`), in bytes, and in use."""
-        status = json.loads(self.server.etcdctl("endpoint", "status", "-w", "json"))[0]["Status"]
+        status = json.loads(self.etcd.etcdctl("endpoint", "status", "-w", "json"))[0]["Status"]
         size = float(status["dbSize"])
         return {"db_bytes": size, "db_in_use_bytes": float(status.get("dbSizeInUse", size))}
 

@@ -24,7 +24,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from ipward_lab.servers.etcd import etcd_server, first_start, free_port, wait_serving
+from ipward_lab.servers.etcd import (
+    EtcdServer,
+    etcd_server,
+    first_start,
+    free_port,
+    wait_serving,
+)
 from ipward_lab.servers.pki import ClientPki, client_pki, openssl, token_kubeconfig
 
 READY_TIMEOUT = 90.0
@@ -44,9 +50,10 @@ def binary() -> str | None:
 
 
 class KubeLab:
-    """A running kube-apiserver: its URL, CA, tokens and a kubeconfig (admin token)."""
+    """A running kube-apiserver: its URL, CA, tokens, a kubeconfig (admin token) and its
+    etcd."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, etcd: EtcdServer) -> None:
         self.root = root
         self.port = 0  # chosen at the first start (`listen_on`)
         self.url = ""
@@ -57,6 +64,7 @@ class KubeLab:
         self.args: list[str] = []  # its command line, once set up
         self.proc: subprocess.Popen[bytes] | None = None
         self.client_pki: ClientPki | None = None  # client certificates it accepts
+        self.etcd = etcd
 
     def listen_on(self, port: int) -> None:
         self.port = port
@@ -91,15 +99,21 @@ class KubeLab:
             return "(no log)"
 
     def ready(self) -> bool:
-        request = urllib.request.Request(
-            f"{self.url}/readyz", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        )
         try:
-            context = ssl.create_default_context(cafile=str(self.ca_file))
-            with urllib.request.urlopen(request, timeout=2, context=context) as answer:
-                return bool(answer.status == 200)
+            self.fetch("/readyz", timeout=2)
+            return True
         except (OSError, ValueError, urllib.error.URLError):
             return False  # not listening yet, or the certificate not written yet
+
+    def fetch(self, path: str, timeout: float = 10.0) -> bytes:
+        """The body of a GET of `path` as the admin (`/readyz`, `/metrics`): text, which
+        the product's client (JSON only) does not read."""
+        request = urllib.request.Request(
+            f"{self.url}{path}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as answer:
+            return bytes(answer.read())
 
     def write_kubeconfig(self) -> None:
         token_kubeconfig(self.kubeconfig, self.url, self.ca_file, ADMIN_TOKEN, "admin")
@@ -109,9 +123,9 @@ class KubeLab:
 def kube_apiserver(executable: str, tmp_dir: Path | None = None) -> Iterator[KubeLab]:
     """Start etcd and the kube-apiserver `executable`; yield when it is ready."""
     root = Path(tempfile.mkdtemp(prefix="kubelab-", dir=tmp_dir))
-    lab = KubeLab(root)
     try:
         with etcd_server(root / "etcd") as etcd:
+            lab = KubeLab(root, etcd)
             (root / "certs").mkdir()
             openssl("genrsa", "-out", str(root / "sa.key"), "2048")
             openssl("rsa", "-in", str(root / "sa.key"), "-pubout", "-out", str(root / "sa.pub"))
