@@ -9,9 +9,12 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from ipward.core import keys
 from ipward.store.base import Delete, at_revision
 from ipward_lab.fleet import IPWARD
+from ipward_lab.servers import kube_apiserver
 from ipward_lab.soak import FAULTS, NS, POOL, Options, Soak
 from ipward_lab.soak.result import fault_unavailable
 from ipward_lab.waiting import wait_for
@@ -59,6 +62,21 @@ def test_soak_sqlite_every_fault(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     counts = fault_counts(run.stdout)
     assert set(counts) == possible("sqlite") and "kill-etcd" not in counts, counts
+
+
+@pytest.mark.slow
+@pytest.mark.kstore
+def test_soak_kubernetes_store_every_fault(tmp_path: Path) -> None:
+    """The CI soak's run on the Kubernetes store (its own kube-apiserver), with its API
+    server's faults among the rest: killed, a 409 storm, a compaction that watches meet
+    as 410 (a violation unless a follower reads the ledger whole on one)."""
+    if kube_apiserver.binary() is None:
+        pytest.skip("KUBE_APISERVER does not name a kube-apiserver binary")
+    run = soak(tmp_path, "--store", "k8s", *CI_RUN)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    counts = fault_counts(run.stdout)
+    assert set(counts) == possible("k8s") and min(counts.values()) >= 1, counts
+    assert {"store-api-kill", "store-conflicts", "store-relist"} <= set(counts)
 
 
 def test_bad_fault_name_is_named(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """`ipward sim`: the chaos soak. The whole system under churn and faults, checked all
 along, in numbers and pictures.
 
-What runs, all real: a store (SQLite by default; one etcd; or a three-member etcd on
-loopback), one `ipward agent` per simulated node and two `ipward controller`s (leader
-election), the installed plugin executable, and the simulated cluster
+What runs, all real: a store (SQLite by default; one etcd; a three-member etcd on
+loopback; or the Kubernetes store on a kube-apiserver of its own), one `ipward agent`
+per simulated node and two `ipward controller`s (leader election), the installed plugin
+executable, and the simulated cluster
 (`ipward_lab.simcluster`) as the runtime and orchestrator both: Deployments scaling and
 rolling, StatefulSets scaled down and up fast (sticky addresses), Jobs completing, pods
 deleted and restarted, at `--rate` actions per second, for `--duration` seconds.
@@ -21,7 +22,9 @@ drop a pod's DELs, delay a pod's DELs past the GC grace; with an API server: `ap
 (410 on every watch: relist), `api-cut` (every watch stream cut), `api-down` (down 4 s,
 then back: relist; the real kube-apiserver is stopped and started again), `api-stall` (no
 events, no bookmarks, until a controller's garbage collection finds its source stale,
-a violation if none does within 60 s). `--faults all` is every kind the run can make; a
+a violation if none does within 60 s); on the Kubernetes store, its API server's
+(`kube_store`): `store-api-kill`, `store-conflicts` (409s), `store-relist` (410s).
+`--faults all` is every kind the run can make; a
 kind named that it cannot make is refused.
 
 Checked all along, every 0.1 s: no address is held by two ready pods; no ready pod's
@@ -34,7 +37,8 @@ version of its record, with revisions).
 
 Parts: `driver` (`Soak`: the run), `checker` (what is checked, all along and at the
 end), `view` (live view, summary, HTML report), `result` (options, faults, violations),
-`command` (`ipward sim`); and `world`, the soak's processes and checker around the
+`command` (`ipward sim`), `kube_store` (the Kubernetes store's API server and its
+faults); and `world`, the soak's processes and checker around the
 simulated cluster for the scenario tests (`World`, `agents`).
 """
 

@@ -37,7 +37,7 @@ class Checker:
         was read; no two ready pods may share an address."""
         before = self._ready()
         try:
-            kvs, _ = self.store.range(keys.ips_prefix(self.pool))
+            kvs, revision = self.store.range(keys.ips_prefix(self.pool))
         except StoreError:
             return []  # the store is down (a fault): nothing to compare against
         after = self._ready()
@@ -56,11 +56,27 @@ class Checker:
                 owner = "nothing" if record is None else f"sandbox {record.get('container')!r}"
                 found.append(
                     Violation(
-                        now, "live-loss", ip, f"{name} ({sandbox[:12]}) ready, record of {owner}"
+                        now,
+                        "live-loss",
+                        ip,
+                        f"{name} ({sandbox[:12]}) ready, record of {owner} in the read at"
+                        f" revision {revision}; {self._again(ip)}",
                     )
                 )
         self.result.checks += 1
         return found
+
+    def _again(self, ip: str) -> str:
+        """What the store holds of the address now, read alone (a stale read of many
+        keys and a lost record look alike until then)."""
+        try:
+            kv = self.store.get(keys.ip_key(self.pool, ip))
+        except StoreError as e:
+            return f"read again: {e}"
+        if kv is None:
+            return "read again: no record"
+        holder = rec.decode(kv.value).get("container")
+        return f"read again: the record of {holder!r} at revision {kv.mod_revision}"
 
     def _ready(self) -> dict[str, dict[str, str]]:
         """address -> {sandbox: pod name} of the pods ready now."""

@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 
 from ipward_lab.soak.driver import Soak, SoakError
-from ipward_lab.soak.result import APIS, BACKENDS, FAULTS, Options, fault_unavailable
+from ipward_lab.soak.result import APIS, BACKENDS, FAULTS, K8S_GRACE, Options, fault_unavailable
 from ipward_lab.soak.view import summary, write_report
 
 
@@ -83,7 +83,8 @@ def _faults(text: str, backend: str, api: str) -> tuple[str, ...]:
     type=click.Choice(BACKENDS),
     default="sqlite",
     show_default=True,
-    help="A fresh store: SQLite, one etcd, or a three-member etcd on loopback.",
+    help="A fresh store: SQLite, one etcd, a three-member etcd on loopback, or the"
+    " Kubernetes store (k8s://) on a kube-apiserver of its own (KUBE_APISERVER).",
 )
 @click.option(
     "--api",
@@ -124,6 +125,7 @@ def sim_command(
         faults=_faults(faults_text, backend, api),
         backend=backend,
         api=api,
+        **({"grace": K8S_GRACE} if backend == "k8s" else {}),
     )
     console = Console(stderr=True)
     with _workdir(workdir, keep=False) as where:

@@ -34,6 +34,7 @@ from ipward_lab.servers.kube_admin import KubeAdmin
 from ipward_lab.servers.kube_test_server import KubeApiServer, kube_api_server
 from ipward_lab.simcluster import SimCluster
 from ipward_lab.soak.checker import Checker
+from ipward_lab.soak.kube_store import KILLED_FOR, RELIST_WAIT, KubeStoreSide
 from ipward_lab.soak.result import (
     GC_REASONS,
     NETWORK,
@@ -42,6 +43,7 @@ from ipward_lab.soak.result import (
     Options,
     Result,
     Sample,
+    SoakError,
     Violation,
     fault_unavailable,
 )
@@ -54,10 +56,7 @@ K8S_OPTIONS = {"test": "&stale=4&margin=1", "real": ""}
 API_DOWN = 4.0  # seconds an api-down lasts
 STALL_NOTICED = 60.0  # longest api-stall before the controllers must have said it is stale
 GC_BLIND = "garbage collection: no liveness source answered; nothing judged"
-
-
-class SoakError(Exception):
-    """The run cannot be set up as asked (a missing binary)."""
+WHOLE_AGAIN = (": reading it whole again", ": reading the store whole")  # followers' logs
 
 
 class Soak:
@@ -87,6 +86,7 @@ class Soak:
         self.kube_lab: kube_apiserver.KubeLab | None = None  # --api real
         self.k8s_url = ""  # what agents (--cluster) and controllers (--liveness) read
         self.kube_admin: KubeAdmin | None = None  # the simulated cluster publishes with it
+        self.kube_store: KubeStoreSide | None = None  # --store k8s: the store's API server
         self._stall_looked = 0.0  # when the controllers' logs were last read for api-stall
 
     @property
@@ -141,6 +141,9 @@ class Soak:
     def _start_store(self) -> str:
         if self.o.backend == "sqlite":
             return f"sqlite://{self.workdir}/ipward.db"
+        if self.o.backend == "k8s":
+            self.kube_store = KubeStoreSide(self.workdir, self._exits)
+            return self.kube_store.url
         if self.o.backend == "etcd":
             server = EtcdServer(self.workdir / "etcd")
             first_start(server, server.choose_ports)
@@ -332,6 +335,8 @@ class Soak:
             return f"runtime of {node} stalls 5s"
         if kind.startswith("api-"):
             return self._inject_api(kind, now)
+        if kind.startswith("store-"):
+            return self._inject_store(kind, now)
         pod = self._random_pod()
         if pod is None:
             return "no pod to fault"
@@ -366,6 +371,61 @@ class Soak:
         self.kube_server.stall()
         self._restarts.append((now, "unstall", (time.time(), now + STALL_NOTICED)))
         return "watches stalled (no events, no bookmarks) until GC finds the cluster stale"
+
+    def _inject_store(self, kind: str, now: float) -> str:
+        """The Kubernetes store's API server's faults (`kube_store`)."""
+        side = self.kube_store
+        assert side is not None
+        if kind == "store-conflicts":
+            side.storm()
+            return "another writer updates every ledger object for 5s (409s)"
+        if kind == "store-relist":
+            side.compact()
+            # Compacted again every 2 s until a follower has met a 410: a watch broken
+            # meanwhile (another fault) is read whole for that instead, and its next one
+            # starts past the compaction.
+            self._restarts.append((now + 2.0, "relist", (time.time(), now + RELIST_WAIT)))
+            return "store's etcd compacted: watches resuming behind it get 410"
+        side.kill()
+        self._restarts.append((now + KILLED_FOR, "store-api", None))
+        return f"store's API server SIGKILLed for {KILLED_FOR:g}s"
+
+    def relisted(self, since: float) -> int:
+        """How many times a follower (an agent's node index, a controller's view) read
+        the ledger whole again because its watch's history was gone, since `since`."""
+        return sum(
+            1
+            for p in [*self.agents.values(), *self.controllers, *self.dead]
+            for entry in p.logs()
+            if str(entry.get("msg", "")).endswith(WHOLE_AGAIN)
+            and entry.get("reason") == "compacted"
+            and entry.get("ts", 0) >= since
+        )
+
+    def _relist_check(self, since: float, deadline: float, final: bool) -> None:
+        """A store-relist's follow-up: done once a follower read the ledger whole on a
+        410 since `since`; else compacted again in 2 s, until `deadline` (a violation)."""
+        assert self.kube_store is not None
+        while not self.relisted(since) and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # the store's API server may be down
+                self.kube_store.compact()
+            if not final:
+                self._restarts.append((time.monotonic() + 2.0, "relist", (since, deadline)))
+                return
+            time.sleep(2.0)  # the run's end: waited for here
+        if self.relisted(since):
+            return
+        self.checker.record(
+            [
+                Violation(
+                    time.time(),
+                    "fault-missed",
+                    "-",
+                    f"store's etcd compacted for {RELIST_WAIT:g}s; no follower read the"
+                    " ledger whole on a 410",
+                )
+            ]
+        )
 
     def _stale_noticed(self, since: float) -> bool:
         """Whether a controller's garbage collection found its k8s:// source stale (and
@@ -407,6 +467,11 @@ class Soak:
                 else:
                     assert self.kube_server is not None
                     self.kube_server.come_back()
+            elif what == "store-api":
+                assert self.kube_store is not None
+                self.kube_store.start()
+            elif what == "relist":
+                self._relist_check(arg[0], arg[1], final)
             elif what == "agent":
                 self._start_agent(arg).wait_ready()
             elif what == "controller":

@@ -1,0 +1,104 @@
+"""The soak's `--store k8s`: ipward's ledger on the Kubernetes store, on a real
+kube-apiserver of its own (KUBE_APISERVER; not the one the cluster may be published to),
+and the faults of that API server:
+
+  store-api-kill   SIGKILL, started again 3 s later (writes in flight may or may not
+                   have been applied; watches break; everyone retries)
+  store-conflicts  for 5 s, another writer bumps an annotation on every ledger object
+                   as fast as it can: ipward's compare-and-swap updates meet 409s
+  store-relist     an object no ledger watch sees written (every watch is then behind
+                   the newest revision), its etcd compacted to that revision: each watch
+                   resuming (the server ends each every 10 s) at a revision the server
+                   no longer has is answered 410, and its follower reads the ledger
+                   whole again (compacted again every 2 s until one has, for at most
+                   60 s; else a violation)
+
+The API server serves watches from etcd (`--watch-cache=false`, as for a resource it
+does not cache), so that a compaction is what a resuming watch meets; with its cache,
+the window of events it keeps decides instead, which a run cannot time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from pathlib import Path
+
+from ipward.kubeapi.client import ApiClient, ApiError, ApiUnreachable
+from ipward.kubeapi.config import from_kubeconfig
+from ipward.store.kube import DEFAULT_NAMESPACE
+from ipward.store.kube.objects import GROUP, PLURAL, VERSION
+from ipward_lab.servers import kube_apiserver, kube_store
+from ipward_lab.servers.etcd import run_etcdctl
+from ipward_lab.soak.result import SoakError
+
+KILLED_FOR = 3.0  # seconds the store's API server stays down after store-api-kill
+STORM = 5.0  # seconds of store-conflicts
+RELIST_WAIT = 60.0  # seconds a store-relist has to be met by a watch's 410
+LEDGER = f"/apis/{GROUP}/{VERSION}/namespaces/{DEFAULT_NAMESPACE}/{PLURAL}"
+
+
+class KubeStoreSide:
+    """The store's API server, started on entering `exits`; its URL in `url`."""
+
+    def __init__(self, workdir: Path, exits: contextlib.ExitStack) -> None:
+        executable = kube_apiserver.binary()
+        if executable is None:
+            raise SoakError("--store k8s needs KUBE_APISERVER naming a kube-apiserver binary")
+        where = workdir / "store-api"
+        where.mkdir(exist_ok=True)
+        self.lab = exits.enter_context(kube_apiserver.kube_apiserver(executable, where))
+        self.lab.stop()  # again, watches from etcd
+        self.lab.args.append("--watch-cache=false")
+        self.lab.start()
+        self.lab.wait_ready()
+        kube_store.install(self.lab.kubeconfig, DEFAULT_NAMESPACE)
+        self.url = kube_store.store_url(self.lab.kubeconfig, DEFAULT_NAMESPACE)
+        etcd = next(a for a in self.lab.args if a.startswith("--etcd-servers="))
+        self.etcd = etcd.partition("=")[2].removeprefix("http://")
+        self.client = ApiClient(from_kubeconfig(str(self.lab.kubeconfig)), timeout=5.0)
+        exits.callback(self.client.close)
+        self.conflicts_made = 0  # the storm's updates that went through
+
+    def kill(self) -> None:
+        assert self.lab.proc is not None
+        self.lab.proc.kill()
+        self.lab.proc.wait()
+
+    def start(self) -> None:
+        """Started again, not waited for: everyone retries until it answers."""
+        self.lab.start()
+
+    def compact(self) -> None:
+        """An object outside the ledger written, then its etcd compacted to the current
+        revision: what every ledger watch would resume from is gone."""
+        path = f"/api/v1/namespaces/{DEFAULT_NAMESPACE}/configmaps"
+        marker = {"metadata": {"name": "soak-relist"}, "data": {"at": str(time.time())}}
+        try:
+            self.client.request("PUT", f"{path}/soak-relist", body=marker)
+        except ApiError as e:
+            if e.status != 404:
+                raise
+            self.client.request("POST", path, body=marker)
+        status = json.loads(run_etcdctl([self.etcd], "endpoint", "status", "-w", "json"))
+        revision = status[0]["Status"]["header"]["revision"]
+        run_etcdctl([self.etcd], "compact", str(revision))
+
+    def storm(self) -> None:
+        """STORM seconds of another writer's updates to every ledger object, in a thread."""
+        threading.Thread(target=self._storm, name="store-conflicts", daemon=True).start()
+
+    def _storm(self) -> None:
+        deadline = time.monotonic() + STORM
+        n = 0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ApiError, ApiUnreachable):
+                for obj in self.client.request("GET", LEDGER)["items"]:
+                    n += 1
+                    meta = obj["metadata"]
+                    meta.setdefault("annotations", {})["soak.ipward.io/storm"] = str(n)
+                    with contextlib.suppress(ApiError):  # 409: ipward wrote it first
+                        self.client.request("PUT", f"{LEDGER}/{meta['name']}", body=obj)
+                        self.conflicts_made += 1
