@@ -6,9 +6,11 @@ actions and the faults at their seeded times, for the run's duration; then the e
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import re
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -34,7 +36,7 @@ from ipward_lab.servers.kube_admin import KubeAdmin
 from ipward_lab.servers.kube_test_server import KubeApiServer, kube_api_server
 from ipward_lab.simcluster import SimCluster
 from ipward_lab.soak.checker import Checker
-from ipward_lab.soak.kube_store import KILLED_FOR, RELIST_WAIT, KubeStoreSide
+from ipward_lab.soak.kube_store import KILLED_FOR, PAUSED, RELIST_WAIT, KubeStoreSide
 from ipward_lab.soak.result import (
     GC_REASONS,
     NETWORK,
@@ -380,12 +382,17 @@ class Soak:
             side.storm()
             return "another writer updates every ledger object for 5s (409s)"
         if kind == "store-relist":
-            side.compact()
-            # Compacted again every 2 s until a follower has met a 410: a watch broken
-            # meanwhile (another fault) is read whole for that instead, and its next one
-            # starts past the compaction.
-            self._restarts.append((now + 2.0, "relist", (time.time(), now + RELIST_WAIT)))
-            return "store's etcd compacted: watches resuming behind it get 410"
+            # An agent paused past its watch's end (SIGSTOP): the server ends the watch
+            # meanwhile, the ledger is compacted past where it was, and resumed
+            # (SIGCONT) it resumes the watch there and is answered 410.
+            node = self.rng.choice(sorted(self.agents))
+            agent = self.agents[node]
+            os.kill(agent.pid, signal.SIGSTOP)
+            since = time.time()
+            with contextlib.suppress(Exception):  # the store's API server may be down
+                side.compact()
+            self._restarts.append((now + PAUSED, "resume", (agent, since)))
+            return f"agent of {node} paused {PAUSED:g}s, the store compacted meanwhile (410)"
         side.kill()
         self._restarts.append((now + KILLED_FOR, "store-api", None))
         return f"store's API server SIGKILLed for {KILLED_FOR:g}s"
@@ -404,15 +411,12 @@ class Soak:
 
     def _relist_check(self, since: float, deadline: float, final: bool) -> None:
         """A store-relist's follow-up: done once a follower read the ledger whole on a
-        410 since `since`; else compacted again in 2 s, until `deadline` (a violation)."""
-        assert self.kube_store is not None
+        410 since `since`; looked at again in 1 s until `deadline` (then a violation)."""
         while not self.relisted(since) and time.monotonic() < deadline:
-            with contextlib.suppress(Exception):  # the store's API server may be down
-                self.kube_store.compact()
             if not final:
-                self._restarts.append((time.monotonic() + 2.0, "relist", (since, deadline)))
+                self._restarts.append((time.monotonic() + 1.0, "relist", (since, deadline)))
                 return
-            time.sleep(2.0)  # the run's end: waited for here
+            time.sleep(1.0)  # the run's end: waited for here
         if self.relisted(since):
             return
         self.checker.record(
@@ -421,8 +425,8 @@ class Soak:
                     time.time(),
                     "fault-missed",
                     "-",
-                    f"store's etcd compacted for {RELIST_WAIT:g}s; no follower read the"
-                    " ledger whole on a 410",
+                    f"an agent paused past its watch's end, the store compacted; no"
+                    f" follower read the ledger whole on a 410 within {RELIST_WAIT:g}s",
                 )
             ]
         )
@@ -470,6 +474,11 @@ class Soak:
             elif what == "store-api":
                 assert self.kube_store is not None
                 self.kube_store.start()
+            elif what == "resume":
+                agent, since = arg
+                with contextlib.suppress(ProcessLookupError):  # killed meanwhile
+                    os.kill(agent.pid, signal.SIGCONT)
+                self._relist_check(since, time.monotonic() + RELIST_WAIT, final)
             elif what == "relist":
                 self._relist_check(arg[0], arg[1], final)
             elif what == "agent":

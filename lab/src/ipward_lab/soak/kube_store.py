@@ -6,16 +6,19 @@ and the faults of that API server:
                    have been applied; watches break; everyone retries)
   store-conflicts  for 5 s, another writer bumps an annotation on every ledger object
                    as fast as it can: ipward's compare-and-swap updates meet 409s
-  store-relist     an object no ledger watch sees written (every watch is then behind
-                   the newest revision), its etcd compacted to that revision: each watch
-                   resuming (the server ends each every 10 s) at a revision the server
-                   no longer has is answered 410, and its follower reads the ledger
-                   whole again (compacted again every 2 s until one has, for at most
-                   60 s; else a violation)
+  store-relist     an agent paused (SIGSTOP) for 12 s, past the end the server gives
+                   its watches (10 s); meanwhile an object no ledger watch sees written
+                   and the etcd compacted to that revision. Resumed, the agent resumes
+                   its watch where it was, a revision the server no longer has, is
+                   answered 410, and its follower reads the ledger whole again (a
+                   violation unless one does within 20 s)
 
 The API server serves watches from etcd (`--watch-cache=false`, as for a resource it
 does not cache), so that a compaction is what a resuming watch meets; with its cache,
-the window of events it keeps decides instead, which a run cannot time.
+the window of events it keeps decides instead, which a run cannot time. A watch that
+keeps hearing its own objects' changes moves past any compaction: only a client that
+heard nothing for a while (paused, as by a long GC pause or a frozen VM) resumes behind
+it, which is what the fault makes.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from ipward_lab.soak.result import SoakError
 
 KILLED_FOR = 3.0  # seconds the store's API server stays down after store-api-kill
 STORM = 5.0  # seconds of store-conflicts
-RELIST_WAIT = 60.0  # seconds a store-relist has to be met by a watch's 410
+PAUSED = 12.0  # seconds store-relist pauses an agent: past its watch's end (10 s)
+RELIST_WAIT = 20.0  # seconds from its resumption for a follower to meet the 410
 LEDGER = f"/apis/{GROUP}/{VERSION}/namespaces/{DEFAULT_NAMESPACE}/{PLURAL}"
 
 
