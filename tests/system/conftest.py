@@ -221,7 +221,10 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     them. The machine's state before `up` is in `.machine_before`, the times taken in
     `.info` (`up_seconds`, `deploy_seconds`). Skipped when the Kubernetes binaries are
     not found (the reason says where to get them). `IPWARD_KUBE_STATE=DIR`: the cluster
-    up in DIR already (deployed with KUBE_TUNING), kept after: for working on a test."""
+    up in DIR already (deployed with KUBE_TUNING), kept after: for working on a test.
+    `IPWARD_KUBE_NEW_STATE=DIR`: the cluster made in DIR (else a temporary dir), so that
+    whoever ran the tests can remove what a killed run left (`.ci/run`: `ipward cluster
+    down --state DIR`)."""
     from ipward_lab.kubecluster.cluster import Cluster
     from ipward_lab.kubecluster.prerequisites import unavailable_reason
     from ipward_lab.kubecluster.teardown import machine_snapshot
@@ -241,7 +244,8 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             yield Cluster.load(Path(given))
             return
         before = machine_snapshot()
-        lab = Cluster(tmp_path_factory.mktemp("cluster"))
+        new_state = os.environ.get("IPWARD_KUBE_NEW_STATE")
+        lab = Cluster(Path(new_state) if new_state else tmp_path_factory.mktemp("cluster"))
         lab.machine_before = before  # type: ignore[attr-defined]
         say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
         try:

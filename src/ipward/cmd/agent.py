@@ -134,10 +134,13 @@ def _stop(
     drain_seconds: float,
     signals: Signals,
 ) -> int:
-    """Refuse new connections, stop the background work, drain; how many calls were
+    """Hand the socket over, stop the background work, drain; how many calls were
     abandoned."""
-    log.info("agent stopping: new connections refused, draining", signal_count=signals.count)
-    agent.begin_stop()
+    log.info("agent stopping: handing the socket over", signal_count=signals.count)
+    taken = agent.begin_stop()
+    log.info(
+        "socket taken over by the agent standing by" if taken else "socket removed; draining"
+    )
     if reconciler is not None:
         reconciler.stop()
     duties.stop()

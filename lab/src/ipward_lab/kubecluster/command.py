@@ -67,6 +67,17 @@ def up_command(nodes: int, state: Path) -> None:
     click.echo(f"kubeconfig: {lab.kubeconfig}")
 
 
+@cluster_command.command("check")
+def check_command() -> None:
+    """Say whether a cluster can be made on this machine: exit 2 naming what is missing
+    (the Kubernetes binaries, kubectl, a tool, root, cgroups), else 0. CI runs it before
+    the `kube` tests, which would skip."""
+    reason = unavailable_reason()
+    if reason:
+        _fail(ClusterError(reason), EXIT_CANNOT_RUN)
+    click.echo("a cluster can be made here")
+
+
 @cluster_command.command("deploy")
 @state_option
 def deploy_command(state: Path) -> None:
