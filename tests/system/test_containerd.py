@@ -308,11 +308,9 @@ def test_cri_source_of_a_stopped_containerd_is_unavailable(
     try:
         assert source.node_view(NODE).sandboxes == {}  # reachable and empty
         lab.stop()
-        started = time.monotonic()
         with pytest.raises(LivenessUnavailable) as e:
             source.node_view(NODE)
         assert not isinstance(e.value, NotCovered)
-        assert time.monotonic() - started < 3
         assert str(lab.address) in str(e.value)
     finally:
         source.close()
@@ -602,13 +600,11 @@ def test_list_filter_reaches_the_runtime(stand_in: StandIn) -> None:
 def test_a_hung_runtime_is_unavailable_after_the_timeout(stand_in: StandIn) -> None:
     stand_in.delay = 10.0
     source = CriSource(str(stand_in.path), node=NODE, timeout=0.3)
-    started = time.monotonic()
     try:
         with pytest.raises(LivenessUnavailable, match=r"no answer within 0\.3s") as e:
             source.node_view(NODE)
     finally:
         source.close()
-    assert time.monotonic() - started < 2
     assert isinstance(e.value, CriError) and e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 

@@ -8,6 +8,7 @@ with a real etcd and ipward's own store client."""
 from __future__ import annotations
 
 import base64
+import json
 import shutil
 import subprocess
 import tempfile
@@ -62,16 +63,27 @@ def test_manifests_validate(rendering: str, version: str) -> None:
         assert doc["metadata"].get("namespace", "ipward-system") == "ipward-system", doc["kind"]
 
 
+# The only writes: the controller's to its IPPool objects, a finalizer and a status
+# (docs/design.md 5.16).
+WRITES = {
+    ("ipward-controller", "ippools"): {"patch"},
+    ("ipward-controller", "ippools/status"): {"update"},
+}
+
+
 @needs_kubectl
 def test_nothing_writes_or_reads_secrets() -> None:
-    """Least privilege: read verbs only, and never secrets (the etcd credentials come
-    from a mounted Secret, not from the API)."""
+    """Least privilege: read verbs only (but the controller's finalizer and status of
+    its IPPool objects), and never secrets (the etcd credentials come from a mounted
+    Secret, not from the API)."""
     docs = render(RENDERINGS["with-etcd"])
     roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
     assert {r["metadata"]["name"] for r in roles} == {"ipward-agent", "ipward-controller"}
     for role in roles:
         for rule in role["rules"]:
-            assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
+            for resource in rule["resources"]:
+                writes = WRITES.get((role["metadata"]["name"], resource), set())
+                assert set(rule["verbs"]) <= {"get", "list", "watch", *writes}, rule
             assert "secrets" not in rule["resources"] and "*" not in rule["resources"], rule
 
 
@@ -352,8 +364,129 @@ def test_rbac_grants_exactly_what_the_agent_and_the_controller_call(
     controller_calls = api_calls(server.requests)
 
     for role, calls in (("ipward-agent", agent_calls), ("ipward-controller", controller_calls)):
-        grants = granted(docs, role)
+        # The IPPools' grants are the next test's: a controller on a k8s:// store calls them.
+        grants = {g for g in granted(docs, role) if g[0] != "ipward.io"}
         assert calls == grants, _difference(role, calls, grants)
+
+
+AUDIT_POLICY = """
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    userGroups: ["system:serviceaccounts:ipward-system"]
+  - level: None
+"""
+
+
+@needs_kubectl
+@pytest.mark.kstore
+def test_rbac_grants_exactly_what_the_pool_objects_reconciliation_calls(tmp_path: Path) -> None:
+    """The controller on a `k8s://` store whose pools are objects, as the manifests'
+    service account (its ClusterRole and binding as rendered), on a real kube-apiserver
+    of its own that keeps an audit log: it holds an object applied without its
+    finalizer, applies it, writes its status, deletes its pool and releases it once the
+    object is deleted. Its requests to IPPools, as the API server's audit log has them,
+    must be exactly what its ClusterRole grants of them. (The ledger's own objects,
+    `ledgershards`, it reaches through a stand-in Role here: not the IPPools' part.)"""
+    from ipward.core import ippool
+    from ipward.kubeapi.client import ApiClient
+    from ipward.kubeapi.config import from_kubeconfig
+    from ipward.store.kube import DEFAULT_NAMESPACE
+    from ipward_lab import fleet
+    from ipward_lab.servers import kube_apiserver, kube_store
+    from ipward_lab.servers.pki import token_kubeconfig
+
+    executable = kube_apiserver.binary()
+    if executable is None:
+        pytest.skip("KUBE_APISERVER does not name a kube-apiserver binary")
+    docs = render(RENDERINGS["base"])
+    policy, audit = tmp_path / "audit-policy.yaml", tmp_path / "audit.log"
+    policy.write_text(AUDIT_POLICY)
+    with kube_apiserver.kube_apiserver(executable, tmp_path) as lab:
+        lab.stop()  # again, keeping an audit log
+        lab.args += [f"--audit-policy-file={policy}", f"--audit-log-path={audit}"]
+        lab.start()
+        lab.wait_ready()
+        kube_store.install(lab.kubeconfig, DEFAULT_NAMESPACE)
+        admin = ApiClient(from_kubeconfig(str(lab.kubeconfig)))
+        controller = None
+        try:
+            for kind, path in (
+                ("ServiceAccount", f"/api/v1/namespaces/{DEFAULT_NAMESPACE}/serviceaccounts"),
+                ("ClusterRole", "/apis/rbac.authorization.k8s.io/v1/clusterroles"),
+                ("ClusterRoleBinding", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"),
+            ):
+                admin.request("POST", path, body=by_kind(docs, kind, "ipward-controller"))
+            _stand_in_ledger_role(admin, DEFAULT_NAMESPACE)
+            token = admin.request(
+                "POST",
+                f"/api/v1/namespaces/{DEFAULT_NAMESPACE}/serviceaccounts/ipward-controller/token",
+                body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}},
+            )["status"]["token"]
+            config = token_kubeconfig(tmp_path / "sa.kubeconfig", lab.url, lab.ca_file, token)
+            url = kube_store.store_url(config, DEFAULT_NAMESPACE)
+            as_admin = kube_store.store_url(lab.kubeconfig, DEFAULT_NAMESPACE)
+            made = run_cli("pool", "create", "web", "--range", "10.93.0.0/24", store=as_admin)
+            assert made.returncode == 0, made.stderr  # the store made, and a held object
+            body = {"apiVersion": ippool.API_VERSION, "kind": ippool.KIND}
+            spec = {"ranges": [{"subnet": "10.94.0.0/24"}]}
+            admin.request(
+                "POST", ippool.PATH, body={**body, "metadata": {"name": "db"}, "spec": spec}
+            )
+            extra = ("--interval", "0.2", "--lease-ttl", "2")
+            controller = fleet.Controller("c1", url, tmp_path, extra)
+
+            def ready(name: str) -> bool:
+                obj = ippool.parse(admin.request("GET", ippool.path(name)))[1]
+                found = ippool.condition(obj, ippool.READY)
+                return found is not None and found["status"] == "True"
+
+            wait_for(lambda: ready("web") and ready("db"), "both objects Ready")
+            admin.request("DELETE", ippool.path("db"))
+            wait_for(lambda: "db" not in _names(admin), "db's object released and gone")
+            controller.stop()
+        finally:
+            if controller is not None:
+                controller.kill()
+            admin.close()
+    calls = set()
+    for line in audit.read_text().splitlines():
+        event = json.loads(line)
+        ref = event.get("objectRef") or {}
+        if ref.get("apiGroup") == ippool.GROUP and ref.get("resource") == ippool.PLURAL:
+            subresource = f"/{ref['subresource']}" if ref.get("subresource") else ""
+            calls.add((ippool.GROUP, f"{ippool.PLURAL}{subresource}", event["verb"]))
+    grants = {g for g in granted(docs, "ipward-controller") if g[0] == ippool.GROUP}
+    assert calls == grants, _difference("ipward-controller", calls, grants)
+
+
+def _stand_in_ledger_role(admin: Any, namespace: str) -> None:
+    """The ledger's objects for the controller's service account (what the store needs
+    of them is the Kubernetes store's part of the manifests, not checked here)."""
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    rule = {"apiGroups": ["ipward.io"], "resources": ["ledgershards"], "verbs": ["*"]}
+    role = {"metadata": {"name": "ledger-stand-in"}, "rules": [rule]}
+    admin.request("POST", f"{rbac}/namespaces/{namespace}/roles", body=role)
+    binding = {
+        "metadata": {"name": "ledger-stand-in"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "ledger-stand-in",
+        },
+        "subjects": [
+            {"kind": "ServiceAccount", "name": "ipward-controller", "namespace": namespace}
+        ],
+    }
+    admin.request("POST", f"{rbac}/namespaces/{namespace}/rolebindings", body=binding)
+
+
+def _names(admin: Any) -> list[str]:
+    from ipward.core import ippool
+
+    return [item["metadata"]["name"] for item in admin.request("GET", ippool.PATH)["items"]]
 
 
 @needs_kubectl
@@ -433,7 +566,6 @@ def test_agent_healthz_reports_its_cluster_source_refused(
     `/healthz` said ok. The agent, with the identity the manifests make and `--cluster
     k8s://`: ok; its ClusterRoleBinding deleted: 503 naming the source and the API's 403
     (and an ADD answers 11); the binding back: ok again, and the ADD is served."""
-    import json
     import uuid
 
     from ipward.kubeapi.client import ApiClient

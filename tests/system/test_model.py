@@ -1403,3 +1403,25 @@ def test_the_agent_refuses_only_on_the_pools_as_stored(on_etcd: AgentBackend) ->
     requested = plugin_outcome(exec_plugin(plugin, "ADD", config, "b", args="IP=10.9.0.10"))
     assert requested.code == 0, requested
     assert requested.answer["ips"][0]["address"] == "10.9.0.10/29"
+
+
+def test_a_remembered_pool_that_is_gone_is_refused_with_a_requested_address_elsewhere(
+    on_etcd: AgentBackend,
+) -> None:
+    """Finding of the model test (on etcd through an agent): a network naming a pool the
+    agent remembered but `pool delete` had removed, and an ADD requesting an address of
+    another pool, got that address (code 0): the gone pool, holding no requested
+    address, was passed over unread. In a fresh process the same call is refused with
+    103 (the named pool read first); so it is through an agent now, writing nothing."""
+    plugin, url = on_etcd.plugin, on_etcd.url
+    ipam = {"type": "ipward", "agentSocket": str(on_etcd.socket)}
+    config = {"cniVersion": "1.1.0", "name": "gone", "ipam": {**ipam, "pool": "gp"}}
+    for pool, cidr in (("gp", "10.9.2.0/29"), ("gq", "10.9.3.0/29")):
+        run_cli("pool", "create", pool, "--range", cidr, store=url, check=True)
+    assert exec_plugin(plugin, "ADD", config, "a").returncode == 0  # the agent reads gp
+    assert exec_plugin(plugin, "DEL", config, "a").returncode == 0
+    run_cli("pool", "delete", "gp", store=url, check=True)
+    before = whole_store(url)
+    outcome = plugin_outcome(exec_plugin(plugin, "ADD", config, "b", args="IP=10.9.3.4"))
+    assert outcome.code == 103, outcome
+    assert whole_store(url) == before

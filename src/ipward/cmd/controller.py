@@ -17,6 +17,7 @@ from ipward.cmd.daemon import Signals, add_grace_option, redact
 from ipward.controller.election import Election
 from ipward.controller.metrics import Metrics
 from ipward.controller.passes import Controller, ControllerError
+from ipward.controller.pool_objects import objects_client
 from ipward.controller.view import DEFAULT_REREAD_EVERY
 from ipward.core import log
 from ipward.core.errors import InvalidConfig
@@ -73,6 +74,7 @@ def run_controller(
             add_grace=add_grace,
             gc_interval=gc_interval,
             view_reread=view_reread,
+            objects_client=objects_client(store_url),
         )
         controllers.append(controller)
         election.on_change = controller.on_leadership
@@ -87,6 +89,7 @@ def run_controller(
             "add_grace": add_grace,
             "gc_interval": gc_interval,
             "view_reread": view_reread,
+            "pool_objects": controller.pool_objects is not None,
         }
         _serve(controller, metrics_address, signals.stop, settings)
     log.info("controller stopped", id=ident)
@@ -114,6 +117,8 @@ def _serve(
         if stop.is_set():
             controller.stop()
         election.start()
+        if controller.pool_objects is not None:
+            controller.pool_objects.start()
         url = None if http is None else daemon.http_url(http)
         log.info("controller started", **settings, metrics=url, pid=os.getpid())
         controller.run()
@@ -128,6 +133,8 @@ def _serve(
         election.store.close()
         if controller.liveness is not None:
             controller.liveness.close()
+        if controller.pool_objects is not None:
+            controller.pool_objects.close()
 
 
 def _health(election: Election) -> Callable[[], tuple[bool, str]]:

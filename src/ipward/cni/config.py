@@ -20,7 +20,7 @@ from ipward.core.errors import InvalidConfig, InvalidEnvironment, IpwardError
 from ipward.core.log import LEVELS
 from ipward.core.names import check_node_name
 from ipward.core.policy import ADD_GRACE, DEFAULT_COOLDOWN, STICKY_TTL
-from ipward.core.pool import PoolSpec, check_name, check_routes, default_gateway
+from ipward.core.pool import CNI_CONFIG, PoolSpec, check_name, check_routes, default_gateway
 from ipward.core.records import Attachment, PodInfo
 
 TYPE_CHECKING = False
@@ -285,7 +285,7 @@ def _inline_pool(network: str, ipam: dict, routes: list[dict]) -> PoolSpec | Non
     else:
         return None
     cooldown = ipam.get("cooldown", DEFAULT_COOLDOWN)
-    return PoolSpec(network, range_sets, exclude, routes, cooldown, source="cni-config")
+    return PoolSpec(network, range_sets, exclude, routes, cooldown, source=CNI_CONFIG)
 
 
 def _unset_empty(entry: dict, fields: tuple[str, ...]) -> dict:

@@ -32,6 +32,7 @@ from ipward.core.errors import (
     InvalidEnvironment,
     IpwardError,
     TryAgainLater,
+    UnknownPool,
 )
 from ipward.core.pool import check_one_per_family
 from ipward.core.records import Sticky
@@ -166,7 +167,14 @@ def _holding(ledger: Ledger, pools: list[PoolSpec], requested: list[str]) -> lis
         return pools
     found: list[PoolSpec] = []
     chosen = {p.name for p in pools}
-    others = [p for p in ledger.stored_pools() if p.name not in chosen]
+    stored = ledger.stored_pools()
+    # A chosen pool as remembered (an agent's) may be gone: named, it must still be
+    # there, whichever pool the address is then taken from.
+    names = {p.name for p in stored}
+    gone = next((p.name for p in pools if p.revision is not None and p.name not in names), None)
+    if gone is not None:
+        raise UnknownPool(f"pool {gone!r} does not exist (create it with 'ipward pool create')")
+    others = [p for p in stored if p.name not in chosen]
     for ip in requested:
         pool = next((p for p in [*pools, *others] if holds(p, ip)), None)
         if pool is None:

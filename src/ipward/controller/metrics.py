@@ -97,6 +97,8 @@ HELP = {
     "ipward_controller_view_rereads": "Whole reads of the store by the controller's view, by"
     " reason: start, compacted (the watch's history was gone), timer (the safety net),"
     " broken (the watch stream broke or fell behind).",
+    "ipward_controller_pool_status_writes": "Status writes of IPPool objects (at most one per"
+    " pool every 5 s, only when it changed; k8s:// stores whose pools are objects).",
     "ipward_controller_info": "This instance's id.",
 }
 PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -128,6 +130,7 @@ class Metrics:
         self.gc_seconds = made(Histogram, "ipward_gc_pass_seconds", buckets=GC_BUCKETS)
         self.view_lag = made(Gauge, "ipward_controller_view_lag_revisions")
         self.view_rereads = made(Counter, "ipward_controller_view_rereads", ("reason",))
+        self.pool_status_writes = made(Counter, "ipward_controller_pool_status_writes")
         self.info = made(Gauge, "ipward_controller_info", ("id",))
         for result in HANDSHAKE_RESULTS:
             self.handshakes.labels(result=result)

@@ -70,6 +70,7 @@ from ipward.controller.election import Election
 from ipward.controller.executor import Executor, NotLeader
 from ipward.controller.metrics import Metrics
 from ipward.controller.plan import Layouts, PoolMemory, PoolState
+from ipward.controller.pool_objects import PoolObjects
 from ipward.controller.view import DEFAULT_REREAD_EVERY, StoreView
 from ipward.core import log
 from ipward.core.errors import IpwardError
@@ -83,6 +84,8 @@ WAKE_SLICE = 0.5  # seconds: the longest a pass asked for by a signal can wait
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from ipward.kubeapi.client import ApiClient
 
 
 class ControllerError(IpwardError):
@@ -107,6 +110,7 @@ class Controller:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         view_reread: float = DEFAULT_REREAD_EVERY,
+        objects_client: ApiClient | None = None,
     ) -> None:
         self.store = store
         self.view = StoreView(
@@ -130,6 +134,14 @@ class Controller:
         self.executor = Executor(store, election, metrics, self.stopping)
         self.memory: dict[str, PoolMemory] = {}  # per pool, from one pass to the next
         self.layouts: dict[str, Layouts] = {}  # per pool, while its spec is unchanged
+        # The IPPool objects, when the store's pools are objects (docs/design.md 5.16).
+        self.pool_objects = (
+            PoolObjects(
+                objects_client, store, self.executor, metrics, self.pass_now, clock, monotonic
+            )
+            if objects_client is not None
+            else None
+        )
 
     def on_leadership(self, leading: bool) -> None:
         self.metrics.leader.set(1 if leading else 0)
@@ -184,6 +196,8 @@ class Controller:
             self._term = self.election.term
             self.memory.clear()
             self.collection.new_term()
+            if self.pool_objects is not None:
+                self.pool_objects.new_term()
             self.gc_due = 0.0
         self.executor.fence()
         if self.liveness is not None and self.monotonic() >= self.gc_due:
@@ -191,6 +205,8 @@ class Controller:
             self.gc_pass(self.liveness)
         self.view.sync()  # after garbage collection: its frees are counted
         self._pool_passes(set(self.view.registered))
+        if self.pool_objects is not None:
+            self.pool_objects.reconcile(self.view)
 
     def _pool_passes(self, registered: set[str]) -> None:
         """Every pool's pass (a pool being deleted is skipped: `ipward pool delete` is

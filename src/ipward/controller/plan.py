@@ -321,7 +321,7 @@ def warmed(state: PoolState, registered: Set[str]) -> set[str]:
     first block itself, at its first ADD."""
     spec = state.spec
     nodes = {n for n in registered if not spec.nodes or n in spec.nodes}
-    if spec.source == "cli":
+    if not spec.inline:
         return nodes
     return nodes & {block.node for block in state.blocks.values()}
 

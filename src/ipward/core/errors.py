@@ -47,6 +47,19 @@ class InvalidConfig(IpwardError):
     code = 7
 
 
+class PoolsOverlap(InvalidConfig):
+    """A pool would cover an address another pool covers (docs/design.md invariant 10);
+    `other` names that pool."""
+
+    def __init__(self, msg: str, other: str) -> None:
+        super().__init__(msg)
+        self.other = other
+
+
+class PoolExists(InvalidConfig):
+    """A pool of that name is already stored."""
+
+
 class TryAgainLater(IpwardError):
     """The store or agent is unreachable or too busy; nothing was changed."""
 

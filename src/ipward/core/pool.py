@@ -42,6 +42,11 @@ MIN_PREFIX = {V4: 8, V6: 8}
 MAX_SECONDS = 10**9
 ACTIVE = "active"
 DELETING = "deleting"  # `ipward pool delete` is removing it: no ADD may use it
+# Who made a pool (its spec's `source`): `ipward pool create` on a store whose pools are
+# not objects; a network config's inline ranges; an IPPool object (docs/design.md 5.16).
+CLI = "cli"
+CNI_CONFIG = "cni-config"
+IPPOOL = "ippool"
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 # Fields of the stored spec that the store keeps for itself; a declared spec (a CNI
 # config) neither sets nor compares them.
@@ -219,7 +224,7 @@ class PoolSpec:
         routes: Sequence[dict] = (),
         cooldown: float = DEFAULT_COOLDOWN,
         block_prefix: dict[int, int] | None = None,
-        source: str = "cli",
+        source: str = CLI,
         warm: int = DEFAULT_WARM,
         release_delay: float = DEFAULT_RELEASE_DELAY,
         borrow: bool = False,
@@ -264,6 +269,11 @@ class PoolSpec:
     def deleting(self) -> bool:
         return self.state == DELETING
 
+    @property
+    def inline(self) -> bool:
+        """Declared by a network config's inline ranges (not a pool made on purpose)."""
+        return self.source == CNI_CONFIG
+
     @classmethod
     def from_dict(cls, d: dict) -> PoolSpec:
         if not isinstance(d, dict):
@@ -279,7 +289,7 @@ class PoolSpec:
             routes=d.get("routes", []),
             cooldown=d.get("cooldown", DEFAULT_COOLDOWN),
             block_prefix=_block_sizes(d),
-            source=d.get("source", "cli"),
+            source=d.get("source", CLI),
             warm=d.get("warm", DEFAULT_WARM),
             release_delay=d.get("releaseDelay", DEFAULT_RELEASE_DELAY),
             borrow=d.get("borrow", False),
@@ -330,6 +340,19 @@ class PoolSpec:
 
     def same_layout(self, other: PoolSpec) -> bool:
         return self.layout.to_dict() == other.layout.to_dict()
+
+    def succeed(self, stored: PoolSpec) -> bool:
+        """Make this declaration the next version of `stored` (docs/design.md 5.7): it
+        takes the stored layout version and retired layouts; a layout other than the
+        stored one becomes a new version, the stored layout retired (records may hold
+        its addresses). True when the layout changed (the overlap test is then due)."""
+        self.retired = list(stored.retired)
+        self.layout.version = stored.version
+        if self.same_layout(stored):
+            return False
+        self.retired.append(stored.layout)
+        self.layout.version = stored.version + 1
+        return True
 
     def check_allowed(self, namespace: str, node: str) -> None:
         """Raise PoolNotAllowed when the pool does not serve this pod's namespace or
@@ -434,4 +457,14 @@ def _range(r: object) -> Range:
     return Range(r["subnet"], r.get("rangeStart"), r.get("rangeEnd"), r.get("gateway"))
 
 
-__all__ = ["V6", "Layout", "PoolSpec", "check_name", "coverage", "overlap"]
+__all__ = [
+    "CLI",
+    "CNI_CONFIG",
+    "IPPOOL",
+    "V6",
+    "Layout",
+    "PoolSpec",
+    "check_name",
+    "coverage",
+    "overlap",
+]

@@ -4,9 +4,11 @@ exactly together: an agent between reading a block and committing an allocation 
 collection between judging a record and its compare-and-delete (`gc-free`), `pool
 delete` between its check for allocations and removing the pool's keys (`pool-delete`),
 `pool create` between its overlap test and the transaction that stores the pool
-(`pool-create`); the Kubernetes store's commit protocol after a transaction's first lock
-(`kube-locking`), after all of them (`kube-locked`), after its commit
-(`kube-committed`), and after marking another's transaction aborted (`kube-aborted`).
+(`pool-create`), an IPPool object's finalizer between its pool's removal from the ledger
+and the object's release (`pool-object-release`); the Kubernetes store's commit
+protocol after a transaction's first lock (`kube-locking`), after all of them
+(`kube-locked`), after its commit (`kube-committed`), and after marking another's
+transaction aborted (`kube-aborted`).
 
 Set in a process's environment, e.g. `IPWARD_TEST_PAUSES="allocate=0.003"` (seconds),
 or as a gate, `IPWARD_TEST_GATES="pool-delete=/tmp/gates"`: at the point the process

@@ -32,6 +32,7 @@ from ipward.core.errors import (
     TryAgainLater,
     UnknownPool,
 )
+from ipward.core.pool import IPPOOL
 from ipward.core.records import BlockRecord, FillRecord
 from ipward.ipam import free_queue
 from ipward.ipam.allocation import Pick, allocations, held, held_allocations, unheld, writes
@@ -96,13 +97,12 @@ def pool_guard(cache: StoreCache, spec: PoolSpec) -> Guard:
     if stored is not None:
         refuse_deleting(stored)
         if stored.source != spec.source:
+            made_by = "an IPPool object" if stored.source == IPPOOL else "the CLI"
             raise InvalidConfig(
-                f"pool {spec.name!r} exists and was created with the CLI; name it with"
+                f"pool {spec.name!r} exists and was made by {made_by}; name it with"
                 " 'pool' in the CNI config instead of inline ranges, or rename the network"
             )
-        spec.retired = list(stored.retired)
-        spec.layout.version = stored.version
-        if spec.same_layout(stored):
+        if not spec.succeed(stored):
             compares = [at_revision(key, kv.mod_revision)]  # type: ignore[union-attr]
             if spec.declaration() == stored.declaration():
                 return compares, []
@@ -119,8 +119,6 @@ def pool_guard(cache: StoreCache, spec: PoolSpec) -> Guard:
                 " node's network its own name, or name one pool made with 'ipward pool"
                 " create' in every node's config",
             )
-        spec.retired.append(stored.layout)  # records may hold its addresses
-        spec.layout.version = stored.version + 1
     from ipward.ipam.pools import coverage_guard  # only when a pool is stored or changed
 
     compares, ops = coverage_guard(cache.get, cache.range, spec)

@@ -8,17 +8,28 @@ the first ADD of an inline pool, an ADD whose network config changed the ranges)
 `meta/poolcoverage` is unchanged, rewriting it (`coverage_guard`). Two such writers cannot
 both pass the test on the same view; a plain ADD on an unchanged pool never touches it.
 
-Delete (`delete_pool`), safe against ADDs in flight and resumable:
-  1. the spec is marked `deleting` by CAS: every allocation compares the spec's revision,
-     so one in flight fails and, reading again, is refused (an inline ADD too: it never
-     resurrects or overwrites a pool being deleted);
-  2. records are read at a revision after the mark: any found puts the spec back to
-     active (CAS on the mark) and the delete is refused, naming how many;
+Change (`change_pool`, an IPPool object's spec changed: docs/design.md 5.16): the new
+declaration is stored the way a network config's changed ranges are (`PoolSpec.succeed`):
+other fields in place; another layout as a new version, the old one retired, after the
+overlap test.
+
+Delete, safe against ADDs in flight and resumable:
+  1. the spec is marked `deleting` by CAS (`mark_deleting`): every allocation compares
+     the spec's revision, so one in flight fails and, reading again, is refused (an
+     inline ADD too: it never resurrects or overwrites a pool being deleted);
+  2. records are read at a revision after the mark: any found, `delete_pool` (`ipward
+     pool delete`) puts the spec back to active (CAS on the mark) and is refused, naming
+     how many; `delete_when_free` (an IPPool object's finalizer) leaves it marked and
+     returns them, to be tried again once they are freed;
   3. the pool's keys go, prefix by prefix (blocks and affinity first, so no hand-back
-     handshake step can write again), in bounded transactions each pinned to the mark;
+     handshake step can write again), in bounded transactions each pinned to the mark
+     (`remove_marked`);
   4. the spec last, by CAS on the mark.
-A crash anywhere leaves the spec `deleting` (`ipward check` says so); `pool delete`
+A crash anywhere leaves the spec `deleting` (`ipward check` says so); running either
 again finishes it.
+
+A `fence` (the leading controller's compares, docs/design.md 5.8) rides in every
+transaction of a step that takes one.
 
 Prune (`prune`): the state a pool keeps that its current layout does not use (blocks,
 affinity, released-block entries, fill records, cursors, free entries of addresses it no
@@ -37,7 +48,14 @@ from __future__ import annotations
 from ipward.core import keys, log, testpoints
 from ipward.core import records as rec
 from ipward.core.addr import parse_ip
-from ipward.core.errors import InvalidConfig, IpwardError, TryAgainLater, UnknownPool
+from ipward.core.errors import (
+    InvalidConfig,
+    IpwardError,
+    PoolExists,
+    PoolsOverlap,
+    TryAgainLater,
+    UnknownPool,
+)
 from ipward.core.pool import DELETING, PoolSpec, overlap
 from ipward.core.records import AddressRecord, FillRecord
 from ipward.store.base import Delete, Put, absent, at_revision
@@ -50,6 +68,8 @@ if TYPE_CHECKING:
 
 MAX_ATTEMPTS = 20
 CHUNK = 64  # keys deleted per transaction (etcd caps a transaction at 128 operations)
+CLI_DELETE = "ipward pool delete"
+OBJECT_DELETED = "its IPPool object is being deleted"
 
 
 # -- overlap --------------------------------------------------------------------------
@@ -61,7 +81,7 @@ def coverage_guard(
     spec: PoolSpec,
 ) -> tuple[list[Compare], list[Put | Delete]]:
     """The compares and writes that store `spec` (new, or with a new layout) only if no
-    other pool covers any of its addresses: raises InvalidConfig naming the first other
+    other pool covers any of its addresses: raises PoolsOverlap naming the first other
     pool it would overlap. `meta/poolcoverage` is read before the specs, so any change of
     coverage committed after that read fails the returned compare."""
     coverage_kv = get(keys.POOL_COVERAGE_KEY)
@@ -78,56 +98,141 @@ def coverage_guard(
             ) from None
         why = overlap(spec, other)
         if why is not None:
-            raise InvalidConfig(why)
+            raise PoolsOverlap(why, other.name)
     generation = rec.decode(coverage_kv.value).get("generation", 0) if coverage_kv else 0
     compares = [at_revision(keys.POOL_COVERAGE_KEY, coverage_kv.mod_revision if coverage_kv else 0)]
     written = rec.encode({"generation": generation + 1, "pool": spec.name})
     return compares, [Put(keys.POOL_COVERAGE_KEY, written)]
 
 
-def create_pool(store: Store, spec: PoolSpec) -> None:
-    """Store a new pool (`ipward pool create`): refused if the name exists or if any
-    other pool covers one of its addresses, decided in the transaction that stores it."""
+def create_pool(store: Store, spec: PoolSpec, fence: Sequence[Compare] = ()) -> None:
+    """Store a new pool (`ipward pool create`, an IPPool object): refused if the name
+    exists (PoolExists) or if any other pool covers one of its addresses (PoolsOverlap),
+    decided in the transaction that stores it."""
     key = keys.pool_key(spec.name)
     for _ in range(MAX_ATTEMPTS):
         existing = store.get(key)
         if existing is not None:
             state = rec.decode(existing.value).get("state")
-            raise InvalidConfig(
+            raise PoolExists(
                 f"pool {spec.name} already exists"
                 + (" and is being deleted ('ipward pool delete' finishes it)" if state else "")
             )
         compares, ops = coverage_guard(store.get, store.range, spec)
         testpoints.pause("pool-create")
-        done = store.txn([absent(key), *compares], [Put(key, spec.encode()), *ops])
+        done = store.txn([absent(key), *compares, *fence], [Put(key, spec.encode()), *ops])
         if done.succeeded:
-            log.info("pool created", pool=spec.name, capacity=spec.attachments_capacity())
+            log.info(
+                "pool created",
+                pool=spec.name,
+                source=spec.source,
+                capacity=spec.attachments_capacity(),
+            )
             return
     raise TryAgainLater(f"pool {spec.name}: pools kept changing while it was created; try again")
+
+
+def check_overlap(store: Store, spec: PoolSpec) -> None:
+    """Raise PoolsOverlap when another pool covers an address of `spec`, as the store
+    has them now (a test ahead of a write; the write's own guard decides)."""
+    coverage_guard(store.get, store.range, spec)
+
+
+def change_pool(store: Store, spec: PoolSpec, fence: Sequence[Compare] = ()) -> bool:
+    """Store `spec` as the new declaration of its existing pool (see the module's
+    docstring), pinned to the spec read. False when the pool already holds it (nothing
+    written). Raises UnknownPool when there is none, InvalidConfig when it is being
+    deleted, PoolsOverlap when a new layout would overlap another pool."""
+    key = keys.pool_key(spec.name)
+    for _ in range(MAX_ATTEMPTS):
+        kv = store.get(key)
+        if kv is None:
+            raise UnknownPool(f"pool {spec.name} does not exist")
+        stored = PoolSpec.decode(kv.value)
+        if stored.deleting:
+            raise InvalidConfig(f"pool {spec.name} is being deleted; it cannot change")
+        new_layout = spec.succeed(stored)
+        if not new_layout and spec.declaration() == stored.declaration():
+            return False
+        compares: list[Compare] = [at_revision(key, kv.mod_revision), *fence]
+        ops: list[Put | Delete] = [Put(key, spec.encode())]
+        if new_layout:
+            guard, coverage = coverage_guard(store.get, store.range, spec)
+            compares += guard
+            ops += coverage
+        if store.txn(compares, ops).succeeded:
+            log.info(
+                "pool changed",
+                pool=spec.name,
+                source=spec.source,
+                version=spec.version,
+                retired=len(spec.retired),
+            )
+            return True
+    raise TryAgainLater(f"pool {spec.name}: pools kept changing while it was changed; try again")
 
 
 # -- delete ---------------------------------------------------------------------------
 
 
-def delete_pool(store: Store, name: str) -> int:
-    """Delete a pool with no allocations (see the module's docstring). Returns how many
-    of its other keys went with it. Refuses (InvalidConfig) while records exist."""
+def mark_deleting(
+    store: Store, name: str, reason: str, fence: Sequence[Compare] = ()
+) -> tuple[dict, int] | None:
+    """Step 1: the spec marked `deleting` (kept if it is already). Returns the spec as it
+    was and the mark's revision, every later step's pin; None when there is no pool of
+    that name."""
     key = keys.pool_key(name)
     kv = store.get(key)
     if kv is None:
-        raise UnknownPool(f"pool {name} does not exist")
+        return None
     spec = rec.decode(kv.value)
-    mark = kv.mod_revision
-    if spec.get("state") != DELETING:
-        done = store.txn(
-            [at_revision(key, mark)], [Put(key, rec.encode({**spec, "state": DELETING}))]
-        )
-        if not done.succeeded:
-            raise TryAgainLater(f"pool {name} changed while being deleted; try again")
-        mark = done.revision
-        log.info("pool deleting", pool=name, reason="ipward pool delete")
+    if spec.get("state") == DELETING:
+        return spec, kv.mod_revision
+    done = store.txn(
+        [at_revision(key, kv.mod_revision), *fence],
+        [Put(key, rec.encode({**spec, "state": DELETING}))],
+    )
+    if not done.succeeded:
+        raise TryAgainLater(f"pool {name} changed while being deleted; try again")
+    log.info("pool deleting", pool=name, reason=reason)
+    return spec, done.revision
+
+
+def remove_marked(
+    store: Store, name: str, mark: int, reason: str, fence: Sequence[Compare] = ()
+) -> int:
+    """Steps 3 and 4, once no record holds an address of the pool: its keys, then its
+    spec, each transaction pinned to the mark. Returns how many keys went besides the
+    spec."""
+    testpoints.pause("pool-delete")
+    key = keys.pool_key(name)
+    pinned = [at_revision(key, mark), *fence]
+    removed = 0
+    for prefix in keys.POOL_STATE_PREFIXES:
+        while True:
+            kvs, _ = store.range(keys.state_prefix(prefix, name), CHUNK)
+            if not kvs:
+                break
+            if not store.txn(pinned, [Delete(k.key) for k in kvs]).succeeded:
+                raise TryAgainLater(f"pool {name} changed while being deleted; run it again")
+            removed += len(kvs)
+    if not store.txn(pinned, [Delete(key)]).succeeded:
+        raise TryAgainLater(f"pool {name} changed while being deleted; run it again")
+    log.info("pool deleted", pool=name, keys=removed, reason=reason)
+    return removed
+
+
+def delete_pool(store: Store, name: str) -> int:
+    """`ipward pool delete`: delete a pool with no allocations (see the module's
+    docstring). Returns how many of its other keys went with it. Refuses
+    (InvalidConfig) while records exist, putting the pool back."""
+    marked = mark_deleting(store, name, CLI_DELETE)
+    if marked is None:
+        raise UnknownPool(f"pool {name} does not exist")
+    spec, mark = marked
     records, _ = store.range(keys.ips_prefix(name))  # at a revision after the mark
     if records:
+        key = keys.pool_key(name)
         active = {k: v for k, v in spec.items() if k != "state"}
         back = store.txn([at_revision(key, mark)], [Put(key, rec.encode(active))])
         raise InvalidConfig(
@@ -136,21 +241,21 @@ def delete_pool(store: Store, name: str) -> int:
             f" ('ipward alloc list --pool {name}')"
             + ("" if back.succeeded else "; it stays marked deleting (the spec changed)")
         )
-    testpoints.pause("pool-delete")
-    pinned = at_revision(key, mark)
-    removed = 0
-    for prefix in keys.POOL_STATE_PREFIXES:
-        while True:
-            kvs, _ = store.range(keys.state_prefix(prefix, name), CHUNK)
-            if not kvs:
-                break
-            if not store.txn([pinned], [Delete(k.key) for k in kvs]).succeeded:
-                raise TryAgainLater(f"pool {name} changed while being deleted; run it again")
-            removed += len(kvs)
-    if not store.txn([pinned], [Delete(key)]).succeeded:
-        raise TryAgainLater(f"pool {name} changed while being deleted; run it again")
-    log.info("pool deleted", pool=name, keys=removed, reason="ipward pool delete")
-    return removed
+    return remove_marked(store, name, mark, CLI_DELETE)
+
+
+def delete_when_free(store: Store, name: str, fence: Sequence[Compare] = ()) -> list[KeyValue]:
+    """An IPPool object's finalizer (docs/design.md 5.16): the pool marked deleting and
+    kept so (ADDs get 103) while records hold its addresses, which are returned; once
+    none does, its keys removed. [] when it is gone (or was not there)."""
+    marked = mark_deleting(store, name, OBJECT_DELETED, fence)
+    if marked is None:
+        return []
+    records, _ = store.range(keys.ips_prefix(name))  # at a revision after the mark
+    if records:
+        return records
+    remove_marked(store, name, marked[1], OBJECT_DELETED, fence)
+    return []
 
 
 # -- what a pool leaves behind ----------------------------------------------------------
@@ -298,10 +403,15 @@ def remove_orphans(store: Store) -> tuple[list[str], dict[str, tuple[int, int]]]
 
 
 __all__ = [
+    "change_pool",
+    "check_overlap",
     "coverage_guard",
     "create_pool",
     "delete_pool",
+    "delete_when_free",
+    "mark_deleting",
     "prune",
+    "remove_marked",
     "remove_orphans",
     "stale_state",
 ]

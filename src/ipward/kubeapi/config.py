@@ -96,6 +96,12 @@ def in_cluster(
     return Connection(server=f"https://{host}:{port}", ca_file=ca_path, token_file=token_file)
 
 
+def connection(kubeconfig: str = "", context: str = "") -> Connection:
+    """What a `k8s://` URL names: a kubeconfig's context when it gives one, else the
+    pod's own service account."""
+    return from_kubeconfig(kubeconfig, context) if kubeconfig else in_cluster()
+
+
 def from_kubeconfig(path: str, context: str = "") -> Connection:
     """The cluster and user of `context` (default: the file's current-context)."""
     try:

@@ -34,6 +34,13 @@ no resourceVersion, so the list holds everything that existed then), later the t
 the last event, bookmark or clean end minus `margin` (what the server's watch may still
 be behind).
 
+Optional, for a resource whose user acts on each change (the controller's IPPool
+objects): `on_change(key)` is called, from the reflector's thread and outside its lock,
+after every ADDED, MODIFIED or DELETED event is applied; `relist_every` seconds after a
+list, the watch is ended and the resource listed again, the cache staying trusted
+meanwhile (a safety net under the watch, as the controller's view reads the store whole
+on a timer).
+
 After a failure the next list waits `retry_delay`: doubled from `BACKOFF_MIN` up to
 `BACKOFF_MAX` while the server keeps failing, back to `BACKOFF_MIN` once a list completed
 and the watch after it started (answered, and not refused in its first line by an ERROR
@@ -92,6 +99,8 @@ class Reflector(Generic[V]):
         watch_timeout: int = 60,
         stale_after: float = 150.0,
         margin: float = 5.0,
+        on_change: Callable[[str], None] | None = None,
+        relist_every: float | None = None,
     ) -> None:
         self.client = client
         self.resource = resource
@@ -100,6 +109,9 @@ class Reflector(Generic[V]):
         self.watch_timeout = max(1, min(watch_timeout, int(stale_after / 2)))
         self.stale_after = stale_after
         self.margin = margin
+        self.on_change = on_change
+        self.relist_every = relist_every
+        self._listed_at = 0.0  # time.monotonic() of the last completed list
         self._lock = threading.Lock()
         self._items: dict[str, V] = {}
         self._synced = False
@@ -265,6 +277,7 @@ class Reflector(Generic[V]):
                         self._heard = time.monotonic()
                         self._synced = True
                         self.lists += 1
+                    self._listed_at = time.monotonic()
                     return
                 query["continue"] = str(more)
             log.info("k8s list expired mid-way; starting over", resource=self.resource.name)
@@ -278,6 +291,8 @@ class Reflector(Generic[V]):
             quiet = self._quiet()
             if quiet > self.stale_after:
                 raise _Relist(f"nothing heard for {quiet:.0f}s: listing rather than watching on")
+            if self._relist_due():
+                return  # listed again by `_run`, the cache trusted meanwhile
             query = {
                 **self._query(),
                 "resourceVersion": self._rv,
@@ -331,6 +346,12 @@ class Reflector(Generic[V]):
             oldest = next(iter(self._changed))
             self._known_from = self._changed.pop(oldest)
 
+    def _relist_due(self) -> bool:
+        return (
+            self.relist_every is not None
+            and time.monotonic() - self._listed_at >= self.relist_every
+        )
+
     def _quiet(self) -> float:
         with self._lock:
             return time.monotonic() - self._heard
@@ -368,3 +389,5 @@ class Reflector(Generic[V]):
                 self._note(parsed[0])
             self._rv = rv
         self._hear()
+        if parsed is not None and self.on_change is not None:
+            self.on_change(parsed[0])

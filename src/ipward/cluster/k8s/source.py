@@ -42,7 +42,7 @@ from ipward.cluster.liveness import (
 from ipward.cluster.pods import PodDirectory, PodMeta
 from ipward.core.errors import InvalidConfig, TryAgainLater
 from ipward.kubeapi.client import METADATA, ApiClient, ApiError, ApiUnreachable
-from ipward.kubeapi.config import Connection, from_kubeconfig, in_cluster
+from ipward.kubeapi.config import Connection, connection
 
 NAMESPACES = Resource("namespaces", "/api/v1/namespaces", parse_namespace, metadata_only=True)
 NODES = Resource("nodes", "/api/v1/nodes", parse_node, metadata_only=True)
@@ -105,7 +105,7 @@ class Settings:
         return cls(**values)  # type: ignore[arg-type]
 
     def connection(self) -> Connection:
-        return from_kubeconfig(self.kubeconfig, self.context) if self.kubeconfig else in_cluster()
+        return connection(self.kubeconfig, self.context)
 
 
 class K8sSource(LivenessSource, PodDirectory):

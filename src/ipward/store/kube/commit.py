@@ -483,7 +483,15 @@ class Committer:
                 continue
             replica = shards.replica_key(c.key, node)
             if replica in state[node].entries:
-                new_compares.append(Compare(replica, c.target, c.op, c.operand))
+                moved = Compare(replica, c.target, c.op, c.operand)
+                if moved.holds(_kv(state[node], replica)) != truth:
+                    # The home and the replica, as cached here, disagree: one of them
+                    # is stale, and only the replica is locked from here on. Both read
+                    # again.
+                    self.forget(home)
+                    self.forget(node)
+                    raise Restart(f"{replica} and its home {home} disagree")
+                new_compares.append(moved)
                 new_truths.append(truth)
                 continue
             # No replica in this node shard yet: compare at home (read-locked) and copy it.

@@ -82,6 +82,9 @@ class KubeWatch(Watch):
             )
             with self._stream_lock:
                 self._stream = stream
+                if self._cancelled.is_set():  # cancelled while the stream was opening
+                    stream.close()
+                    return
             try:
                 for kind, obj in events(stream):
                     if self._cancelled.is_set():
@@ -172,7 +175,7 @@ class KubeWatch(Watch):
                 continue  # another observer did, or will at the next end of the watch
 
     def cancel(self) -> None:
-        self._cancelled.set()
         with self._stream_lock:
+            self._cancelled.set()
             if self._stream is not None:
                 self._stream.close()
