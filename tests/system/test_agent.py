@@ -258,6 +258,56 @@ def test_a_second_agent_stands_by_and_takes_the_socket_over_when_the_first_stops
 STANDING_BY = "another agent serves this socket; standing by to take over when it stops"
 
 
+def test_the_socket_path_answers_all_through_a_handover(plugin, sqlite_url, start_agent):
+    """The first agent used to remove its socket as it stopped, and the one standing by
+    bound its own a lock poll later, so a call in between found no socket (the plugin
+    answered 11, and a kubelet's sandbox failed in a surge roll, which test_kube_stories'
+    roll forbids). The next agent now renames its listening socket over the path, and
+    the first accepts until it sees that: connecting to the path never fails while one
+    agent hands over to the next, and every ADD made all through is served."""
+    first = start_agent(sqlite_url)
+    second = start_agent(sqlite_url, wait=False)
+    wait_for(lambda: second.logged(STANDING_BY), "the second agent standing by")
+    stop = threading.Event()
+    refused: list[str] = []
+    connects = 0
+    results: list[PluginResult] = []
+
+    def probe() -> None:
+        nonlocal connects
+        while not stop.is_set():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(str(first.socket))
+                    connects += 1
+                except OSError as e:
+                    refused.append(str(e))
+            stop.wait(0.001)
+
+    def calls() -> None:
+        while not stop.is_set():
+            container = f"handover-{len(results)}"
+            results.append(exec_plugin(plugin, "ADD", config(first.socket), container=container))
+
+    threads = [threading.Thread(target=probe), threading.Thread(target=calls)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: connects > 50 and len(results) >= 2, "calls to the first agent")
+        assert first.stop() == 0
+        wait_for(lambda: second.logged("agent started"), "the second agent serving")
+        served = len(results)
+        wait_for(lambda: len(results) >= served + 2, "calls to the second agent")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not refused, f"{len(refused)} connections failed, the first: {refused[0]}"
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, f"{len(failed)} of {len(results)} ADDs failed, the first: {failed[0]}"
+    assert first.logged("request") and second.logged("request")
+
+
 # -- permissions ---------------------------------------------------------------------------
 
 

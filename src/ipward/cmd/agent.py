@@ -138,9 +138,7 @@ def _stop(
     abandoned."""
     log.info("agent stopping: handing the socket over", signal_count=signals.count)
     taken = agent.begin_stop()
-    log.info(
-        "socket taken over by the agent standing by" if taken else "socket removed; draining"
-    )
+    log.info("socket taken over by the agent standing by" if taken else "socket removed; draining")
     if reconciler is not None:
         reconciler.stop()
     duties.stop()
