@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from ipward.gc.rules import REASONS
 from ipward_lab import waiting
 from ipward_lab.kubecluster.cluster import Cluster
@@ -45,6 +47,22 @@ from ipward_lab.kubecluster.layout import POD_NET
 from ipward_lab.kubecluster.pod_logs import LogLine, PodLogs
 from ipward_lab.kubecluster.witness import AddressWitness
 from ipward_lab.kubecluster.workloads import is_running
+
+
+def require_cluster_lab() -> None:
+    """Skips the test when the Kubernetes binaries are not found (the reason says where
+    to get them); found, what else the kube tests need and lack fails it, naming what:
+    a run with the binaries must not pass with its kube tests skipped."""
+    from ipward_lab.kubecluster.prerequisites import find_binaries, missing_for_tests
+
+    try:
+        find_binaries()
+    except ClusterError as e:
+        pytest.skip(str(e))
+    missing = missing_for_tests()
+    if missing:
+        pytest.fail(f"the Kubernetes binaries are found, but: {missing}", pytrace=False)
+
 
 CONFIRM_SECONDS = 3.0
 ADD_GRACE = 10.0
