@@ -21,7 +21,13 @@ from ipward.core.errors import IpwardError
 DEFAULT_SOCKET = "/run/ipward/agent.sock"
 DIR_MODE = 0o750
 LOCK_POLL = 0.1  # seconds between looks at another agent's lock, standing by
-HANDOVER_WAIT = 2.0  # seconds a stopping agent keeps its socket for one standing by
+# Seconds a stopping agent serves on, waiting for its successor to put its socket over
+# the path. Not a moment: in a surge roll the successor may still be starting when the
+# old agent is told to stop (its pod counts as Ready by /healthz on the port the two
+# share on the host, which the old agent answers), and a loaded node takes seconds to
+# start it. Found on the real cluster's roll: with 2 s the path was gone before the new
+# agent came, and an ADD meanwhile failed (11).
+HANDOVER_WAIT = 10.0
 SOCKET_MODE = 0o660
 PROBE_TIMEOUT = 1.0  # connecting to an existing socket to see whether an agent answers
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -130,7 +136,6 @@ class AgentSocket:
         _prepare_directory(directory, allow_gid)
         self._lock_fd, took_over = self._lock(self.path + ".lock", stop)
         try:
-            # The agent it took over from still accepts on the path until it is replaced.
             self._check_path(stale_if_silent=not took_over)
             staged = self.path + ".new"
             with contextlib.suppress(FileNotFoundError):
@@ -180,19 +185,20 @@ class AgentSocket:
         return fd, waiting
 
     def _check_path(self, stale_if_silent: bool) -> None:
-        """What is at the path may be replaced: nothing, or a socket. A socket nothing
-        answers on (a killed agent's) is removed when `stale_if_silent`; one that
-        answers then is another agent's, which holds no lock: refused."""
+        """What is at the path may be replaced: nothing, or a socket. With the lock held,
+        a socket that answers is a stopping agent's, which let the lock go and accepts
+        until its successor's socket is renamed over the path (`hand_over`), whether
+        that successor stood by or started meanwhile; one nothing answers on (a killed
+        agent's) is removed when `stale_if_silent` (not after standing by: the agent
+        before is stopping)."""
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise AgentError(f"{self.path} exists and is not a socket; not touching it")
-        if not stale_if_silent:
+        if not stale_if_silent or _answers(self.path):
             return
-        if _answers(self.path):
-            raise AgentError(f"an agent already answers on {self.path}; not starting")
         os.unlink(self.path)
         log.warning("removed a stale socket (nothing answered on it)", path=self.path)
 
@@ -203,16 +209,20 @@ class AgentSocket:
             return False
         return (st.st_dev, st.st_ino) == self._identity
 
-    def hand_over(self, wait: float = HANDOVER_WAIT) -> bool:
-        """Let the lock go, and go on accepting until an agent standing by has renamed
-        its socket over the path (True: it serves the path from now on, while this one
-        drains). With none after `wait` seconds (the lock taken back, so none can come
-        meanwhile), the socket file is removed (False): calls fail at once from then
-        on, as at any stopped agent's."""
+    def hand_over(
+        self, wait: float = HANDOVER_WAIT, cut_short: threading.Event | None = None
+    ) -> bool:
+        """Let the lock go, and go on accepting until an agent (standing by, or starting
+        meanwhile) has renamed its socket over the path (True: it serves the path from
+        now on, while this one drains). With none after `wait` seconds, or once
+        `cut_short` is set (the lock taken back, so none can come meanwhile), the socket
+        file is removed (False): calls fail at once from then on, as at any stopped
+        agent's."""
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         deadline = time.monotonic() + wait
         while self._names_ours():
-            if time.monotonic() >= deadline and self._relock():
+            over = time.monotonic() >= deadline or (cut_short is not None and cut_short.is_set())
+            if over and self._relock():
                 ours = self._names_ours()  # none renames over it while this holds the lock
                 if ours:
                     os.unlink(self.path)

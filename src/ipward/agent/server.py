@@ -34,11 +34,11 @@ says 503 when a request has waited for a worker or its answer longer than
 `--stuck-seconds`, or the I/O thread is gone.
 
 Stop (SIGTERM, SIGINT): the socket is handed over (`AgentSocket.hand_over`): connections
-are accepted until an agent standing by has put its socket over the path, or, with none
-within HANDOVER_WAIT, the socket file is unlinked (new connections then fail, and the
-plugin answers 11); calls accepted finish (those still arriving are read until their
-deadline), up to `--drain-seconds`; then the store is closed and the agent exits 0. A
-second signal ends the drain early.
+are accepted and served until the next agent has put its socket over the path, or, with
+none within `--handover-seconds`, the socket file is unlinked (new connections then
+fail, and the plugin answers 11); calls accepted finish (those still arriving are read
+until their deadline), within `--drain-seconds` of the stop in all; then the store is
+closed and the agent exits 0. A second signal ends the handover and the drain early.
 
 Metrics (Prometheus text format, on a registry of the agent's own) and `/healthz` (200
 "ok" when nothing is stuck, the store answers `revision()` within HEALTH_TIMEOUT and
@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ipward.agent.listener import AgentSocket, peer_credentials, peer_groups
+from ipward.agent.listener import HANDOVER_WAIT, AgentSocket, peer_credentials, peer_groups
 from ipward.agent.metrics import Metrics
 from ipward.cluster.pods import PodDirectory
 from ipward.cni import verbs, wire
@@ -566,13 +566,16 @@ class Agent:
 
     # -- stopping ----------------------------------------------------------------------
 
-    def begin_stop(self) -> bool:
-        """The socket handed over (`AgentSocket.hand_over`; True: to an agent standing
-        by, False: to none, its file removed); requests accepted go on (those still
-        arriving are read until their deadline), and so does accepting: only those that
-        reached the socket before it was replaced or removed come."""
+    def begin_stop(
+        self, handover: float = HANDOVER_WAIT, cut_short: threading.Event | None = None
+    ) -> bool:
+        """The socket handed over (`AgentSocket.hand_over`, waiting up to `handover`
+        seconds for the next agent; True: to it, False: to none, its file removed);
+        requests accepted go on (those still arriving are read until their deadline),
+        and so does accepting: only those that reached the socket before it was
+        replaced or removed come."""
         self.stopping.set()
-        return self.socket.hand_over()
+        return self.socket.hand_over(handover, cut_short)
 
     def drain(self, seconds: float, cut_short: threading.Event | None = None) -> int:
         """Wait until every accepted connection is answered, at most `seconds`; returns
