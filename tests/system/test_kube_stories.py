@@ -483,18 +483,28 @@ def quiet_node(lab: Cluster) -> str:
 def leader_metrics(lab: Cluster) -> tuple[str, dict[str, float]]:
     """The leading controller's pod name and its metrics."""
 
+    seen: dict[str, str] = {}  # what each controller pod said last, for the failure
+
     def leader() -> tuple[str, dict[str, float]] | None:
         for pod in ipward_pods(lab, "ipward-controller"):
-            ip = pod["status"].get("podIP")
+            name, ip = pod["metadata"]["name"], pod["status"].get("podIP")
+            seen[name] = f"{pod['status'].get('phase')} on {pod['spec'].get('nodeName')} at {ip}"
             if pod["status"].get("phase") != "Running" or not ip:
                 continue
-            with contextlib.suppress(OSError):
+            try:
                 samples = lab.metrics(ip, 9311)
-                if samples.get("ipward_controller_leader") == 1.0:
-                    return pod["metadata"]["name"], samples
+            except OSError as e:
+                seen[name] += f": {e}"
+                continue
+            seen[name] += f": leader {samples.get('ipward_controller_leader')}"
+            if samples.get("ipward_controller_leader") == 1.0:
+                return name, samples
         return None
 
-    found: tuple[str, dict[str, float]] = wait_for(leader, "a leading controller", 60.0, 0.5)
+    try:
+        found: tuple[str, dict[str, float]] = wait_for(leader, "a leading controller", 60.0, 0.5)
+    except ClusterError as e:
+        raise AssertionError(f"{e}: {seen}") from None
     return found
 
 

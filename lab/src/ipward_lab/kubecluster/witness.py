@@ -122,7 +122,8 @@ def netns_mounts(mountinfo: str) -> Iterator[str]:
 
 
 class ScanError(RuntimeError):
-    """A node's namespaces could not be read (not: one went away mid-scan)."""
+    """A node's namespaces could not be read (not: one went away mid-scan); the
+    message does not name the node (`Failure` does)."""
 
 
 class NetnsScanner:
@@ -139,7 +140,7 @@ class NetnsScanner:
         if self.holder is None or self.holder.poll() is not None:
             if self.holder is not None:
                 self.holder = None
-                raise ScanError(f"{self.node.name}: the holder in its mount namespace exited")
+                raise ScanError("the holder in its mount namespace exited")
             self.holder = subprocess.Popen(
                 [
                     "nsenter", f"--mount={self.node.mntns}",
@@ -161,9 +162,9 @@ class NetnsScanner:
             with open(f"/proc/{pid}/mountinfo") as f:
                 mountinfo = f.read()
         except OSError as e:
-            raise ScanError(f"{self.node.name}: its mount table: {e}") from e
+            raise ScanError(f"its mount table: {e}") from e
         if not mountinfo:  # the holder exited as it was read
-            raise ScanError(f"{self.node.name}: its mount table read empty")
+            raise ScanError("its mount table read empty")
         found = set()
         for point in netns_mounts(mountinfo):
             try:
@@ -171,18 +172,18 @@ class NetnsScanner:
             except FileNotFoundError:
                 continue  # unmounted and removed since the table was read
             except OSError as e:
-                raise ScanError(f"{self.node.name}: {point}: {e}") from e
+                raise ScanError(f"{point}: {e}") from e
             try:
                 try:
                     enter(fd, point)
                 except OSError as e:
                     if e.errno == errno.EINVAL:
                         continue  # unmounted since: the file is no namespace any more
-                    raise ScanError(f"{self.node.name}: {e}") from e
+                    raise ScanError(str(e)) from e
                 try:
                     addresses = interface_addresses()
                 except OSError as e:
-                    raise ScanError(f"{self.node.name}: {point}: {e}") from e
+                    raise ScanError(f"{point}: {e}") from e
                 finally:
                     enter(home, "the witness's own namespace")  # must not fail: raises
             finally:
