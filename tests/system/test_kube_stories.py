@@ -68,7 +68,7 @@ RUNNING_TIMEOUT = 120.0
 PARALLEL_ROUNDS = 5  # with ORDERED_ROUNDS beside them; the kube tests fit 22 minutes in CI
 ORDERED_ROUNDS = 3  # ~12 s a round; ten: test_statefulset_ordered_ready_ten_rounds_... (slow)
 FORCE_ROUNDS = 1
-CHURN_ROUNDS = 2
+CHURN_ROUNDS = 1  # a round shows blocks going back and taken again; 22 minutes hold the rest
 # How old a record must be for the controller to judge it at once: the ADD grace from
 # when its source last heard the API, less the source's margin (KUBE_TUNING's).
 JUDGED_AGE = ADD_GRACE + 2.0 + 1.0
