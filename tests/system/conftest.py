@@ -220,16 +220,18 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     stories take seconds), shared by every `kube` test of the session and removed after
     them. The machine's state before `up` is in `.machine_before`, the times taken in
     `.info` (`up_seconds`, `deploy_seconds`). Skipped when the Kubernetes binaries are
-    not found (the reason says where to get them). `IPWARD_KUBE_STATE=DIR`: the cluster
-    up in DIR already (deployed with KUBE_TUNING), kept after: for working on a test."""
+    not found (the reason says where to get them), failed when they are but something
+    else the tests need is not (`kube_checks.require_cluster_lab`).
+    `IPWARD_KUBE_STATE=DIR`: the cluster up in DIR already (deployed with KUBE_TUNING),
+    kept after: for working on a test.
+    `IPWARD_KUBE_NEW_STATE=DIR`: the cluster made in DIR (else a temporary dir), so that
+    whoever ran the tests can remove what a killed run left (`.ci/run`: `ipward cluster
+    down --state DIR`)."""
     from ipward_lab.kubecluster.cluster import Cluster
-    from ipward_lab.kubecluster.prerequisites import unavailable_reason
     from ipward_lab.kubecluster.teardown import machine_snapshot
-    from kube_checks import KUBE_TUNING
+    from kube_checks import KUBE_TUNING, require_cluster_lab
 
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_cluster_lab()
     from ipward_lab.containerd.lab import machine_lock
 
     # A containerd lab writes to the machine's /run/containerd and /var/lib/cni while it
@@ -241,7 +243,8 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             yield Cluster.load(Path(given))
             return
         before = machine_snapshot()
-        lab = Cluster(tmp_path_factory.mktemp("cluster"))
+        new_state = os.environ.get("IPWARD_KUBE_NEW_STATE")
+        lab = Cluster(Path(new_state) if new_state else tmp_path_factory.mktemp("cluster"))
         lab.machine_before = before  # type: ignore[attr-defined]
         say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
         try:

@@ -9,8 +9,14 @@ test_kube_stories.py):
   address a namespace holds is ipward's record of that namespace's sandbox (an address
   freed while a namespace still holds it is one ipward may give again);
 - `ipward check` is clean;
+- the witness scanned every node all along and failed nowhere (`AddressWitness`);
 - after a story's teardown, every pool back to its baseline: nothing recorded for the
-  story's namespace, as many addresses used as before it.
+  story's namespace, as many addresses used as before it;
+- no fault, no garbage collection: every address freed by its own DEL (`assert_frees`):
+  the controllers' `ipward_gc_freed` (but retirements, the end of a sticky address its
+  DEL detached) and the agents' `ipward_agent_reconcile_freed` counted nothing more, and
+  every free ipward's pods logged is a DEL's; a story that injects a fault names what
+  garbage collection or reconciliation frees, and exactly that is freed.
 
 Reads of the API, the runtimes and the store are not one snapshot: a pod's problem counts
 only when fresh reads still show it for CONFIRM_SECONDS (a pod deleted between two reads
@@ -25,17 +31,38 @@ import ipaddress
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
+from ipward.gc.rules import REASONS
 from ipward_lab import waiting
 from ipward_lab.kubecluster.cluster import Cluster
 from ipward_lab.kubecluster.common import ClusterError, wait_for
 from ipward_lab.kubecluster.deploy import Tuning
 from ipward_lab.kubecluster.layout import POD_NET
+from ipward_lab.kubecluster.pod_logs import LogLine, PodLogs
 from ipward_lab.kubecluster.witness import AddressWitness
 from ipward_lab.kubecluster.workloads import is_running
+
+
+def require_cluster_lab() -> None:
+    """Skips the test when the Kubernetes binaries are not found (the reason says where
+    to get them); found, what else the kube tests need and lack fails it, naming what:
+    a run with the binaries must not pass with its kube tests skipped."""
+    from ipward_lab.kubecluster.prerequisites import find_binaries, missing_for_tests
+
+    try:
+        find_binaries()
+    except ClusterError as e:
+        pytest.skip(str(e))
+    missing = missing_for_tests()
+    if missing:
+        pytest.fail(f"the Kubernetes binaries are found, but: {missing}", pytrace=False)
+
 
 CONFIRM_SECONDS = 3.0
 ADD_GRACE = 10.0
@@ -260,19 +287,91 @@ def namespace_problems(
     return found
 
 
-class StoryChecks:
-    """The checks of one story (see the module doc), with the witness running."""
+def ipward_pods(lab: Cluster, name: str) -> list[dict[str, Any]]:
+    """The pods of ipward's `ipward-agent` or `ipward-controller`."""
+    query = f"labelSelector=app.kubernetes.io%2Fname%3D{name}"
+    items: list[dict[str, Any]] = lab.api(f"/api/v1/namespaces/ipward-system/pods?{query}")["items"]
+    return items
 
-    def __init__(self, lab: Cluster, witness: AddressWitness, networks: Iterable[Any] = ()) -> None:
+
+# The metrics of what freed records other than a DEL (prometheus_client's names), and
+# their ports: the controllers' garbage collection (a retirement, RETIRE_REASONS, is how
+# a sticky address its DEL detached ends: not counted) and the agents' reconciliation.
+COLLECTED = "ipward_gc_freed_total"
+RECONCILED = "ipward_agent_reconcile_freed_total"
+METRICS_PORTS = {"ipward-controller": 9311, "ipward-agent": 9310}
+
+
+def collected_by_pod(lab: Cluster) -> dict[str, Counter[str]]:
+    """What each of ipward's running pods (by UID) counts freed by garbage collection or
+    reconciliation, by reason; a pod that does not answer is left out."""
+    out = {}
+    for name, port in METRICS_PORTS.items():
+        for pod in ipward_pods(lab, name):
+            ip = pod["status"].get("podIP")
+            if pod["status"].get("phase") != "Running" or not ip:
+                continue
+            try:
+                samples = lab.metrics(ip, port)
+            except (OSError, ClusterError):
+                continue
+            out[pod["metadata"]["uid"]] = Counter(
+                {
+                    reason: sum(
+                        int(samples.get(f'{metric}{{reason="{reason}"}}', 0))
+                        for metric in (COLLECTED, RECONCILED)
+                    )
+                    for reason in REASONS
+                }
+            )
+    return out
+
+
+def collected_in(lines: Iterable[LogLine]) -> Counter[str]:
+    """Addresses the log lines say were freed or detached by anything but a DEL, by
+    reason (a garbage-collection reason, when the line's reason names one)."""
+    out: Counter[str] = Counter()
+    for line in lines:
+        fields = line.fields
+        # A retirement names its reservation (`sticky`), not an attachment.
+        if fields.get("msg") not in ("freed", "detached") or "attachment" not in fields:
+            continue
+        reason = str(fields.get("reason", ""))
+        if reason.startswith("CNI DEL"):
+            continue
+        named = [r for r in REASONS if f": {r}: " in reason]
+        out[named[0] if named else reason] += len(fields.get("ips") or [None])
+    return out
+
+
+def frees_not_by_del(line: LogLine) -> bool:
+    return bool(collected_in([line]))
+
+
+class StoryChecks:
+    """The checks of one story (see the module doc), with the witness and the log
+    follower of ipward's pods running."""
+
+    def __init__(
+        self, lab: Cluster, witness: AddressWitness, logs: PodLogs, networks: Iterable[Any] = ()
+    ) -> None:
         self.lab = lab
         self.witness = witness
+        self.logs = logs
         self.networks = [POD_NET, *networks]
         self.samples = 0
+        self.started = time.monotonic()
+        self.started_at = time.time()  # the logs' clock
+        self.collected_before = collected_by_pod(lab)
 
     def sample(self, label: str) -> Reading:
         """Every invariant, now; AssertionError naming what is broken. The reading."""
         self.samples += 1
-        doubles = self.witness.doubles()
+        failures = self.witness.failures_since(self.started)
+        assert not failures, f"{label}: the address witness failed: " + "; ".join(
+            str(f) for f in failures[:5]
+        )
+        doubles = self.witness.doubles(since=self.started)
         doubles = [d for d in doubles if pod_network(d[0].ip, self.networks)]
         assert not doubles, f"{label}: two namespaces held one address at once: " + "; ".join(
             f"{a} and {b}" for a, b in doubles
@@ -304,6 +403,26 @@ class StoryChecks:
         check = self.lab.ipward_run("check", check=False)
         assert check.returncode == 0, f"{label}: ipward check: {check.stdout}{check.stderr}"
         return reading
+
+    def assert_frees(self, expected: Counter[str]) -> None:
+        """Since the story began, garbage collection and reconciliation freed exactly
+        `expected` (addresses by reason; empty: every address freed by its own DEL), by
+        ipward's logs and by its metrics (those of a pod gone meanwhile are lost with
+        it: then they count no more than the logs)."""
+        now = collected_by_pod(self.lab)
+        lines = self.logs.since(self.started_at, frees_not_by_del)
+        logged = collected_in(lines)
+        assert logged == expected, (
+            f"freed by garbage collection or reconciliation: {dict(logged)}, expected"
+            f" {dict(expected)}: " + "; ".join(f"{line.pod}: {line.fields}" for line in lines[:8])
+        )
+        counted: Counter[str] = Counter()
+        for uid, counts in now.items():
+            counted += counts - self.collected_before.get(uid, Counter())
+        if set(self.collected_before) <= set(now):
+            assert counted == logged, f"metrics count {dict(counted)}, the logs {dict(logged)}"
+        else:
+            assert counted <= logged, f"metrics count {dict(counted)}, the logs {dict(logged)}"
 
     def used(self) -> dict[str, int]:
         pools = json.loads(self.lab.ipward_run("pool", "list", "--json").stdout)

@@ -258,6 +258,103 @@ def test_a_second_agent_stands_by_and_takes_the_socket_over_when_the_first_stops
 STANDING_BY = "another agent serves this socket; standing by to take over when it stops"
 
 
+class CallsAllThrough:
+    """Connections to an agent's socket path in a loop, and ADDs through the plugin one
+    after the other, in threads until `stop`; what failed of each."""
+
+    def __init__(self, plugin: Path, socket_path: Path) -> None:
+        self.plugin = plugin
+        self.socket_path = socket_path
+        self.refused: list[str] = []
+        self.connects = 0
+        self.results: list[PluginResult] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._probe), threading.Thread(target=self._add)]
+        for t in self._threads:
+            t.start()
+
+    def _probe(self) -> None:
+        while not self._stop.is_set():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(str(self.socket_path))
+                    self.connects += 1
+                except OSError as e:
+                    self.refused.append(str(e))
+            self._stop.wait(0.001)
+
+    def _add(self) -> None:
+        while not self._stop.is_set():
+            container = f"handover-{len(self.results)}"
+            cfg = config(self.socket_path)
+            self.results.append(exec_plugin(self.plugin, "ADD", cfg, container=container))
+
+    def wait_more(self, adds: int, what: str) -> None:
+        """Until `adds` more ADDs have been answered."""
+        done = len(self.results) + adds
+        wait_for(lambda: len(self.results) >= done, what)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def assert_none_failed(self) -> None:
+        assert not self.refused, (
+            f"{len(self.refused)} connections failed, the first: {self.refused[0]}"
+        )
+        failed = [r for r in self.results if r.returncode != 0]
+        assert not failed, (
+            f"{len(failed)} of {len(self.results)} ADDs failed, the first: {failed[0]}"
+        )
+
+
+def test_the_socket_path_answers_all_through_a_handover(plugin, sqlite_url, start_agent):
+    """The first agent used to remove its socket as it stopped, and the one standing by
+    bound its own a lock poll later, so a call in between found no socket (the plugin
+    answered 11, and a kubelet's sandbox failed in a surge roll, which test_kube_stories'
+    roll forbids). The next agent now renames its listening socket over the path, and
+    the first accepts until it sees that: connecting to the path never fails while one
+    agent hands over to the next, and every ADD made all through is served."""
+    first = start_agent(sqlite_url)
+    second = start_agent(sqlite_url, wait=False)
+    wait_for(lambda: second.logged(STANDING_BY), "the second agent standing by")
+    calls = CallsAllThrough(plugin, first.socket)
+    try:
+        calls.wait_more(2, "calls to the first agent")
+        assert first.stop() == 0
+        wait_for(lambda: second.logged("agent started"), "the second agent serving")
+        calls.wait_more(2, "calls to the second agent")
+    finally:
+        calls.stop()
+    calls.assert_none_failed()
+    assert calls.connects and first.logged("request") and second.logged("request")
+
+
+def test_a_stopping_agent_serves_on_until_a_late_successor_comes(plugin, sqlite_url, start_agent):
+    """Found on the real cluster's roll (test_kube_stories): in a surge roll the old
+    agent may be told to stop before its successor has even started (the new pod counts
+    as Ready by /healthz on the port the two share on the host, which the old agent
+    answers). The old agent serves on, up to `--handover-seconds`, until the successor
+    has put its socket over the path: no call fails meanwhile. (It waited 2 s, and on a
+    loaded node the path was gone before the successor came: an ADD failed, 11.)"""
+    first = start_agent(sqlite_url, extra=("--handover-seconds", "300"))
+    calls = CallsAllThrough(plugin, first.socket)
+    try:
+        calls.wait_more(2, "calls to the first agent")
+        first.proc.terminate()
+        wait_for(lambda: first.logged("agent stopping: handing the socket over"), "the stop")
+        calls.wait_more(3, "calls served by the first agent, stopping, with no successor")
+        second = start_agent(sqlite_url)
+        assert first.proc.wait(60) == 0
+        assert first.logged("socket taken over by the next agent")
+        calls.wait_more(2, "calls to the second agent")
+    finally:
+        calls.stop()
+    calls.assert_none_failed()
+    assert second.logged("request")
+
+
 # -- permissions ---------------------------------------------------------------------------
 
 
@@ -383,7 +480,8 @@ def test_agent_not_running_is_try_again_later(forwarder, sqlite_url, tmp_path):
 
 
 def test_graceful_stop_drains_and_refuses(plugin, sqlite_url, start_agent):
-    agent = start_agent(sqlite_url)
+    # No next agent is coming: its socket goes at once (no --handover-seconds of serving on).
+    agent = start_agent(sqlite_url, extra=("--handover-seconds", "0"))
     cfg = config(agent.socket)
     # A call in flight when the stop comes: half its request is sent, the rest comes late.
     slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

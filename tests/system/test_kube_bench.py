@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from ipward_lab.bench import bench_command
-from ipward_lab.kubecluster.prerequisites import unavailable_reason
+from kube_checks import require_cluster_lab
 
 # `slow` too: a cluster of its own (~2.5 min), not in CI's 15 minutes of kube tests.
 pytestmark = [pytest.mark.kube, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -25,9 +25,7 @@ QUICK_ROUNDS = 3
 
 
 def test_bench_kube_quick_measures_both_ipams_and_removes_its_cluster() -> None:
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_cluster_lab()
     before = set(glob.glob("/tmp/ipwb-*"))
     result = CliRunner().invoke(bench_command, ["--kube", "--quick", "--json"])
     sys.stderr.write(result.stderr)  # its progress and table, shown when a check fails

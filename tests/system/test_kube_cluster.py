@@ -20,8 +20,8 @@ import pytest
 
 from ipward_lab.kubecluster.cluster import Cluster
 from ipward_lab.kubecluster.common import wait_for
-from ipward_lab.kubecluster.prerequisites import unavailable_reason
 from ipward_lab.kubecluster.teardown import leftovers, machine_snapshot, namespace_ids
+from kube_checks import require_cluster_lab
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
 
@@ -60,9 +60,7 @@ SPREAD = {
 def test_down_after_a_crash_of_up_removes_what_it_made() -> None:
     """`up` killed (SIGKILL) once a node's kubelet is started: `down` finds all it made
     from the journal, and the machine keeps nothing of it."""
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    require_cluster_lab()
     # Short: the nodes' socket paths under it must fit a Unix socket's.
     state = Path(tempfile.mkdtemp(prefix="ipwc-", dir="/tmp")) / "crashed"
     up_log = state.parent / "up.log"

@@ -1,9 +1,11 @@
 """The agent's listening socket: its directory and modes, the lock against a second
-agent on the same path, and who is at the other end of a connection (SO_PEERCRED,
-SO_PEERGROUPS). What a refused peer gets is `server`'s."""
+agent on the same path, the handover to the agent standing by, and who is at the other
+end of a connection (SO_PEERCRED, SO_PEERGROUPS). What a refused peer gets is
+`server`'s."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -11,6 +13,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 
 from ipward.core import log
 from ipward.core.errors import IpwardError
@@ -18,6 +21,13 @@ from ipward.core.errors import IpwardError
 DEFAULT_SOCKET = "/run/ipward/agent.sock"
 DIR_MODE = 0o750
 LOCK_POLL = 0.1  # seconds between looks at another agent's lock, standing by
+# Seconds a stopping agent serves on, waiting for its successor to put its socket over
+# the path. Not a moment: in a surge roll the successor may still be starting when the
+# old agent is told to stop (its pod counts as Ready by /healthz on the port the two
+# share on the host, which the old agent answers), and a loaded node takes seconds to
+# start it. Found on the real cluster's roll: with 2 s the path was gone before the new
+# agent came, and an ADD meanwhile failed (11).
+HANDOVER_WAIT = 10.0
 SOCKET_MODE = 0o660
 PROBE_TIMEOUT = 1.0  # connecting to an existing socket to see whether an agent answers
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -112,9 +122,11 @@ class AgentSocket:
     """The listening socket, its lock file, and the checks around both.
 
     A second agent for the same path (the next version's, rolled out with a surge)
-    stands by until the first lets the lock go, which it does as soon as it stops
-    taking connections (`shutdown`, at the start of its drain), so the path is served
-    again within a poll. `stop` ends the wait (`Stopped`)."""
+    stands by until the first lets the lock go (`hand_over`, as it stops). Every agent
+    binds its socket beside the path, listening, and renames it over the path: the path
+    names one listening socket or the other at every moment, and the first accepts until
+    it sees its socket replaced, so no call finds the path missing or refused while one
+    agent hands over to the next. `stop` ends the wait (`Stopped`)."""
 
     def __init__(
         self, path: str, allow_gid: int | None, backlog: int, stop: threading.Event | None = None
@@ -122,27 +134,33 @@ class AgentSocket:
         self.path = os.path.abspath(path)
         directory = os.path.dirname(self.path)
         _prepare_directory(directory, allow_gid)
-        self._lock_fd = self._lock(self.path + ".lock", stop)
+        self._lock_fd, took_over = self._lock(self.path + ".lock", stop)
         try:
-            self._remove_stale()
+            self._check_path(stale_if_silent=not took_over)
+            staged = self.path + ".new"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)  # left by an agent killed before its rename
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old_umask = os.umask(0o117)  # never reachable by others, not even for a moment
             try:
-                self.sock.bind(self.path)
+                self.sock.bind(staged)
             finally:
                 os.umask(old_umask)
-            os.chmod(self.path, SOCKET_MODE)
+            os.chmod(staged, SOCKET_MODE)
             if allow_gid is not None:
-                os.chown(self.path, -1, allow_gid)
-            st = os.stat(self.path)
+                os.chown(staged, -1, allow_gid)
+            st = os.stat(staged)
             self._identity = (st.st_dev, st.st_ino)
             self.sock.listen(backlog)
+            os.rename(staged, self.path)
         except BaseException:
             os.close(self._lock_fd)
             raise
 
     @staticmethod
-    def _lock(path: str, stop: threading.Event | None) -> int:
+    def _lock(path: str, stop: threading.Event | None) -> tuple[int, bool]:
+        """The lock file's descriptor, locked; and whether another agent held it first
+        (it hands its socket over now)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         waiting = False
         while True:
@@ -164,35 +182,62 @@ class AgentSocket:
                 raise Stopped
         if waiting:
             log.info("took the socket over from the agent before", lock=path)
-        return fd
+        return fd, waiting
 
-    def _remove_stale(self) -> None:
+    def _check_path(self, stale_if_silent: bool) -> None:
+        """What is at the path may be replaced: nothing, or a socket. With the lock held,
+        a socket that answers is a stopping agent's, which let the lock go and accepts
+        until its successor's socket is renamed over the path (`hand_over`), whether
+        that successor stood by or started meanwhile; one nothing answers on (a killed
+        agent's) is removed when `stale_if_silent` (not after standing by: the agent
+        before is stopping)."""
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise AgentError(f"{self.path} exists and is not a socket; not touching it")
-        if _answers(self.path):
-            raise AgentError(f"an agent already answers on {self.path}; not starting")
+        if not stale_if_silent or _answers(self.path):
+            return
         os.unlink(self.path)
         log.warning("removed a stale socket (nothing answered on it)", path=self.path)
 
-    def shutdown(self) -> None:
-        """Refuse new connections from now on (wakes the thread blocked in accept),
-        remove the socket file, if it is still ours, and let the lock go: an agent
-        standing by serves the path from now on, while this one drains."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+    def _names_ours(self) -> bool:
         try:
             st = os.lstat(self.path)
-            if (st.st_dev, st.st_ino) == self._identity:
-                os.unlink(self.path)
         except FileNotFoundError:
-            pass
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
+
+    def hand_over(
+        self, wait: float = HANDOVER_WAIT, cut_short: threading.Event | None = None
+    ) -> bool:
+        """Let the lock go, and go on accepting until an agent (standing by, or starting
+        meanwhile) has renamed its socket over the path (True: it serves the path from
+        now on, while this one drains). With none after `wait` seconds, or once
+        `cut_short` is set (the lock taken back, so none can come meanwhile), the socket
+        file is removed (False): calls fail at once from then on, as at any stopped
+        agent's."""
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        deadline = time.monotonic() + wait
+        while self._names_ours():
+            over = time.monotonic() >= deadline or (cut_short is not None and cut_short.is_set())
+            if over and self._relock():
+                ours = self._names_ours()  # none renames over it while this holds the lock
+                if ours:
+                    os.unlink(self.path)
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                return not ours
+            time.sleep(LOCK_POLL / 10)
+        return True
+
+    def _relock(self) -> bool:
+        """The lock taken again, when no agent standing by took it meanwhile."""
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
 
     def close(self) -> None:
         self.sock.close()

@@ -10,8 +10,9 @@ before its answer is sent.
 Socket: its directory is created 0750 when missing (an existing one is never loosened;
 a warning says when it is more open than that; an empty one of its own user is made
 0750), the socket itself is 0660. A second agent on the same path (a rollout's surge)
-stands by on the lock file next to the socket until the first stops taking calls, then
-serves (`listener.AgentSocket`); a dead agent's socket is replaced. Every connection's
+stands by on the lock file next to the socket until the first stops, then renames its
+own socket over the path (`listener.AgentSocket`: the path answers all along); a dead
+agent's socket is replaced. Every connection's
 peer is checked with SO_PEERCRED: root, the agent's own user and the `--allow-gid` group
 are served; anyone else gets a CNI error object with code 5 (I/O failure: the plugin
 could not get its call through). Not 11: retrying cannot succeed, so "try again later"
@@ -32,10 +33,12 @@ call is a process of its own), MAX_READING_PER_USER of one user other than root,
 says 503 when a request has waited for a worker or its answer longer than
 `--stuck-seconds`, or the I/O thread is gone.
 
-Stop (SIGTERM, SIGINT): the listening socket is shut down at once (new connections are
-refused, and the plugin answers 11) and its file unlinked; calls already accepted finish
-(those still arriving are read until their deadline), up to `--drain-seconds`; then the
-store is closed and the agent exits 0. A second signal ends the drain early.
+Stop (SIGTERM, SIGINT): the socket is handed over (`AgentSocket.hand_over`): connections
+are accepted and served until the next agent has put its socket over the path, or, with
+none within `--handover-seconds`, the socket file is unlinked (new connections then
+fail, and the plugin answers 11); calls accepted finish (those still arriving are read
+until their deadline), within `--drain-seconds` of the stop in all; then the store is
+closed and the agent exits 0. A second signal ends the handover and the drain early.
 
 Metrics (Prometheus text format, on a registry of the agent's own) and `/healthz` (200
 "ok" when nothing is stuck, the store answers `revision()` within HEALTH_TIMEOUT and
@@ -53,7 +56,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ipward.agent.listener import AgentSocket, peer_credentials, peer_groups
+from ipward.agent.listener import HANDOVER_WAIT, AgentSocket, peer_credentials, peer_groups
 from ipward.agent.metrics import Metrics
 from ipward.cluster.pods import PodDirectory
 from ipward.cni import verbs, wire
@@ -249,8 +252,6 @@ class Agent:
                 pass
         except (BlockingIOError, OSError):
             pass
-        if self.stopping.is_set():
-            self._stop_accepting()
 
     def _stop_accepting(self) -> None:
         try:
@@ -261,8 +262,7 @@ class Agent:
     def _resume_accepting(self) -> None:
         if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
             self._accept_paused_until = 0.0
-            if not self.stopping.is_set():
-                self._selector.register(self.socket.sock, selectors.EVENT_READ)
+            self._selector.register(self.socket.sock, selectors.EVENT_READ)
 
     def _accept(self) -> None:
         for _ in range(ACCEPT_BATCH):  # then others' events get their turn
@@ -272,8 +272,6 @@ class Agent:
                 return
             except OSError as e:
                 self._stop_accepting()
-                if self.stopping.is_set():
-                    return
                 # Out of descriptors or memory: pause instead of spinning on it.
                 log.warning("accept failed; pausing accepting", error=str(e))
                 self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
@@ -568,12 +566,16 @@ class Agent:
 
     # -- stopping ----------------------------------------------------------------------
 
-    def begin_stop(self) -> None:
-        """Refuse new connections from now on; requests already accepted go on (those
-        still arriving are read until their deadline)."""
+    def begin_stop(
+        self, handover: float = HANDOVER_WAIT, cut_short: threading.Event | None = None
+    ) -> bool:
+        """The socket handed over (`AgentSocket.hand_over`, waiting up to `handover`
+        seconds for the next agent; True: to it, False: to none, its file removed);
+        requests accepted go on (those still arriving are read until their deadline),
+        and so does accepting: only those that reached the socket before it was
+        replaced or removed come."""
         self.stopping.set()
-        self.socket.shutdown()
-        self._wake()
+        return self.socket.hand_over(handover, cut_short)
 
     def drain(self, seconds: float, cut_short: threading.Event | None = None) -> int:
         """Wait until every accepted connection is answered, at most `seconds`; returns

@@ -12,7 +12,7 @@ import click
 from ipward.agent.continuity import UnknownToStore, check_store_knows_node
 from ipward.agent.directory import cluster_directory, runtime_sandboxes
 from ipward.agent.duties import NodeDuties
-from ipward.agent.listener import DEFAULT_SOCKET, AgentError, Stopped
+from ipward.agent.listener import DEFAULT_SOCKET, HANDOVER_WAIT, AgentError, Stopped
 from ipward.agent.reconcile import Reconciler
 from ipward.agent.server import DEFAULT_MAX_CONNECTIONS, Agent
 from ipward.cluster.liveness import open_source
@@ -39,6 +39,7 @@ def run_agent(
     allow_gid: int | None,
     max_workers: int,
     drain_seconds: float,
+    handover_seconds: float = HANDOVER_WAIT,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     stuck_seconds: float = CALL_TIMEOUT,
     duty_interval: float = DUTY_INTERVAL,
@@ -119,7 +120,7 @@ def run_agent(
         )
         while not signals.stop.wait(1.0):
             pass
-        left = _stop(agent, reconciler, duties, http, drain_seconds, signals)
+        left = _stop(agent, reconciler, duties, http, (handover_seconds, drain_seconds), signals)
     log.info("agent stopped", node=node)
     if left:
         os._exit(0)  # workers still running must not hold the interpreter's exit
@@ -131,17 +132,21 @@ def _stop(
     reconciler: Reconciler | None,
     duties: NodeDuties,
     http: daemon.ThreadingHTTPServer | None,
-    drain_seconds: float,
+    seconds: tuple[float, float],
     signals: Signals,
 ) -> int:
-    """Refuse new connections, stop the background work, drain; how many calls were
-    abandoned."""
-    log.info("agent stopping: new connections refused, draining", signal_count=signals.count)
-    agent.begin_stop()
+    """Hand the socket over (`seconds`: at most the first, serving meanwhile), stop the
+    background work, drain (within the second, counted from the stop: the pod's grace
+    period is sized for the drain); how many calls were abandoned."""
+    handover, drain = seconds
+    log.info("agent stopping: handing the socket over", signal_count=signals.count)
+    started = time.monotonic()
+    taken = agent.begin_stop(handover, signals.cut_short)
+    log.info("socket taken over by the next agent" if taken else "socket removed; draining")
     if reconciler is not None:
         reconciler.stop()
     duties.stop()
-    left = _drain(agent, drain_seconds, signals)
+    left = _drain(agent, max(0.0, drain - (time.monotonic() - started)), signals)
     daemon.stop_http(http)
     agent.close(wait=not left)
     return left
@@ -284,6 +289,14 @@ def _parse_gid(text: str | None) -> int | None:
     help="On SIGTERM/SIGINT, how long calls in flight may take to finish.",
 )
 @click.option(
+    "--handover-seconds",
+    type=click.FloatRange(0),
+    default=HANDOVER_WAIT,
+    show_default=True,
+    help="On SIGTERM/SIGINT, how long to serve on until the next agent (a rollout's)"
+    " has put its socket over the path; then the socket is removed.",
+)
+@click.option(
     "--duty-interval",
     type=click.FloatRange(0.05),
     default=DUTY_INTERVAL,
@@ -342,6 +355,7 @@ def agent_command(
     max_connections: int,
     stuck_seconds: float,
     drain_seconds: float,
+    handover_seconds: float,
     duty_interval: float,
     node_ttl: int,
     registration_refresh: float,
@@ -363,6 +377,7 @@ def agent_command(
         max_connections=max_connections,
         stuck_seconds=stuck_seconds,
         drain_seconds=drain_seconds,
+        handover_seconds=handover_seconds,
         duty_interval=duty_interval,
         node_ttl=node_ttl,
         registration_refresh=registration_refresh,

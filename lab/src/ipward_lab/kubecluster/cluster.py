@@ -20,6 +20,7 @@ from ipward_lab.kubecluster.layout import (
     CONTROL_PLANE_IP,
     FABRIC_GATEWAY,
     SERVICE_IP,
+    Node,
     node_plan,
 )
 from ipward_lab.kubecluster.multus import Multus
@@ -49,6 +50,7 @@ class Cluster(ClusterState):
         self._network = network
         self._control_plane = ControlPlane(self, daemons, clients)
         self._workers = workers
+        self._route_syncer = route_syncer
         # What its users call, from the part that does it.
         self.kill = daemons.kill
         self.api = clients.api
@@ -64,7 +66,6 @@ class Cluster(ClusterState):
         self.in_pod_netns = workers.in_pod_netns
         self.node_pids = workers.node_pids
         self.power_off = workers.power_off
-        self.power_on = workers.power_on
         self.install_multus = multus.install
         self.remove_multus = multus.remove
         self.wait_routes = route_syncer.wait_routes
@@ -115,7 +116,7 @@ class Cluster(ClusterState):
         say("certificates, etcd, kube-apiserver, controller-manager, scheduler")
         tokens = make_pki(self)
         self._control_plane.start(binaries, tokens)
-        images = build_test_images(self.state / "images")
+        images = build_test_images(self.test_images)
         say(f"nodes: {', '.join(n.name for n in self.nodes)}")
         for node in self.nodes:
             self._workers.start(node, binaries, images, tokens[f"system:node:{node.name}"])
@@ -129,6 +130,14 @@ class Cluster(ClusterState):
         )
         self.write_info(up_seconds=round(time.monotonic() - started, 1))
         say(f"up in {time.monotonic() - started:.1f}s: kubeconfig {self.kubeconfig}")
+
+    def power_on(self, node: Node) -> None:
+        """The node booted after `power_off` (`nodes.Workers.power_on`), and the route
+        syncer started again when it runs, so that its whole read routes in the node's
+        new namespace, as a node's routing agent does at boot."""
+        self._workers.power_on(node)
+        if self.info.get("cni") == "ipward":
+            self._route_syncer.start()
 
     def down(self, say: Callable[[str], None] = print) -> list[str]:
         """`teardown.down`: all it made removed; what could not be, as messages."""

@@ -14,7 +14,11 @@ from ipward_lab.containerd.images import ImageError, build_ipward_image
 from ipward_lab.kubecluster.cluster import Cluster
 from ipward_lab.kubecluster.common import ClusterError
 from ipward_lab.kubecluster.layout import CHECKOUT, DEFAULT_STATE
-from ipward_lab.kubecluster.prerequisites import kubectl_binary, unavailable_reason
+from ipward_lab.kubecluster.prerequisites import (
+    kubectl_binary,
+    missing_for_tests,
+    unavailable_reason,
+)
 
 EXIT_FAILED = 1
 EXIT_CANNOT_RUN = 2
@@ -65,6 +69,17 @@ def up_command(nodes: int, state: Path) -> None:
             raise
         _fail(e)
     click.echo(f"kubeconfig: {lab.kubeconfig}")
+
+
+@cluster_command.command("check")
+def check_command() -> None:
+    """Say whether the `kube` tests can run on this machine: exit 2 naming what is
+    missing (the Kubernetes binaries, Multus's plugin, kubectl, a tool, root, cgroups),
+    else 0. CI runs it before them, once it has found the binaries."""
+    reason = missing_for_tests()
+    if reason:
+        _fail(ClusterError(reason), EXIT_CANNOT_RUN)
+    click.echo("a cluster can be made here, and the kube tests can run")
 
 
 @cluster_command.command("deploy")

@@ -23,12 +23,18 @@ CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+def enter(fd: int, what: str = "") -> None:
+    """The calling thread joins the network namespace of the open file `fd` (OSError
+    with setns's errno: EINVAL when the file is not a network namespace)."""
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns({what or fd}): {os.strerror(err)}")
+
+
 def _join(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+        enter(fd, path)
     finally:
         os.close(fd)
 

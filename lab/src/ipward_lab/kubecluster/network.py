@@ -118,33 +118,58 @@ class Network:
         )
         self._ip(fabric, "link", "set", "fabric0", "up")
         self._sysctl(fabric, "net.ipv4.ip_forward", "1")
-        members = [("cp", self.lab.cp_netns, CONTROL_PLANE_IP)]
-        members += [(n.name, n.netns, n.ip) for n in self.lab.nodes]
-        for name, netns, ip in members:
-            self._ip(netns, "link", "set", "lo", "up")
-            self._ip(
-                netns, "link", "add", "eth0", "type", "veth", "peer", "name", name, "netns", fabric
-            )
-            self._ip(fabric, "link", "set", name, "master", "fabric0", "up")
-            self._ip(netns, "addr", "add", f"{ip}/{FABRIC_NET.prefixlen}", "dev", "eth0")
-            self._ip(netns, "link", "set", "eth0", "up")
-            self._ip(netns, "route", "add", "default", "via", FABRIC_GATEWAY)
-            self._sysctl(netns, "net.ipv4.ip_forward", "1")
+        self._plug("cp", self.lab.cp_netns, CONTROL_PLANE_IP)
         for node in self.lab.nodes:
-            # The pods' bridge, made before `bridge` finds it so that it answers ARP for
-            # the addresses of the /16 that live elsewhere (routed out of eth0).
-            self._ip(node.netns, "link", "add", BRIDGE, "type", "bridge")
-            self._ip(node.netns, "link", "set", BRIDGE, "up")
-            self._sysctl(node.netns, f"net.ipv4.conf.{BRIDGE}.proxy_arp", "1")
-            # The API's Service address, as kube-proxy would make it (none exists here).
-            for chain in ("OUTPUT", "PREROUTING"):
-                run(
-                    [
-                        "nsenter", f"--net={node.netns}", "iptables", "-w", "-t", "nat",
-                        "-A", chain, "-d", SERVICE_IP, "-p", "tcp", "--dport", "443",
-                        "-j", "DNAT", "--to-destination", f"{CONTROL_PLANE_IP}:{API_PORT}",
-                    ]
-                )  # fmt: skip
+            self._boot(node)
+
+    def _plug(self, name: str, netns: str, ip: str) -> None:
+        """Namespace `netns` joined to the fabric (its `eth0`, the fabric's port `name`)
+        with address `ip` and the fabric as its default route, forwarding."""
+        self._ip(netns, "link", "set", "lo", "up")
+        self._ip(
+            netns, "link", "add", "eth0", "type", "veth", "peer", "name", name,
+            "netns", self.lab.fabric_netns,
+        )  # fmt: skip
+        self._ip(self.lab.fabric_netns, "link", "set", name, "master", "fabric0", "up")
+        self._ip(netns, "addr", "add", f"{ip}/{FABRIC_NET.prefixlen}", "dev", "eth0")
+        self._ip(netns, "link", "set", "eth0", "up")
+        self._ip(netns, "route", "add", "default", "via", FABRIC_GATEWAY)
+        self._sysctl(netns, "net.ipv4.ip_forward", "1")
+
+    def _boot(self, node: Node) -> None:
+        """The node's network as its boot makes it, in its (empty) namespace: its link to
+        the fabric, the pods' bridge and the API's Service address."""
+        self._plug(node.name, node.netns, node.ip)
+        # The pods' bridge, made before `bridge` finds it so that it answers ARP for the
+        # addresses of the /16 that live elsewhere (routed out of eth0).
+        self._ip(node.netns, "link", "add", BRIDGE, "type", "bridge")
+        self._ip(node.netns, "link", "set", BRIDGE, "up")
+        self._sysctl(node.netns, f"net.ipv4.conf.{BRIDGE}.proxy_arp", "1")
+        # The API's Service address, as kube-proxy would make it (none exists here).
+        for chain in ("OUTPUT", "PREROUTING"):
+            run(
+                [
+                    "nsenter", f"--net={node.netns}", "iptables", "-w", "-t", "nat",
+                    "-A", chain, "-d", SERVICE_IP, "-p", "tcp", "--dport", "443",
+                    "-j", "DNAT", "--to-destination", f"{CONTROL_PLANE_IP}:{API_PORT}",
+                ]
+            )  # fmt: skip
+
+    def power_off(self, node: Node) -> None:
+        """The node's network state gone, as a machine's at power off: its namespace
+        unmounted (destroyed with every link, address, route and rule in it, once no
+        process is left in it) and its port on the fabric removed. `power_on` makes it
+        again."""
+        self._ip(self.lab.fabric_netns, "link", "del", node.name)  # and its end, eth0
+        run(["umount", node.netns])
+
+    def power_on(self, node: Node) -> None:
+        """A new, empty network namespace for the node (`power_off`), as its boot
+        configures it (`_boot`); the node-range routes through it, under host-local."""
+        run(["unshare", f"--net={node.netns}", "true"])
+        self._boot(node)
+        if self.lab.info.get("cni") == "host-local":
+            self.node_range_routes(present=True)
 
     def node_range_routes(self, present: bool) -> None:
         """The routes of host-local's node ranges (each node's range through that node),

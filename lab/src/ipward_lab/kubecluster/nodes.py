@@ -12,7 +12,6 @@ kubelet's host sysctls (`protectKernelDefaults`) are files bind-mounted over the
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 from collections.abc import Sequence
@@ -263,10 +262,11 @@ class Workers:
 
     def power_off(self, node: Node, timeout: float = 60.0) -> None:
         """The node goes down as a machine does: every process of it killed (SIGKILL),
-        and what a reboot clears cleared in its mount namespace: the mounts under /run
-        (the sandboxes' network namespaces, the containers' root file systems) and
-        the pods' volumes under /var/lib/kubelet (tmpfs), then /run's content. Its
-        disk (/var/lib, /etc) stays; `power_on` starts its containerd and kubelet."""
+        what its memory held lost: in its mount namespace the mounts under /run (the
+        sandboxes' network namespaces, the containers' root file systems) and the pods'
+        volumes under /var/lib/kubelet (tmpfs), then /run's content; its network state
+        (`Network.power_off`: every link, address, route and rule, and its port on the
+        fabric). Its disk (/var/lib, /etc) stays; `power_on` boots it."""
         left = kill_until_gone(
             lambda: {p for p in self.node_pids(node) if not zombie(p) and not observer(p)},
             timeout,
@@ -280,15 +280,16 @@ class Workers:
             " find /run -mindepth 1 -delete"
         )
         run(["nsenter", f"--mount={node.mntns}", "sh", "-c", script])
+        self.network.power_off(node)
 
     def power_on(self, node: Node) -> None:
-        """Start the node's containerd and kubelet again (after `power_off`, or after
-        they were killed), with their command lines of `up`."""
+        """The node boots after `power_off`: its network as its boot configures it
+        (`Network.power_on`), then its containerd and kubelet with their command lines of
+        `up`."""
+        self.network.power_on(node)
         containerd = f"{node.name}-containerd"
         for name in (containerd, f"{node.name}-kubelet"):
             entry = self.lab.info["processes"][name]
-            with contextlib.suppress(ClusterError):
-                self.daemons.kill(name, timeout=5.0)
             self.daemons.launch(name, entry["argv"], env=entry.get("env"))
             if name == containerd:
                 self.wait_containerd(node)

@@ -1,7 +1,9 @@
 """What the cluster lab needs of the machine, and where it finds it: the Kubernetes
 binaries (`kube-node`, `kube-apiserver`; Multus's thin plugin for the stories that use
 it) in the directories of KUBE_BIN_DIR or beside the checkout, kubectl, Debian's tools
-and CNI plugins, root, cgroups. `unavailable_reason` is what a test skips with."""
+and CNI plugins, root, cgroups. `unavailable_reason` is what `ipward cluster up` refuses
+with; `missing_for_tests` what the `kube` tests need beyond the binaries (Multus too),
+which fails them rather than skipping them."""
 
 from __future__ import annotations
 
@@ -122,3 +124,16 @@ def unavailable_reason() -> str | None:
         return str(e)
     missing = missing_tools()
     return f"the cluster lab needs: {', '.join(missing)}" if missing else None
+
+
+def missing_for_tests() -> str | None:
+    """What the `kube` tests need that is missing, the Kubernetes binaries found (every
+    prerequisite of a cluster, and Multus's thin plugin for its stories), or None."""
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    try:
+        find_multus()
+    except ClusterError as e:
+        return str(e)
+    return None

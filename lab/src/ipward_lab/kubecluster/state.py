@@ -95,6 +95,11 @@ class ClusterState:
         return self.state / "pki"
 
     @property
+    def test_images(self) -> Path:
+        """The test images' tarballs, and the static programs in them (`pause`, `sleep`)."""
+        return self.state / "images"
+
+    @property
     def api_url(self) -> str:
         return f"https://{CONTROL_PLANE_IP}:{API_PORT}"
 
