@@ -5,8 +5,10 @@ on an empty store."""
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -181,10 +183,11 @@ def agent_memory(tmp: Path, records: RecordStore, other_node: bool = False) -> d
     label = f"{count_label(records.records)}{'-other' if other_node else ''}"
     node, state = (OTHER_NODE, records.other_state) if other_node else (NODE, records.runtime_state)
     expected = 0 if other_node else records.records
+    sockets = Path(tempfile.mkdtemp(prefix="ipw-gcmem-"))  # AF_UNIX paths are short
     agent = Agent(
         node,
         f"sqlite://{records.path}",
-        tmp / "sockets" / f"agent-{label}.sock",
+        sockets / "agent.sock",
         tmp / "agent-logs",
         extra=("--liveness", f"sim://{state}", "--reconcile-interval", "3600"),
         metrics=False,
@@ -207,6 +210,7 @@ def agent_memory(tmp: Path, records: RecordStore, other_node: bool = False) -> d
             agent.stop(AGENT_STOP_TIMEOUT)
         except (subprocess.TimeoutExpired, FleetError):
             agent.kill()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def gc_growth(
