@@ -380,7 +380,7 @@ class Soak:
         assert side is not None
         if kind == "store-conflicts":
             side.storm()
-            return "another writer updates every ledger object for 5s (409s)"
+            return "another ipward writer rewrites every ledger object for 5s (409s)"
         if kind == "store-relist":
             # An agent paused past its watch's end (SIGSTOP): the server ends the watch
             # meanwhile, the ledger is compacted past where it was, and resumed

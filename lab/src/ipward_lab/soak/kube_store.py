@@ -4,8 +4,12 @@ and the faults of that API server:
 
   store-api-kill   SIGKILL, started again 3 s later (writes in flight may or may not
                    have been applied; watches break; everyone retries)
-  store-conflicts  for 5 s, another writer bumps an annotation on every ledger object
-                   as fast as it can: ipward's compare-and-swap updates meet 409s
+  store-conflicts  for 5 s, another ipward writer rewrites every ledger object as it is
+                   (as a lease's keep-alive does), as fast as it can: the agents' and the
+                   controllers' compare-and-swap updates meet 409s. (Not a foreign write
+                   such as an annotation: an object's revisions written as "this update"
+                   are read as its resourceVersion, which a foreign update would move;
+                   the ledger's objects are ipward's alone.)
   store-relist     an agent paused (SIGSTOP) for 12 s, past the end the server gives
                    its watches (10 s); meanwhile an object no ledger watch sees written
                    and the etcd compacted to that revision. Resumed, the agent resumes
@@ -29,10 +33,12 @@ import threading
 import time
 from pathlib import Path
 
-from ipward.kubeapi.client import ApiClient, ApiError, ApiUnreachable
+from ipward.core import shards
+from ipward.kubeapi.client import ApiClient, ApiError
 from ipward.kubeapi.config import from_kubeconfig
-from ipward.store.kube import DEFAULT_NAMESPACE
-from ipward.store.kube.objects import GROUP, PLURAL, VERSION
+from ipward.store import StoreError
+from ipward.store.kube import DEFAULT_NAMESPACE, KubeStore
+from ipward.store.kube.objects import Conflict
 from ipward_lab.servers import kube_apiserver, kube_store
 from ipward_lab.servers.etcd import run_etcdctl
 from ipward_lab.soak.result import SoakError
@@ -41,7 +47,6 @@ KILLED_FOR = 3.0  # seconds the store's API server stays down after store-api-ki
 STORM = 5.0  # seconds of store-conflicts
 PAUSED = 12.0  # seconds store-relist pauses an agent: past its watch's end (10 s)
 RELIST_WAIT = 20.0  # seconds from its resumption for a follower to meet the 410
-LEDGER = f"/apis/{GROUP}/{VERSION}/namespaces/{DEFAULT_NAMESPACE}/{PLURAL}"
 
 
 class KubeStoreSide:
@@ -64,7 +69,8 @@ class KubeStoreSide:
         self.etcd = etcd.partition("=")[2].removeprefix("http://")
         self.client = ApiClient(from_kubeconfig(str(self.lab.kubeconfig)), timeout=5.0)
         exits.callback(self.client.close)
-        self.conflicts_made = 0  # the storm's updates that went through
+        self.writer = KubeStore(self.url)  # the storm's
+        exits.callback(self.writer.close)
 
     def kill(self) -> None:
         assert self.lab.proc is not None
@@ -96,13 +102,8 @@ class KubeStoreSide:
 
     def _storm(self) -> None:
         deadline = time.monotonic() + STORM
-        n = 0
         while time.monotonic() < deadline:
-            with contextlib.suppress(ApiError, ApiUnreachable):
-                for obj in self.client.request("GET", LEDGER)["items"]:
-                    n += 1
-                    meta = obj["metadata"]
-                    meta.setdefault("annotations", {})["soak.ipward.io/storm"] = str(n)
-                    with contextlib.suppress(ApiError):  # 409: ipward wrote it first
-                        self.client.request("PUT", f"{LEDGER}/{meta['name']}", body=obj)
-                        self.conflicts_made += 1
+            with contextlib.suppress(StoreError):
+                for shard in self.writer.objects.scope(shards.EVERYTHING)[0]:
+                    with contextlib.suppress(Conflict, StoreError):  # ipward's came first
+                        self.writer.committer.write_as_is(shard)
