@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from ipward.core import shards
 from ipward.store import open_backend
 from ipward.store.base import Put, Store, at_revision
 from ipward.store.kube import commit
+from ipward.store.kube.objects import Conflict
 from ipward_lab.waiting import wait_for
 from support import Gate
 
@@ -35,6 +37,7 @@ import sys
 from ipward.store import open_backend
 from ipward.store.base import Put
 from ipward.store.kube import commit
+from ipward.store.kube.objects import Conflict
 commit.LOCK_TTL = float(sys.argv[3])
 store = open_backend(sys.argv[1])
 keys = sys.argv[2].split(",")
@@ -48,6 +51,7 @@ import sys
 from ipward.store import open_backend
 from ipward.store.base import Put
 from ipward.store.kube import commit
+from ipward.store.kube.objects import Conflict
 commit.ABORT_MARGIN = 0.5
 store = open_backend(sys.argv[1])
 store.txn([], [Put(sys.argv[2], b"aborter")])
@@ -134,6 +138,41 @@ def test_an_aborter_killed_after_its_mark_leaves_the_transaction_aborted(
     assert values(store, keys) == [None, b"next", None]
 
 
+def test_a_failed_update_that_let_go_a_lock_keeps_its_commit_record(
+    kube_store_url: str, keys: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer's update that applies, in passing, the lock of its own committed
+    transaction and then fails (the object moved: 409) applied nothing: the
+    transaction's commit record stays until an update that was made lets the lock go.
+    (Found by the `kube` node-gone story: a record pruned on a failed update's word left
+    the lock to be judged aborted by other processes, the write lost: a node index entry
+    left behind, dangling.)"""
+    monkeypatch.setattr(commit, "RESOLVE_DELAY", 600.0)  # its resolver stays out of it
+    monkeypatch.setattr(commit, "RECORD_HORIZON", 0.0)  # records go as soon as they may
+    monkeypatch.setattr(commit, "LOCK_TTL", 1.0)
+    monkeypatch.setattr(commit, "ABORT_MARGIN", 0.5)
+    written = keys[:2]
+    primary, secondary = sorted((shards.shard_of(k) for k in written), key=commit._rank)
+    locked = next(k for k in written if shards.shard_of(k) == secondary)
+    with open_backend(kube_store_url) as writer, open_backend(kube_store_url) as other:
+        assert writer.txn([], [Put(k, b"written") for k in written]).succeeded
+        c = writer.committer
+        stale = c.cached(secondary)
+        assert len(stale.locks) == 1, "the secondary holds the committed transaction's lock"
+        expires = next(iter(stale.locks.values())).expires
+        # Another process moves the secondary's object (its lock untouched: it does not
+        # know the transaction's fate), so the writer's next update of it fails...
+        other.committer.write_as_is(other.committer.read(secondary))
+        with pytest.raises(Conflict):
+            c.write_as_is(stale)
+        # ...and the writer's next update of the primary must keep the commit record.
+        c.write_as_is(c.read(primary))
+        assert c.read(primary).commits, "the commit record went while its lock is stored"
+        wait_for(lambda: c.clock() > expires + 0.6, "the lock's expiry, and the margin")
+    with open_backend(kube_store_url) as reader:  # knows no fate: reads the primary
+        assert values(reader, written) == [b"written", b"written"], locked
+
+
 # -- the bank ----------------------------------------------------------------------------
 
 TELLER = """
@@ -141,6 +180,7 @@ import random, sys
 from ipward.store import open_backend
 from ipward.store.base import Put, at_revision
 from ipward.store.kube import commit
+from ipward.store.kube.objects import Conflict
 commit.LOCK_TTL = 2.0
 commit.ABORT_MARGIN = 0.5
 store = open_backend(sys.argv[1])

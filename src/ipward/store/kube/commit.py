@@ -179,7 +179,7 @@ class Committer:
     def _write(self, shard: Shard, txn: str, committing: set[str] = frozenset()) -> int:  # type: ignore[assignment]
         """Write the shard's next version (`txn` made it); its new revision. Conflict when
         it moved. A lost answer is read back: applied if the object says `txn` made it."""
-        self._piggyback(shard)
+        written = self._piggyback(shard)
         shard.last = txn
         data = encode(shard, committing)
         if size(data) > MAX_OBJECT:
@@ -194,6 +194,7 @@ class Committer:
             if now is None or now.last != txn:
                 raise
             self._noted(now)
+            written()
             return now.rv
         except Conflict:
             self.forget(shard.id)
@@ -201,6 +202,7 @@ class Committer:
         from ipward.store.kube.content import decode
 
         self._noted(decode(shard.id, rv, data))
+        written()
         return rv
 
     def resolve(self, txn: str, shard_id: str) -> None:
@@ -353,9 +355,14 @@ class Committer:
             return ABORTED
         raise StoreUnreachable(f"Kubernetes store {self.objects.where}: cannot settle {txn}")
 
-    def _piggyback(self, shard: Shard) -> None:
+    def _piggyback(self, shard: Shard) -> Callable[[], None]:
         """What an update of `shard` does in passing: apply or drop locks whose fate this
-        process knows, drop commit records and abort marks no one needs any more."""
+        process knows, drop commit records and abort marks no one needs any more. What
+        it returns notes that, to be called once the update is made: a commit record
+        may go only once no stored object holds its lock (an update that failed applied
+        nothing, and a record pruned on its word would leave the lock to be judged
+        aborted, its writes lost)."""
+        applied: list[tuple[str, str]] = []  # (txn, its primary) of the locks let go
         for txn, lock in list(shard.locks.items()):
             with self._lock:
                 fate = self._fates.get(txn)
@@ -364,15 +371,9 @@ class Committer:
             if fate.committed:
                 shard.apply(lock.writes, fate.rev)
             del shard.locks[txn]
-            with self._lock:
-                waiting = self._unresolved.get(txn)
-                if waiting is not None:
-                    waiting.discard(shard.id)
-                    if not waiting:
-                        del self._unresolved[txn]
-                        self._prunable.setdefault(lock.primary, set()).add(txn)
+            applied.append((txn, lock.primary))
         with self._lock:
-            done = self._prunable.pop(shard.id, set())
+            done = set(self._prunable.get(shard.id, ()))
         for txn in done:
             shard.commits.pop(txn, None)
         horizon = self.clock() - RECORD_HORIZON
@@ -382,6 +383,23 @@ class Committer:
         for txn, commit in list(shard.commits.items()):
             if commit.at < horizon and self._resolved_everywhere(txn, commit):
                 del shard.commits[txn]
+
+        def written() -> None:
+            with self._lock:
+                for txn, primary in applied:
+                    waiting = self._unresolved.get(txn)
+                    if waiting is not None:
+                        waiting.discard(shard.id)
+                        if not waiting:
+                            del self._unresolved[txn]
+                            self._prunable.setdefault(primary, set()).add(txn)
+                pruned = self._prunable.get(shard.id)
+                if pruned is not None:
+                    pruned -= done
+                    if not pruned:
+                        del self._prunable[shard.id]
+
+        return written
 
     def _resolved_everywhere(self, txn: str, commit: Commit) -> bool:
         """An old commit record may go once no shard it names holds its lock."""
