@@ -17,12 +17,13 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ipward.core import shards
 from ipward.store import open_backend
-from ipward.store.base import Put, Store, at_revision
+from ipward.store.base import Put, Store, StoreUnreachable, at_revision
 from ipward.store.kube import commit
 from ipward.store.kube.objects import Conflict
 from ipward_lab.waiting import wait_for
@@ -171,6 +172,37 @@ def test_a_failed_update_that_let_go_a_lock_keeps_its_commit_record(
         wait_for(lambda: c.clock() > expires + 0.6, "the lock's expiry, and the margin")
     with open_backend(kube_store_url) as reader:  # knows no fate: reads the primary
         assert values(reader, written) == [b"written", b"written"], locked
+
+
+def test_a_commit_whose_answer_was_lost_and_then_followed_is_known_committed(
+    kube_store_url: str, keys: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer to a commit (the primary's update holding the commit record) is lost
+    and another process updates the primary before the writer reads it back: the
+    writer knows its transaction committed by the record, at the record's revision, and
+    lets its other locks go as applied. (Judged by "the last update was mine" alone, it
+    took the transaction for not made and dropped the locks: half a transaction.)"""
+    written = keys[:2]
+    primary, _ = sorted((shards.shard_of(k) for k in written), key=commit._rank)
+    with open_backend(kube_store_url) as writer, open_backend(kube_store_url) as other:
+        write = writer.committer.objects.write
+        lost: list[int] = []
+
+        def commit_answer_lost(shard: Any, data: str) -> int:
+            rv = write(shard, data)
+            if shard.id == primary and shard.commits and not lost:
+                lost.append(rv)
+                other.committer.write_as_is(other.committer.read(primary))
+                raise StoreUnreachable("the answer to the commit was lost")
+            return rv
+
+        monkeypatch.setattr(writer.committer.objects, "write", commit_answer_lost)
+        assert writer.txn([], [Put(k, b"written") for k in written]).succeeded
+        assert lost, "the commit's answer was not lost"
+        assert {writer.get(k).mod_revision for k in written} == set(lost)  # type: ignore[union-attr]
+    with open_backend(kube_store_url) as reader:
+        assert values(reader, written) == [b"written", b"written"]
+        assert {reader.get(k).mod_revision for k in written} == set(lost)  # type: ignore[union-attr]
 
 
 # -- the bank ----------------------------------------------------------------------------

@@ -178,7 +178,9 @@ class Committer:
 
     def _write(self, shard: Shard, txn: str, committing: set[str] = frozenset()) -> int:  # type: ignore[assignment]
         """Write the shard's next version (`txn` made it); its new revision. Conflict when
-        it moved. A lost answer is read back: applied if the object says `txn` made it."""
+        it moved. A lost answer is read back: applied if the object says `txn` made it,
+        or, for a commit, holds its commit record (another update may have followed it:
+        then the commit's revision is the record's)."""
         written = self._piggyback(shard)
         shard.last = txn
         data = encode(shard, committing)
@@ -191,11 +193,12 @@ class Committer:
             rv = self.objects.write(shard, data)
         except StoreUnreachable:
             now = self.objects.get(shard.id)
-            if now is None or now.last != txn:
+            committed = [now.commits[t].rev for t in committing if now and t in now.commits]
+            if now is None or (now.last != txn and not committed):
                 raise
             self._noted(now)
             written()
-            return now.rv
+            return committed[0] if committed else now.rv
         except Conflict:
             self.forget(shard.id)
             raise
