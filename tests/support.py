@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -30,6 +31,21 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+PT_INTERP = 3  # an ELF program header naming the dynamic loader
+EM_X86_64 = 62
+
+
+def static_x86_64_executable(data: bytes) -> bool:
+    """`data` is a 64-bit ELF for x86-64 that names no dynamic loader (so it uses no C
+    library of the host's, glibc, musl or none)."""
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return False
+    machine = struct.unpack_from("<H", data, 18)[0]
+    phoff, _, _, _, phentsize, phnum = struct.unpack_from("<QQIHHH", data, 32)
+    types = [struct.unpack_from("<I", data, phoff + i * phentsize)[0] for i in range(phnum)]
+    return machine == EM_X86_64 and phnum > 0 and PT_INTERP not in types
 
 
 def recorded(name: str) -> dict:

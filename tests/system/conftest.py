@@ -215,7 +215,9 @@ def kube(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KubeApi]:
 
 @pytest.fixture(scope="session")
 def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A real cluster (`ipward cluster up --nodes 3`) with ipward deployed from its image
+    """A real cluster (`ipward cluster up --nodes 3 --without-python 1`: n3 has no
+    Python, so every story runs a third of its pods through a plugin that needs none)
+    with ipward deployed from its image
     and manifests (`ipward cluster deploy`, tuned by `kube_checks.KUBE_TUNING` so that
     stories take seconds), shared by every `kube` test of the session and removed after
     them. The machine's state before `up` is in `.machine_before`, the times taken in
@@ -248,7 +250,7 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         lab.machine_before = before  # type: ignore[attr-defined]
         say = lambda text: print(f"[cluster] {text}", file=sys.stderr)  # noqa: E731
         try:
-            lab.up(3, say)
+            lab.up(3, say, without_python=1)  # n3 runs every story with no Python
             lab.deploy(say, KUBE_TUNING)
             yield lab
         finally:

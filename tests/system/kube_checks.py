@@ -66,8 +66,8 @@ def require_cluster_lab() -> None:
 
 CONFIRM_SECONDS = 3.0
 ADD_GRACE = 10.0
-# The kube tests' deployment: deploy/overlays/etcd with these options (an overlay), so that what
-# ipward does after its ADD grace or a release delay comes in seconds.
+# The kube tests' deployment: deploy/base (the k8s:// store) with these options (an
+# overlay), so that what ipward does after its ADD grace or a release delay comes in seconds.
 KUBE_TUNING = Tuning(
     agent_args=(f"--add-grace={ADD_GRACE:g}", "--reconcile-interval=3"),
     # The controller's source hears the API at least every 5 s (`stale=10`: its watches
@@ -82,7 +82,7 @@ KUBE_TUNING = Tuning(
     ),
     # Small blocks, handed back 5 s after they empty, freed addresses given again after
     # 2 s: what the stories do moves blocks and reuses addresses.
-    pool_args=("--block-v4=29", "--warm=4", "--release-delay=5", "--cooldown=2"),
+    pool={"blockSize": {"ipv4": 29}, "warm": 4, "releaseDelaySeconds": 5, "cooldownSeconds": 2},
 )
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -25,12 +24,10 @@ from ipward.core import startpath
 from ipward.store import open_store
 from ipward_lab import fleet
 from ipward_lab.waiting import wait_for
-from support import PluginResult, exec_plugin
+from support import PluginResult, exec_plugin, static_x86_64_executable
 
 RANGES = {"ranges": [[{"subnet": "10.91.0.0/24"}]]}
 AS_ROOT = os.getuid() == 0 and shutil.which("chroot") is not None
-PT_INTERP = 3  # an ELF program header naming the dynamic loader
-EM_X86_64 = 62
 
 
 @pytest.fixture
@@ -70,12 +67,7 @@ def test_the_installed_file_is_one_static_x86_64_executable(native_plugin: Path)
     (so no C library of the host's is used, glibc, musl or none)."""
     data = native_plugin.read_bytes()
     assert data == startpath.native_plugin()
-    assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit
-    machine = struct.unpack_from("<H", data, 18)[0]
-    phoff, _, _, _, phentsize, phnum = struct.unpack_from("<QQIHHH", data, 32)
-    types = [struct.unpack_from("<I", data, phoff + i * phentsize)[0] for i in range(phnum)]
-    assert machine == EM_X86_64 and phnum > 0
-    assert PT_INTERP not in types
+    assert static_x86_64_executable(data)
     assert os.access(native_plugin, os.X_OK)
 
 

@@ -22,6 +22,7 @@ from ipward_lab.kubecluster.cluster import Cluster
 from ipward_lab.kubecluster.common import wait_for
 from ipward_lab.kubecluster.teardown import leftovers, machine_snapshot, namespace_ids
 from kube_checks import require_cluster_lab
+from support import static_x86_64_executable
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(1800)]
 
@@ -158,6 +159,84 @@ def test_deployment_spread_over_nodes_gets_addresses_from_ipward(kube_cluster: C
         f" {REPLICAS} pods Running and checked in {time.monotonic() - started:.1f}s",
         file=sys.stderr,
     )
+
+
+def test_ipward_installed_by_one_apply_and_one_ippool_without_an_etcd(
+    kube_cluster: Cluster,
+) -> None:
+    """The install is `kubectl apply -k deploy/base` and one IPPool: ipward keeps its
+    ledger in the API (LedgerShard objects), the pool is an object the controller took
+    (Ready, its status counting what the ledger holds), and no etcd of ipward's runs
+    anywhere, nor does a Secret name one."""
+    lab = kube_cluster
+    assert lab.store == "k8s"
+    for kind, name in (("daemonset", "ipward-agent"), ("deployment", "ipward-controller")):
+        spec = lab.kubectl_json("--namespace=ipward-system", "get", kind, name)["spec"]
+        args = [a for c in spec["template"]["spec"]["containers"] for a in c.get("args", [])]
+        assert "--store=k8s://" in args, f"{name}: {args}"
+    etcds = [
+        name
+        for name, p in lab.info.get("processes", {}).items()
+        if any(Path(arg).name == "etcd" for arg in p["argv"])
+    ]
+    assert etcds == ["etcd"], f"etcds running: {etcds} (the cluster's alone expected)"
+    secrets = lab.kubectl_json("--namespace=ipward-system", "get", "secrets")["items"]
+    assert "ipward-etcd" not in {s["metadata"]["name"] for s in secrets}
+    pool = lab.kubectl_json("get", "ippools.ipward.io", "pods")
+    ready = [c for c in pool["status"]["conditions"] if c["type"] == "Ready"]
+    assert ready and ready[0]["status"] == "True", pool["status"]
+    pools = json.loads(lab.ipward_run("pool", "list", "--json").stdout)
+    assert "pods" in {p["name"] for p in pools}, pools
+    shards = lab.kubectl_json("--namespace=ipward-system", "get", "ledgershards.ipward.io")
+    assert shards["items"], "no LedgerShard object: the ledger is not in the API"
+
+
+def test_a_node_without_python_runs_pods_through_the_installed_plugin(
+    kube_cluster: Cluster,
+) -> None:
+    """On a node where no Python can run (its python3* are bound over by a program that
+    is not an interpreter), the DaemonSet's init container has installed the node's
+    plugin, one static executable, and pods started there hold ipward's addresses."""
+    lab = kube_cluster
+    node = next(n for n in lab.nodes if not n.python)
+    python = subprocess.run(
+        lab.in_node(node, ["/usr/bin/python3", "-c", "print('python')"]),
+        capture_output=True,
+        text=True,
+    )
+    assert python.returncode != 0 and "python" not in python.stdout, "Python ran on the node"
+    plugin = Path(node.dir) / "opt" / "cni" / "bin" / "ipward"
+    assert static_x86_64_executable(plugin.read_bytes()), f"{plugin}: not a static executable"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "no-python", "namespace": "default"},
+        "spec": {
+            "nodeName": node.name,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {"name": "sleep", "image": "ipward.test/sleep:lab", "imagePullPolicy": "Never"}
+            ],
+        },
+    }
+    lab.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    try:
+        running = wait_for(
+            lambda: (
+                (p := lab.kubectl_json("get", "pod", "no-python"))["status"].get("phase")
+                == "Running"
+                and p["status"].get("podIP")
+                and p
+            ),
+            f"the pod on {node.name} Running",
+            RUNNING_TIMEOUT,
+            1.0,
+        )
+        records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+        mine = [r for r in records if r["pod"].get("uid") == running["metadata"]["uid"]]
+        assert [(r["ip"], r["node"]) for r in mine] == [(running["status"]["podIP"], node.name)]
+    finally:
+        lab.kubectl("delete", "pod", "no-python", "--wait=true", check=False)
 
 
 def test_down_leaves_the_machine_as_before(kube_cluster: Cluster) -> None:

@@ -1024,8 +1024,8 @@ def agents_running(lab: Cluster) -> dict[str, set[str]]:
 
 
 def roll(s: Story, tuning: Tuning, label: str) -> None:
-    """ipward's manifests applied as `tuning` makes them (deploy/overlays/etcd itself,
-    the lab's deployment, when it adds nothing), and sampled until the agents and the
+    """ipward's manifests applied as `tuning` makes them (the store's own, deploy/base
+    on k8s://, when it adds nothing), and sampled until the agents and the
     controllers have rolled: every node ran its old and its new agent at once."""
     lab = s.lab
     together: dict[str, int] = {}  # the most agents seen running at once, by node
@@ -1041,7 +1041,7 @@ def roll(s: Story, tuning: Tuning, label: str) -> None:
     outcome: list[str] = []
     watcher = in_thread(errors, watch)
     try:
-        lab.kubectl("apply", "-k", str(tuning.kustomization(lab.state / "deploy")))
+        lab.kubectl("apply", "-k", str(tuning.kustomization(lab)))
         rolling = in_thread(
             errors,
             lambda: outcome.append(wait_for(lambda: rolled(lab), f"{label} done", 300.0, 1.0)),
@@ -1065,7 +1065,7 @@ def container_args(lab: Cluster, kind: str, name: str) -> list[str]:
 
 
 def test_agents_rolled_to_ipwards_defaults_and_back_under_churn(stories: Stories) -> None:
-    """ipward's manifests applied as deploy/overlays/etcd has them (the lab's tuning
+    """ipward's manifests applied as deploy/base has them (the lab's tuning
     dropped: the agents' and the controllers' own defaults, ADD grace 120 s among them),
     then with the tuning again, while pods come and go on every node. Each apply rolls
     the agent DaemonSet with `maxSurge: 1` (each node's new agent serves beside the old
@@ -1104,7 +1104,7 @@ def test_agents_rolled_to_ipwards_defaults_and_back_under_churn(stories: Stories
             if rolled(lab) != "rolled" or not set(KUBE_TUNING.agent_args) <= set(
                 container_args(lab, "daemonset", "ipward-agent")
             ):
-                lab.kubectl("apply", "-k", str(KUBE_TUNING.kustomization(lab.state / "deploy")))
+                lab.kubectl("apply", "-k", str(KUBE_TUNING.kustomization(lab)))
                 wait_for(lambda: rolled(lab), "the tuning deployed again", 300.0, 1.0)
         if errors:
             raise errors[0]
@@ -1116,6 +1116,44 @@ def test_agents_rolled_to_ipwards_defaults_and_back_under_churn(stories: Stories
 SECOND_NET = ipaddress.ip_network("10.245.0.0/24")
 NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 NETWORK_STATUS_ANNOTATION = "k8s.v1.cni.cncf.io/network-status"
+
+
+def held_by(lab: Cluster, ns: str) -> dict[str, str]:
+    """The ledger's addresses of namespace `ns`'s pods, by pod name."""
+    return {r["pod"]["name"]: r["ip"] for r in records_of(lab, ns).values()}
+
+
+def test_ledger_moved_to_an_etcd_and_back_under_running_pods(stories: Stories) -> None:
+    """`--store etcd`'s story: the ledger moved from the API to an etcd of the lab's, as
+    README's upgrade says (controllers scaled to 0, the agent DaemonSet deleted, `ipward
+    export`, `ipward import`, deploy/overlays/etcd applied), under running pods, which
+    keep their addresses and records; on etcd a StatefulSet round keeps its addresses
+    and new pods get new ones; then moved back to `k8s://` (deploy/base) the same way,
+    and a round there. No address doubles, nothing is freed but by a DEL. (Back on
+    k8s:// whatever happened, for the stories after it.)"""
+    lab = stories.lab
+    assert lab.store == "k8s"
+    with story(stories, "move") as s:
+        s.apply(statefulset("db", 3, spread="db"), deployment("web", 3, spread="web"))
+        db = addresses(s.wait_running("db", 3))
+        s.wait_running("web", 3)
+        held = held_by(lab, s.ns)
+        try:
+            for store, web in (("etcd", 6), ("k8s", 3)):
+                lab.move_store(store, s.say, KUBE_TUNING)
+                assert lab.store == store
+                assert held_by(lab, s.ns) == held, f"moved to {store}: the ledger differs"
+                s.checks.sample(f"moved to {store}")
+                scale_rounds(s, "db", 1, db)
+                s.scale("deployment", "web", web)
+                s.wait_running("web", web)
+                s.checks.sample(f"on {store}")
+                held = held_by(lab, s.ns)
+        finally:
+            if lab.store != "k8s":
+                lab.move_store("k8s", s.say, KUBE_TUNING)
+        failed = sandbox_failures(s)
+        assert not failed, f"sandboxes failed: {failed}"
 
 
 def second_network(ipam_type: str) -> dict[str, Any]:
@@ -1200,6 +1238,71 @@ def test_multus_secondary_network_switched_from_host_local_to_ipward(stories: St
                 lambda: not records_of(lab, s.ns), "both interfaces' addresses freed", 60.0, 0.5
             )
     finally:
+        lab.remove_multus()
+
+
+TINY_NET = ipaddress.ip_network("10.247.0.0/28")  # 13 addresses: not one default block (/26)
+
+
+def tiny_network() -> dict[str, Any]:
+    """A NetworkAttachmentDefinition on the IPPool `tiny`: `bridge` on each node's
+    `cni3` (no gateway, not routed)."""
+    config = {
+        "cniVersion": "0.3.1",
+        "name": "tiny",
+        "type": "bridge",
+        "bridge": "cni3",
+        "ipam": {"type": "ipward", "pool": "tiny", "agentSocket": AGENT_SOCKET},
+    }
+    return {
+        "apiVersion": "k8s.cni.cncf.io/v1",
+        "kind": "NetworkAttachmentDefinition",
+        "metadata": {"name": "tiny"},
+        "spec": {"config": json.dumps(config)},
+    }
+
+
+def test_pool_smaller_than_a_block_per_node_serves_every_node(stories: Stories) -> None:
+    """A pool made as users make one, with ipward's defaults (an IPPool of a /28: 13
+    addresses, less than one default block of /26, let alone one per node), on a Multus
+    secondary network: 9 pods spread over the 3 nodes all start, each with an address
+    of the pool, none twice (one node holds the pool's only block, the others borrow
+    from it); the pool says no node is left out (NodesLimited False); the addresses are
+    freed with the pods, and the pool deleted once they are."""
+    lab = stories.lab
+    lab.install_multus()
+    pool = {
+        "apiVersion": "ipward.io/v1alpha1",
+        "kind": "IPPool",
+        "metadata": {"name": "tiny"},
+        "spec": {"ranges": [{"subnet": str(TINY_NET)}]},
+    }
+    try:
+        with story(stories, "tiny", networks=(TINY_NET,)) as s:
+            lab.kubectl("apply", "--filename=-", input=json.dumps(pool))
+            lab.kubectl("wait", "--for=condition=Ready", "--timeout=60s", "ippool.ipward.io/tiny")
+            s.apply(tiny_network())
+            pods = deployment("small", 9, spread="small", strict=True)
+            pods["spec"]["template"]["metadata"]["annotations"] = {NETWORKS_ANNOTATION: "tiny"}
+            s.apply(pods)
+            running = s.wait_running("small", 9)
+            assert len({p["spec"]["nodeName"] for p in running.values()}) == len(lab.nodes)
+            net1 = [interfaces(p).get("net1") for p in running.values()]
+            assert all(ip and ipaddress.ip_address(ip) in TINY_NET for ip in net1), net1
+            assert len(set(net1)) == 9, f"an address twice: {sorted(map(str, net1))}"
+            records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+            held = {r["ip"] for r in records if r["pool"] == "tiny"}
+            assert held == set(net1), f"the ledger's {sorted(held)}, the pods' {sorted(net1)}"
+            obj = lab.kubectl_json("get", "ippool.ipward.io", "tiny")
+            limited = [c for c in obj["status"]["conditions"] if c["type"] == "NodesLimited"]
+            assert limited and limited[0]["status"] == "False", obj["status"]
+            s.checks.sample("tiny: 9 pods on 3 nodes")
+            s.scale("deployment", "small", 0)
+            s.wait_gone("small")
+            wait_for(lambda: not records_of(lab, s.ns), "the pool's addresses freed", 60.0, 0.5)
+            lab.kubectl("delete", "ippool.ipward.io", "tiny", "--wait=true", "--timeout=60s")
+    finally:
+        lab.kubectl("delete", "ippool.ipward.io", "tiny", "--ignore-not-found", check=False)
         lab.remove_multus()
 
 

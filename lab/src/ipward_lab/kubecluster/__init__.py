@@ -1,12 +1,13 @@
 """`ipward cluster`: a real Kubernetes cluster on one machine, for the `kube` tests, `ipward
 bench --kube` and anyone trying ipward under real kubelets.
 
-A control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, and a
-second etcd with TLS for ipward's store, outside the cluster as users run one) in a
-network namespace of its own, and N worker nodes, each in its own network namespace and
-its own private mount namespace with its own containerd and kubelet. Every namespace is
-joined to a bridge in a "fabric" namespace by a veth pair. The namespaces are files in
-the state dir (`unshare --net=FILE`, `--mount=FILE`), never `ip netns` names in /run.
+A control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler; with
+`deploy --store etcd`, a second etcd with TLS for ipward's ledger, outside the cluster as
+users run one) in a network namespace of its own, and N worker nodes, each in its own
+network namespace and its own private mount namespace with its own containerd and
+kubelet. Every namespace is joined to a bridge in a "fabric" namespace by a veth pair.
+The namespaces are files in the state dir (`unshare --net=FILE`, `--mount=FILE`), never
+`ip netns` names in /run.
 
 The pod network is one, as in a cluster: the network `pods` (`bridge` on each node's
 `cni0`, the same gateway 10.244.0.1 on every node, pods on 10.244.0.0/16), with
@@ -16,7 +17,8 @@ business, which the lab plays as a cluster's network would:
 - with host-local (`up`), each node hands out its own range (10.244.N.0/24): one static
   route per node's range, in the fabric and in the other nodes (a cloud's route
   controller, from the nodes' pod CIDRs);
-- with ipward (`deploy`), one cluster-wide pool `pods` on 10.244.0.0/16, its blocks
+- with ipward (`deploy`: its ledger in the API by default, `deploy/base` and an IPPool
+  object), one cluster-wide pool `pods` on 10.244.0.0/16, its blocks
   wherever ipward puts them and sticky addresses moving with their pods: a route per
   address, kept by the route syncer (`route_syncer`, a daemon of the lab) from ipward's
   node index, as Calico's or a cloud's route programming follows theirs.

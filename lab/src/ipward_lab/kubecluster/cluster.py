@@ -46,9 +46,10 @@ class Cluster(ClusterState):
         workers = Workers(self, daemons, clients, network)
         multus = Multus(self, clients)
         route_syncer = RouteSyncer(self, daemons, clients)
-        deployment = Deployment(self, clients, network, workers, route_syncer)
+        control_plane = ControlPlane(self, daemons, clients)
+        deployment = Deployment(self, clients, network, workers, route_syncer, control_plane)
         self._network = network
-        self._control_plane = ControlPlane(self, daemons, clients)
+        self._control_plane = control_plane
         self._workers = workers
         self._route_syncer = route_syncer
         # What its users call, from the part that does it.
@@ -70,11 +71,16 @@ class Cluster(ClusterState):
         self.remove_multus = multus.remove
         self.wait_routes = route_syncer.wait_routes
         self.deploy = deployment.deploy
+        self.move_store = deployment.move_store
+        self.use_ipam = deployment.use_ipam
 
-    def up(self, count: int, say: Callable[[str], None] = print) -> None:
-        """Make the cluster: control plane, `count` nodes Ready with host-local as IPAM."""
+    def up(self, count: int, say: Callable[[str], None] = print, without_python: int = 0) -> None:
+        """Make the cluster: control plane, `count` nodes Ready with host-local as IPAM,
+        the last `without_python` of them with no Python (`nodes`)."""
         if count < 1:
             raise ClusterError("--nodes must be at least 1")
+        if not 0 <= without_python <= count:
+            raise ClusterError(f"--without-python must be 0 to --nodes ({count})")
         binaries = find_binaries()
         missing = missing_tools()
         if missing:
@@ -94,7 +100,7 @@ class Cluster(ClusterState):
         self.journal.record("state", path=str(self.state))
         for sub in ("ns", "logs", "pki", "nodes", "images"):
             (self.state / sub).mkdir(exist_ok=True)
-        self.nodes = node_plan(self.state, cluster_id, count)
+        self.nodes = node_plan(self.state, cluster_id, count, without_python)
         self.info = {
             "id": cluster_id,
             "kubeconfig": str(self.kubeconfig),
@@ -105,7 +111,6 @@ class Cluster(ClusterState):
             "pause_image": PAUSE_IMAGE,
             "test_image": SLEEP_IMAGE,
             "admin_token": secrets.token_hex(16),
-            "ipward_store": self.ipward_store_url,
             "cni": "host-local",
         }
         self.write_info()
@@ -117,7 +122,9 @@ class Cluster(ClusterState):
         tokens = make_pki(self)
         self._control_plane.start(binaries, tokens)
         images = build_test_images(self.test_images)
-        say(f"nodes: {', '.join(n.name for n in self.nodes)}")
+        say(
+            "nodes: " + ", ".join(n.name + ("" if n.python else " (no Python)") for n in self.nodes)
+        )
         for node in self.nodes:
             self._workers.start(node, binaries, images, tokens[f"system:node:{node.name}"])
         client_kubeconfig(self, self.kubeconfig, "admin", self.info["admin_token"])

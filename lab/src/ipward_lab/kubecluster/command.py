@@ -13,7 +13,7 @@ import click
 from ipward_lab.containerd.images import ImageError, build_ipward_image
 from ipward_lab.kubecluster.cluster import Cluster
 from ipward_lab.kubecluster.common import ClusterError
-from ipward_lab.kubecluster.layout import CHECKOUT, DEFAULT_STATE
+from ipward_lab.kubecluster.layout import CHECKOUT, DEFAULT_STATE, STORES
 from ipward_lab.kubecluster.prerequisites import (
     kubectl_binary,
     missing_for_tests,
@@ -51,15 +51,23 @@ def cluster_command() -> None:
 
 @cluster_command.command("up")
 @click.option("--nodes", type=click.IntRange(1, 20), default=3, show_default=True)
+@click.option(
+    "--without-python",
+    type=click.IntRange(0, 20),
+    default=0,
+    show_default=True,
+    help="How many of the nodes (the last ones) have no Python: a program that is not an"
+    " interpreter bound over every python3* in their mount namespace.",
+)
 @state_option
-def up_command(nodes: int, state: Path) -> None:
+def up_command(nodes: int, without_python: int, state: Path) -> None:
     """Bring up the control plane and NODES worker nodes (host-local as IPAM)."""
     reason = unavailable_reason()
     if reason:
         _fail(ClusterError(reason), EXIT_CANNOT_RUN)
     lab = Cluster(state)
     try:
-        lab.up(nodes, _say)
+        lab.up(nodes, _say, without_python)
     except BaseException as e:  # interrupted, or a failure of the lab itself: undo too
         _say("up failed; removing what was made (`ipward cluster down` does the same)")
         left = lab.down(_say)
@@ -83,12 +91,21 @@ def check_command() -> None:
 
 
 @cluster_command.command("deploy")
+@click.option(
+    "--store",
+    type=click.Choice(STORES),
+    default=STORES[0],
+    show_default=True,
+    help="Where ipward keeps its ledger: k8s (the API: `kubectl apply -k deploy/base` and"
+    " an IPPool object) or etcd (an etcd of the lab's outside the cluster, the pool made"
+    " with `ipward pool create`, deploy/overlays/etcd).",
+)
 @state_option
-def deploy_command(state: Path) -> None:
-    """Build the ipward image, load it on every node, apply deploy/ with kubectl -k and
-    switch every node's network to ipward."""
+def deploy_command(store: str, state: Path) -> None:
+    """Build the ipward image, load it on every node, install ipward as README's "Deploy
+    on Kubernetes" says and switch every node's network to ipward."""
     try:
-        Cluster.load(state).deploy(_say)
+        Cluster.load(state).deploy(_say, store=store)
     except (ClusterError, ImageError) as e:
         _fail(e)
 

@@ -1,7 +1,7 @@
 """The cluster lab's control plane, in its network namespace: the cluster's etcd (plain,
-on 127.0.0.1), ipward's etcd (TLS with client certificates, on the control plane's
-address: outside the cluster, as users run one), kube-apiserver, kube-controller-manager
-and kube-scheduler (`kube-node NAME`)."""
+on 127.0.0.1), kube-apiserver, kube-controller-manager and kube-scheduler (`kube-node
+NAME`); and, for a deployment on `--store etcd`, ipward's etcd (TLS with client
+certificates, on the control plane's address: outside the cluster, as users run one)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from ipward_lab.kubecluster.processes import Daemons
 from ipward_lab.kubecluster.state import ClusterState
 from ipward_lab.servers.etcd import EtcdServer
 
+IPWARD_ETCD = "ipward-etcd"  # its name among the lab's daemons
+
 
 class ControlPlane:
     def __init__(self, lab: ClusterState, daemons: Daemons, clients: Clients) -> None:
@@ -25,22 +27,11 @@ class ControlPlane:
         self.clients = clients
 
     def start(self, binaries: Binaries, tokens: dict[str, str]) -> None:
-        """Both etcds, then the API server once they serve, then the controllers with
-        their users' `tokens` (`pki.make_pki`)."""
+        """The cluster's etcd, then the API server once it serves, then the controllers
+        with their users' `tokens` (`pki.make_pki`)."""
         p = self.lab.pki_dir
         kube_etcd = self._etcd("etcd", "127.0.0.1", "http", [])
         p_ = str(p)
-        self._etcd(
-            "ipward-etcd",
-            CONTROL_PLANE_IP,
-            "https",
-            [
-                "--client-cert-auth",
-                f"--trusted-ca-file={p_}/ipward-etcd-ca.crt",
-                f"--cert-file={p_}/ipward-etcd-server.crt",
-                f"--key-file={p_}/ipward-etcd-server.key",
-            ],
-        )
         apiserver = [
             binaries.kube_apiserver,
             f"--etcd-servers=http://{kube_etcd.endpoint}",
@@ -92,6 +83,25 @@ class ControlPlane:
             )
             argv = [binaries.kube_node, name, f"--kubeconfig={config}", *args]
             self.daemons.launch(name, self.lab.in_cp(argv))
+
+    def start_ipward_etcd(self) -> None:
+        """ipward's etcd (`deploy --store etcd`), unless it runs already: TLS, client
+        certificates of its own CA, on the control plane's address."""
+        if self.daemons.running(IPWARD_ETCD) and self.daemons.alive(IPWARD_ETCD):
+            return
+        p = self.lab.pki_dir
+        self._etcd(
+            IPWARD_ETCD,
+            CONTROL_PLANE_IP,
+            "https",
+            [
+                "--client-cert-auth",
+                f"--trusted-ca-file={p}/ipward-etcd-ca.crt",
+                f"--cert-file={p}/ipward-etcd-server.crt",
+                f"--key-file={p}/ipward-etcd-server.key",
+            ],
+        )
+        self.lab.write_info()
 
     def _etcd(self, name: str, host: str, scheme: str, extra: Sequence[str]) -> EtcdServer:
         server = EtcdServer(

@@ -16,7 +16,8 @@ CONTROL_PLANE_IP = "10.250.0.2"
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service
 API_PORT = 6443
-IPWARD_ETCD_PORT = 2379  # on CONTROL_PLANE_IP
+IPWARD_ETCD_PORT = 2379  # on CONTROL_PLANE_IP, with `deploy --store etcd`
+STORES = ("k8s", "etcd")  # where `deploy` has ipward keep its ledger; the first by default
 POD_NET = ipaddress.ip_network("10.244.0.0/16")
 POD_GATEWAY = "10.244.0.1"  # on every node's cni0
 NETWORK = "pods"  # the CNI network's name, the same on every node
@@ -37,6 +38,7 @@ class Node:
     netns: str  # file of its network namespace
     mntns: str  # file of its mount namespace
     cgroup_root: str  # the kubelet's cgroupRoot, e.g. /ipward-cluster-1a2b3c-n1
+    python: bool = True  # False: no Python can run in its mount namespace (`nodes`)
 
     @property
     def containerd_socket(self) -> str:
@@ -44,7 +46,8 @@ class Node:
         return f"{self.dir}/run/containerd/containerd.sock"
 
 
-def node_plan(state: Path, cluster_id: str, count: int) -> list[Node]:
+def node_plan(state: Path, cluster_id: str, count: int, without_python: int = 0) -> list[Node]:
+    """`count` nodes, the last `without_python` of them with no Python."""
     nodes = []
     for i in range(1, count + 1):
         name = f"n{i}"
@@ -58,6 +61,7 @@ def node_plan(state: Path, cluster_id: str, count: int) -> list[Node]:
                 netns=str(state / "ns" / f"{name}.net"),
                 mntns=str(state / "ns" / f"{name}.mnt"),
                 cgroup_root=f"/ipward-cluster-{cluster_id}-{name}",
+                python=i <= count - without_python,
             )
         )
     return nodes

@@ -8,7 +8,10 @@ CNI configs and static pods go in its upper dir): containerd, the kubelet and th
 hostPath volumes use the usual paths (`/run/containerd/containerd.sock`,
 `/opt/cni/bin`, `/etc/cni/net.d`, `/run/ipward`) and nothing lands on the machine. The
 kubelet's host sysctls (`protectKernelDefaults`) are files bind-mounted over their
-`/proc/sys` entries there, holding the values it expects; the machine's stay."""
+`/proc/sys` entries there, holding the values it expects; the machine's stay. A node
+planned without Python (`Node.python`) has a program that is not an interpreter bound
+over every `python3*` of `/usr/bin` and `/usr/local/bin` there, as on a node of an OS
+that ships none (Flatcar, Talos, Bottlerocket): what runs there must not need one."""
 
 from __future__ import annotations
 
@@ -16,13 +19,13 @@ import json
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ipward_lab.containerd.config import containerd_config
 from ipward_lab.containerd.images import PAUSE_IMAGE
 from ipward_lab.kubecluster.clients import Clients
 from ipward_lab.kubecluster.common import READY_TIMEOUT, ClusterError, run, wait_for
-from ipward_lab.kubecluster.layout import CNI_PLUGINS, Node
+from ipward_lab.kubecluster.layout import CNI_PLUGINS, NETWORK, Node
 from ipward_lab.kubecluster.network import Network
 from ipward_lab.kubecluster.pki import client_kubeconfig
 from ipward_lab.kubecluster.prerequisites import Binaries
@@ -51,6 +54,14 @@ KUBELET_SYSCTLS = {
     "kernel/keys/root_maxbytes": "25000000",
 }
 NODE_MOUNTS = ("run", "var/lib", "var/log", "opt")  # bind-mounted from the node's dir
+NOT_AN_INTERPRETER = "/usr/bin/false"  # bound over python3* on a node without Python
+
+
+def python_programs() -> list[str]:
+    """The machine's python3* programs (their names; a bind over a symlink lands on its
+    target, which is in the list too)."""
+    found = [*Path("/usr/bin").glob("python3*"), *Path("/usr/local/bin").glob("python3*")]
+    return sorted(str(p) for p in found if p.is_file())
 
 
 class Workers:
@@ -210,6 +221,8 @@ class Workers:
             held = sysctl_dir / key.replace("/", ".")
             held.write_text(value + "\n")
             script.append(f"mount --bind {held} /proc/sys/{key}")
+        if not node.python:
+            script += [f"mount --bind {NOT_AN_INTERPRETER} {p}" for p in python_programs()]
         script += [
             "mkdir -p /opt/cni/bin /etc/cni/net.d /etc/kubernetes/manifests /var/lib/kubelet"
             " /var/log/pods",
@@ -231,6 +244,23 @@ class Workers:
                 cri.pod_sandbox_status(s.id, verbose=True)
                 for s in cri.list_pod_sandboxes(state=SANDBOX_READY)
             ]
+
+    def loaded_network(self, node: Node) -> dict[str, Any] | None:
+        """The pod network's conflist as the node's containerd has it loaded (its CRI
+        status says; it reloads its conf dir on a change, when it can read the file
+        whole), None when it has none or does not answer."""
+        from ipward.cluster.cri import CriClient, CriError
+
+        try:
+            with CriClient(node.containerd_socket, timeout=10) as cri:
+                info = cri.status(verbose=True).info
+        except CriError:
+            return None
+        for network in json.loads(info.get("cniconfig") or "{}").get("Networks") or []:
+            if network["Config"]["Name"] == NETWORK:
+                loaded: dict[str, Any] = json.loads(network["Config"]["Source"])
+                return loaded
+        return None
 
     def sandbox_pid(self, node: Node, pod_uid: str) -> int:
         """The pid of the ready sandbox of pod `pod_uid` on `node` (its pause process)."""

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, Self
 
 from ipward_lab.kubecluster.common import ClusterError
-from ipward_lab.kubecluster.layout import API_PORT, CONTROL_PLANE_IP, IPWARD_ETCD_PORT, Node
+from ipward_lab.kubecluster.layout import (
+    API_PORT,
+    CHECKOUT,
+    CONTROL_PLANE_IP,
+    IPWARD_ETCD_PORT,
+    STORES,
+    Node,
+)
 
 
 class Journal:
@@ -104,7 +111,24 @@ class ClusterState:
         return f"https://{CONTROL_PLANE_IP}:{API_PORT}"
 
     @property
+    def store(self) -> str:
+        """Where the deployed ipward keeps its ledger (`deploy --store`): "k8s" (the API,
+        `deploy/base`) or "etcd" (the lab's etcd outside the cluster,
+        `deploy/overlays/etcd`)."""
+        store = str(self.info.get("store", STORES[0]))
+        if store not in STORES:
+            raise ClusterError(f"unknown store {store!r} in cluster.json (one of {STORES})")
+        return store
+
+    @property
+    def manifests(self) -> Path:
+        """The kustomization a user of this store applies."""
+        return CHECKOUT / "deploy" / ("base" if self.store == "k8s" else "overlays/etcd")
+
+    @property
     def ipward_store_url(self) -> str:
+        if self.store == "k8s":
+            return f"k8s://?kubeconfig={self.kubeconfig}"
         p = self.pki_dir
         return (
             f"etcds://{CONTROL_PLANE_IP}:{IPWARD_ETCD_PORT}"
