@@ -510,9 +510,17 @@ def test_k8s_store_quick_run() -> None:
     assert f["k8s_store.k8s.add_1.ledger_writes_per_op"] >= 2
     assert f["k8s_store.k8s.add_32.vs_raw"] > 0
     assert f["k8s_store.k8s.add_1.writes_less_idle_per_op"] > 0
+    # The node's plugin exec'd through an agent of each store, beside host-local's.
+    for side in ("k8s", "etcd"):
+        for kind in ("ipward_native", "ipward", "host_local", "python"):
+            key = f"k8s_store.{side}.exec.{kind}"
+            assert 0 < f[f"{key}.median_ms"] <= f[f"{key}.p99_ms"], key
+        assert f[f"k8s_store.{side}.exec.native_vs_host_local"] > 0
     assert set(result["targets"]) == {
         "k8s_store.k8s.add_32.vs_raw",
         "k8s_store.k8s.add_1.writes_less_idle_per_op",
+        "k8s_store.k8s.exec.native_vs_host_local",
+        "k8s_store.etcd.exec.native_vs_host_local",
     }
     fill = {k.removeprefix("k8s_store.fill."): v for k, v in f.items() if ".fill." in k}
     assert fill["records"] == 3000 and fill["nodes"] == 100
@@ -525,7 +533,7 @@ def test_k8s_store_quick_run() -> None:
     assert fill["relist.done"] + fill["relist.errors"] == fill["relist.agents"] == 100
     assert fill["relist.done"] > 0 and fill["relist.keys"] > 0
     assert 0 < fill["relist.api_rss_before_mib"] <= fill["relist.api_rss_peak_mib"]
-    assert set(result["tables"]) == {"load", "cost", "fill"}
+    assert set(result["tables"]) == {"load", "cost", "exec", "fill"}
     assert "relist storm" in done.stderr and "ADDs/s at 32-way" in done.stderr
     assert set(glob.glob("/tmp/ipward-bench-k8s-store-*")) == before
 

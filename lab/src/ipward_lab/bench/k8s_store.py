@@ -43,8 +43,10 @@ from ipward.kubeapi.client import ApiClient, ApiError, ApiUnreachable
 from ipward.kubeapi.config import from_kubeconfig
 from ipward.store.kube.objects import GROUP, PLURAL, VERSION
 from ipward_lab.bench.cluster import (
+    TARGET_NATIVE_VS_HOST_LOCAL,
     AgentCaller,
     CasClient,
+    agent_exec_latency,
     etcd_clients,
     etcd_counters,
     parallel,
@@ -93,6 +95,7 @@ class K8sStoreSizes:
     reconcile_passes: int = 20
     relist_processes: int = 4
     relist_threads: int = 25
+    exec_runs: int = 200
 
 
 FULL = K8sStoreSizes()
@@ -104,6 +107,7 @@ QUICK = K8sStoreSizes(
     reconcile_passes=5,
     relist_processes=2,
     relist_threads=10,
+    exec_runs=40,
 )
 
 
@@ -203,6 +207,7 @@ class Side:
         pids: dict[str, list[int]],
     ) -> None:
         self.name = name
+        self.agents = agents
         self.raw = raw
         self.requests = requests
         self.pids = pids
@@ -646,6 +651,7 @@ def run_k8s_store(sizes: K8sStoreSizes = FULL, out: Callable[[str], object] = pr
         with contextlib.ExitStack() as stack:
             sides = [k8s_side(stack, lab, tmp, out), etcd_side(stack, tmp, out)]
             measure_load(sides, sizes, out)
+            measure_exec(sides, tmp, sizes.exec_runs, r, out)
             errors = {f"{side.name}: {k}": e for side in sides for k, e in side.errors().items()}
             out("  ... stopping the load's agents, controllers and etcd")
         load_figures(sides, r)
@@ -661,7 +667,12 @@ def run_k8s_store(sizes: K8sStoreSizes = FULL, out: Callable[[str], object] = pr
     elapsed = time.perf_counter() - began
     r.notes["load_average_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     r.notes["elapsed_s"] = f"{elapsed:.1f}"
-    r.tables.update(load=load_rows(r.figures), cost=cost_rows(r.figures), fill=fill_rows(fill))
+    r.tables.update(
+        load=load_rows(r.figures),
+        cost=cost_rows(r.figures),
+        exec=exec_rows(r.figures, sizes.exec_runs),
+        fill=fill_rows(fill),
+    )
     for rows in r.tables.values():
         out("")
         print_table(rows, out)
@@ -670,6 +681,55 @@ def run_k8s_store(sizes: K8sStoreSizes = FULL, out: Callable[[str], object] = pr
         out(line)
     out(f"  whole run: {elapsed:.0f} s; load average at the end {r.notes['load_average_at_end']}")
     return r.with_errors(info, errors)
+
+
+def measure_exec(
+    sides: list[Side], tmp: Path, runs: int, r: Results, out: Callable[[str], object]
+) -> None:
+    """The node's plugin (native, as `install-cni --standalone` installs it) exec'd for
+    ADD through an agent of each store, interleaved run by run with host-local's exec
+    (and the Python plugin's, and a bare interpreter's): figures and, where host-local
+    is installed, the native plugin's median over host-local's, with its target."""
+    out(
+        f"  ... plugin exec through an agent of each store: {runs} ADDs each of the native"
+        " plugin, the Python plugin, host-local and a bare interpreter, interleaved"
+    )
+    for side in sides:
+        exec_dir = tmp / f"exec-{side.name}"
+        exec_dir.mkdir()
+        figures = agent_exec_latency(exec_dir, str(side.agents[0].socket), runs)
+        for key, value in figures.items():
+            r.figures[f"k8s_store.{side.name}.exec.{key}"] = float(value)
+        host_local = figures.get("host_local.median_ms")
+        if host_local:
+            ratio = figures["ipward_native.median_ms"] / host_local
+            r.figures[f"k8s_store.{side.name}.exec.native_vs_host_local"] = ratio
+            r.targets[f"k8s_store.{side.name}.exec.native_vs_host_local"] = {
+                "value": ratio,
+                "target": f"<= {TARGET_NATIVE_VS_HOST_LOCAL:.2f}x host-local",
+                "met": ratio <= TARGET_NATIVE_VS_HOST_LOCAL,
+            }
+
+
+def exec_rows(f: dict[str, float], runs: int) -> list[list[str]]:
+    rows = [[f"plugin exec, ADD ({runs} runs)", "median ms", "p99 ms", "over host-local"]]
+    for side in ("k8s", "etcd"):
+        for kind, label in (
+            ("ipward_native", f"native ipward, through an agent on {side}"),
+            ("ipward", f"Python ipward, through an agent on {side}"),
+        ):
+            median = f.get(f"k8s_store.{side}.exec.{kind}.median_ms")
+            if median is None:
+                continue
+            host_local = f.get(f"k8s_store.{side}.exec.host_local.median_ms")
+            ratio = f"{median / host_local:.2f}x" if host_local else "no host-local"
+            p99 = f[f"k8s_store.{side}.exec.{kind}.p99_ms"]
+            rows.append([label, f"{median:.2f}", f"{p99:.2f}", ratio])
+        host_local = f.get(f"k8s_store.{side}.exec.host_local.median_ms")
+        if host_local is not None:
+            p99 = f[f"k8s_store.{side}.exec.host_local.p99_ms"]
+            rows.append([f"host-local (beside {side}'s)", f"{host_local:.2f}", f"{p99:.2f}", ""])
+    return rows
 
 
 def _print_targets(r: Results, errors: dict[str, str], out: Callable[[str], object]) -> None:
@@ -692,6 +752,13 @@ def _print_targets(r: Results, errors: dict[str, str], out: Callable[[str], obje
         f" through one agent, {f['k8s_store.k8s.add_32x3.writes_per_op']:.2f} across"
         f" {AGENTS} agents"
     )
+    for side in ("k8s", "etcd"):
+        native = r.targets.get(f"k8s_store.{side}.exec.native_vs_host_local")
+        if native is not None:
+            out(
+                f"  native plugin's ADD exec through an agent on {side}, over host-local's:"
+                f" {native['value']:.2f}x (target {native['target']}: {verdict(native['met'])})"
+            )
     if errors:
         for key, what in sorted(errors.items()):
             out(f"  ERRORS: {key}: {what}")

@@ -1,12 +1,14 @@
 """`ipward bench --kube`: pod start on a real cluster on this machine
 (`ipward_lab.kubecluster`, 3 nodes), under host-local and under ipward in the same run.
 
-The bench makes a cluster of its own in a temporary state dir and measures host-local
-first (a fresh cluster's nodes are on host-local, each on its own range), then deploys
-ipward as a user gets it (`deploy/overlays/etcd`, no tuning) and measures ipward on the
-same nodes. It never switches back. The cluster is removed at the end, also on failure or Ctrl-C. It
-holds the machine's containerd lock all along (the `kube` tests and the containerd labs
-take turns on it).
+The bench makes a cluster of its own in a temporary state dir, deploys ipward as a user
+gets it (`deploy/base` and an IPPool: the k8s:// store, no tuning), and measures both on
+the same nodes, switching the pod network's IPAM between them (host-local: each node on
+its own range; the switch waits until every node's containerd has the new conflist
+loaded): the pod start interleaved, RUNS runs of each (host-local, ipward, host-local,
+ipward: one run's noise does not decide), then the StatefulSet rounds of each. The
+cluster is removed at the end, also on failure or Ctrl-C. It holds the machine's
+containerd lock all along (the `kube` tests and the containerd labs take turns on it).
 
 For each IPAM, in a namespace of its own:
 - pod start: one Deployment of N pods (default 100), applied at t0; the namespace's pods
@@ -55,6 +57,7 @@ START_TIMEOUT = 600.0
 ROUND_TIMEOUT = 180.0
 GONE_TIMEOUT = 300.0
 IPAMS = ("host-local", "ipward")
+RUNS = 2  # pod start runs of each IPAM, interleaved
 START_APP = "start"
 STS_APP = "sts"
 
@@ -161,9 +164,11 @@ class Round:
 
 @dataclass
 class IpamFigures:
-    """What one IPAM measured."""
+    """What one IPAM measured: the pod start over its runs (all Running: their median;
+    each pod's time and each ADD: pooled), the StatefulSet rounds."""
 
     pods: int
+    runs: int
     all_running_s: float
     pod_running_p50_s: float
     pod_running_p99_s: float
@@ -188,16 +193,18 @@ class IpamFigures:
         return out
 
 
-def start_figures(start: PodStart, adds: list[CniAdd]) -> IpamFigures:
-    """The pod start part's figures from its times and its ADDs."""
+def start_figures(starts: list[PodStart], adds: list[CniAdd]) -> IpamFigures:
+    """The pod start part's figures from its runs' times and their ADDs."""
     done = [a.seconds for a in adds if a.ended is not None]
     if not done:
         raise BenchError("no CNI ADD of the Deployment's pods found in containerd's log")
+    running = [t for start in starts for t in start.running]
     return IpamFigures(
-        pods=len(start.running),
-        all_running_s=start.all_running,
-        pod_running_p50_s=percentile(start.running, 50),
-        pod_running_p99_s=percentile(start.running, 99),
+        pods=len(starts[0].running),
+        runs=len(starts),
+        all_running_s=percentile([start.all_running for start in starts], 50),
+        pod_running_p50_s=percentile(running, 50),
+        pod_running_p99_s=percentile(running, 99),
         cni_adds=len(done),
         cni_adds_failed=sum(a.ended is None for a in adds),
         cni_add_p50_ms=percentile(done, 50) * 1000,
@@ -226,7 +233,12 @@ def table(figures: dict[str, IpamFigures]) -> list[list[str]]:
     def row(label: str, a: float, b: float, fmt: str) -> None:
         rows.append([label, format(a, fmt), format(b, fmt), _ratio(b, a)])
 
-    row(f"{hl.pods} pods at once: all Running (s)", hl.all_running_s, iw.all_running_s, ".1f")
+    row(
+        f"{hl.pods} pods at once, {hl.runs} runs: all Running p50 (s)",
+        hl.all_running_s,
+        iw.all_running_s,
+        ".1f",
+    )
     row("  pod to Running p50 (s)", hl.pod_running_p50_s, iw.pod_running_p50_s, ".1f")
     row("  pod to Running p99 (s)", hl.pod_running_p99_s, iw.pod_running_p99_s, ".1f")
     row("  CNI ADD p50 (ms)", hl.cni_add_p50_ms, iw.cni_add_p50_ms, ".0f")
@@ -342,12 +354,16 @@ class _Part:
             self.wait(released, "no address recorded for it", GONE_TIMEOUT)
 
 
-def measure_start(lab: Cluster, ipam: str, pods: int, say: Callable[[str], object]) -> IpamFigures:
-    """`pods` pods of one Deployment at once: until all are Running, each pod's time,
-    their CNI ADDs; then its namespace deleted."""
-    part = _Part(lab, f"bench-{ipam}-start", say)
+def measure_start(
+    lab: Cluster, ipam: str, run: int, pods: int, say: Callable[[str], object]
+) -> tuple[PodStart, list[CniAdd]]:
+    """Run `run` of `pods` pods of one Deployment at once, the pod network on `ipam`:
+    until all are Running, each pod's time, their CNI ADDs (each pod's address
+    checked to be `ipam`'s); then its namespace deleted."""
+    lab.use_ipam(ipam)
+    part = _Part(lab, f"bench-{ipam}-start-{run}", say)
     part.create()
-    say(f"{ipam}: {pods} pods at once")
+    say(f"{ipam}, run {run}: {pods} pods at once")
     t0 = time.monotonic()
     part.apply(deployment(START_APP, pods, spread=START_APP))
     start = pod_start(part.readings(t0, START_TIMEOUT), pods)
@@ -355,13 +371,18 @@ def measure_start(lab: Cluster, ipam: str, pods: int, say: Callable[[str], objec
         raise BenchError(
             f"{part.ns}: not {pods} pods Running after {START_TIMEOUT:g}s: {part.states()}"
         )
-    figures = start_figures(start, part.adds())
+    adds = part.adds()
+    records = json.loads(lab.ipward_run("alloc", "list", "--json").stdout)
+    recorded = sum(r["pod"].get("namespace") == part.ns for r in records)
+    if recorded != (pods if ipam == "ipward" else 0):
+        raise BenchError(f"{part.ns}: {recorded} of its {pods} pods addressed by ipward")
     say(
-        f"{ipam}: all {pods} Running after {start.all_running:.1f}s;"
-        f" {figures.cni_adds} ADDs, {figures.cni_adds_failed} failed; deleting them"
+        f"{ipam}, run {run}: all {pods} Running after {start.all_running:.1f}s;"
+        f" {sum(a.ended is not None for a in adds)} ADDs,"
+        f" {sum(a.ended is None for a in adds)} failed; deleting them"
     )
     part.delete(ipward=ipam == "ipward")
-    return figures
+    return start, adds
 
 
 def measure_rounds(
@@ -370,6 +391,7 @@ def measure_rounds(
     """A StatefulSet of 5 (Parallel) Running, then `rounds` times scaled to 0 until none
     is left and to 5 until 5 are Running. The rounds and the failed ADDs of its pods;
     its namespace deleted after when `clean`."""
+    lab.use_ipam(ipam)
     part = _Part(lab, f"bench-{ipam}-sts", say)
     part.create()
     part.apply(statefulset(STS_APP, STS_REPLICAS, "Parallel"))
@@ -395,8 +417,9 @@ def run_kube(
     rounds: int = 10,
     out: Callable[[str], object] = print,
 ) -> dict[str, Any]:
-    """Make a cluster of 3 nodes, measure pod start and StatefulSet rounds under
-    host-local, deploy ipward, measure them again, remove the cluster. Prints the table
+    """Make a cluster of 3 nodes, deploy ipward, measure pod start (RUNS runs of each
+    IPAM, interleaved) and StatefulSet rounds under host-local and under ipward, remove
+    the cluster. Prints the table
     with `out`; returns {"machine", "cluster", "host-local", "ipward", "ratios", "table",
     "elapsed_s"}."""
     if pods < 1 or rounds < 1:
@@ -425,10 +448,16 @@ def run_kube(
     try:
         state = Path(tempfile.mkdtemp(prefix="ipwb-", dir="/tmp"))  # short: socket paths
         with cluster(state, NODES, say) as lab:
+            lab.deploy(say)
+            starts: dict[str, list[PodStart]] = {ipam: [] for ipam in IPAMS}
+            adds: dict[str, list[CniAdd]] = {ipam: [] for ipam in IPAMS}
+            for run in range(1, RUNS + 1):
+                for ipam in IPAMS:
+                    start, added = measure_start(lab, ipam, run, pods, say)
+                    starts[ipam].append(start)
+                    adds[ipam] += added
             for ipam in IPAMS:
-                if ipam == "ipward":
-                    lab.deploy(say)
-                figures[ipam] = measure_start(lab, ipam, pods, say)
+                figures[ipam] = start_figures(starts[ipam], adds[ipam])
                 done, failed = measure_rounds(lab, ipam, rounds, say, clean=ipam == "host-local")
                 figures[ipam].rounds = done
                 figures[ipam].sts_cni_adds_failed = failed
@@ -449,9 +478,10 @@ def run_kube(
     out("  Pods: one Deployment (the `sleep` image, spread over the nodes) applied at t0, its")
     out("  pods read every 0.25 s; Running: every container running. CNI ADD: from")
     out("  containerd's 'begin cni setup' to its 'cni result' per sandbox (the whole conflist:")
-    out("  bridge, its IPAM, portmap). StatefulSet (Parallel): scaled to 0 until none is")
-    out("  left, to 5 until 5 are Running. host-local first, then ipward")
-    out("  (deploy/overlays/etcd) on the same cluster.")
+    out(f"  bridge, its IPAM, portmap); {RUNS} runs of each IPAM, interleaved (host-local,")
+    out("  ipward, ...): all Running is their median, the rest pooled. StatefulSet")
+    out("  (Parallel): scaled to 0 until none is left, to 5 until 5 are Running. ipward:")
+    out("  deploy/base and an IPPool (the k8s:// store), its defaults, on the same cluster.")
     elapsed = time.perf_counter() - began
     out(
         f"  whole run: {elapsed:.0f} s (cluster up in {cluster_info.get('up_s')} s, ipward"
