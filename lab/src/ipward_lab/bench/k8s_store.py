@@ -290,6 +290,10 @@ class Side:
                     examples.setdefault(kind, text)
         return {kind: f"{n} (first: {examples[kind]})" for kind, n in counts.items()}
 
+    def busy(self) -> int:
+        """Calls made again after the agent answered "busy" (`cluster.BUSY`)."""
+        return sum(c.busy for callers in self.callers.values() for c in callers)
+
 
 def _timed(
     workers: Sequence[Any], counted: str, samples: str, work: Sequence[Callable[[], None]]
@@ -653,6 +657,8 @@ def run_k8s_store(sizes: K8sStoreSizes = FULL, out: Callable[[str], object] = pr
             measure_load(sides, sizes, out)
             measure_exec(sides, tmp, sizes.exec_runs, r, out)
             errors = {f"{side.name}: {k}": e for side in sides for k, e in side.errors().items()}
+            for side in sides:
+                r.figures[f"k8s_store.{side.name}.busy_retried"] = float(side.busy())
             out("  ... stopping the load's agents, controllers and etcd")
         load_figures(sides, r)
         fill = measure_fill(
@@ -689,7 +695,8 @@ def measure_exec(
     """The node's plugin (native, as `install-cni --standalone` installs it) exec'd for
     ADD through an agent of each store, interleaved run by run with host-local's exec
     (and the Python plugin's, and a bare interpreter's): figures and, where host-local
-    is installed, the native plugin's median over host-local's, with its target."""
+    is installed, the native plugin's median over host-local's; on etcd with its target
+    (on k8s:// an ADD is two API updates: reported beside it)."""
     out(
         f"  ... plugin exec through an agent of each store: {runs} ADDs each of the native"
         " plugin, the Python plugin, host-local and a bare interpreter, interleaved"
@@ -704,6 +711,8 @@ def measure_exec(
         if host_local:
             ratio = figures["ipward_native.median_ms"] / host_local
             r.figures[f"k8s_store.{side.name}.exec.native_vs_host_local"] = ratio
+            if side.name != "etcd":
+                continue
             r.targets[f"k8s_store.{side.name}.exec.native_vs_host_local"] = {
                 "value": ratio,
                 "target": f"<= {TARGET_NATIVE_VS_HOST_LOCAL:.2f}x host-local",
@@ -752,13 +761,18 @@ def _print_targets(r: Results, errors: dict[str, str], out: Callable[[str], obje
         f" through one agent, {f['k8s_store.k8s.add_32x3.writes_per_op']:.2f} across"
         f" {AGENTS} agents"
     )
-    for side in ("k8s", "etcd"):
-        native = r.targets.get(f"k8s_store.{side}.exec.native_vs_host_local")
-        if native is not None:
-            out(
-                f"  native plugin's ADD exec through an agent on {side}, over host-local's:"
-                f" {native['value']:.2f}x (target {native['target']}: {verdict(native['met'])})"
-            )
+    native = r.targets.get("k8s_store.etcd.exec.native_vs_host_local")
+    if native is not None:
+        out(
+            f"  native plugin's ADD exec through an agent on etcd, over host-local's:"
+            f" {native['value']:.2f}x (target {native['target']}: {verdict(native['met'])});"
+            f" on k8s:// {f['k8s_store.k8s.exec.native_vs_host_local']:.2f}x (two API updates)"
+        )
+    busy = {side: f[f"k8s_store.{side}.busy_retried"] for side in ("k8s", "etcd")}
+    out(
+        "  calls made again after a 'busy' answer (the callers share one process): "
+        + ", ".join(f"{side} {n:.0f}" for side, n in busy.items())
+    )
     if errors:
         for key, what in sorted(errors.items()):
             out(f"  ERRORS: {key}: {what}")
