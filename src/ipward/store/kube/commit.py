@@ -639,9 +639,25 @@ class Committer:
             testpoints.pause("kube-locked")
             if self.clock() > expires:
                 raise Restart(f"transaction {txn} outlived its locks")
+        except BaseException:
+            self._let_go(txn, locked)
+            raise
+        try:
             rev = self._commit(
                 txn, state[primary], writes[primary], read_keys.get(primary, set()), checks, locked
             )
+        except StoreUnreachable:
+            # The commit may have been made, or be on its way still (a request whose
+            # answer was lost can land later): its fate is settled in the primary first,
+            # by its record or an abort mark that a late commit cannot pass (its
+            # resourceVersion is gone). Unsettled (the API still away), the locks stay,
+            # for whoever meets them to judge by the primary: letting them go here as
+            # aborted would drop half a committed transaction.
+            fate = self.abort(txn, primary)
+            if not fate.committed:
+                self._let_go(txn, locked)
+                raise
+            rev = fate.rev
         except BaseException:
             self._let_go(txn, locked)
             raise
