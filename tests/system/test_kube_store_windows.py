@@ -23,7 +23,7 @@ import pytest
 
 from ipward.core import shards
 from ipward.store import open_backend
-from ipward.store.base import Put, Store, StoreUnreachable, at_revision
+from ipward.store.base import Delete, Put, Store, StoreUnreachable, absent, at_revision
 from ipward.store.kube import commit
 from ipward.store.kube.objects import Conflict
 from ipward_lab.waiting import wait_for
@@ -239,6 +239,29 @@ def test_a_commit_whose_answer_and_read_back_were_lost_is_settled_in_its_primary
         assert away == ["commit", "read back"]
     with open_backend(kube_store_url) as reader:
         assert values(reader, written) == [b"written", b"written"]
+
+
+def test_a_delete_of_a_key_a_stale_copy_lacks_still_deletes_it(
+    kube_store_url: str, keys: list[str]
+) -> None:
+    """A writer whose cached copy of a shard lacks a key another process wrote since
+    deletes that key all the same, alone or beside writes elsewhere; and a transaction
+    that writes nothing judges its compares on the shard as it is now. (A delete was
+    dropped on the stale copy's word, nothing checking that copy: the chaos soak met it
+    as a free queue entry left behind by the controller's release of a block.)"""
+    written, other = keys[0], keys[1]
+    with open_backend(kube_store_url) as writer, open_backend(kube_store_url) as another:
+        assert writer.get(other) is None  # the writer's copy of the other shard: without it
+        assert another.txn([], [Put(other, b"theirs")]).succeeded
+        assert writer.txn([], [Put(written, b"mine"), Delete(other)]).succeeded
+        assert another.get(other) is None, "the delete was dropped on a stale copy"
+        assert another.txn([], [Put(other, b"again")]).succeeded
+        assert writer.txn([], [Delete(other)]).succeeded
+        assert another.get(other) is None, "the lone delete was dropped on a stale copy"
+        assert another.txn([], [Put(other, b"third")]).succeeded
+        assert not writer.txn([absent(other)], [Delete(written)]).succeeded
+        assert writer.get(written) == another.get(written)
+        assert values(another, [written]) == [b"mine"]
 
 
 # -- the bank ----------------------------------------------------------------------------
