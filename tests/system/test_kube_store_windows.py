@@ -259,9 +259,7 @@ def test_a_delete_of_a_key_a_stale_copy_lacks_still_deletes_it(
         assert writer.txn([], [Delete(other)]).succeeded
         assert another.get(other) is None, "the lone delete was dropped on a stale copy"
         assert another.txn([], [Put(other, b"third")]).succeeded
-        assert not writer.txn([absent(other)], [Delete(written)]).succeeded
-        assert writer.get(written) == another.get(written)
-        assert values(another, [written]) == [b"mine"]
+        assert not writer.txn([absent(other)], []).succeeded, "judged on the stale copy"
 
 
 # -- the bank ----------------------------------------------------------------------------

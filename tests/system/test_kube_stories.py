@@ -1156,28 +1156,28 @@ def test_ledger_moved_to_an_etcd_and_back_under_running_pods(stories: Stories) -
         assert not failed, f"sandboxes failed: {failed}"
 
 
-def second_network(ipam_type: str) -> dict[str, Any]:
-    """A NetworkAttachmentDefinition: `bridge` on each node's `cni1` (no gateway, not
-    routed), its `ipam` on SECOND_NET; host-local or ipward by `type` alone (ipward
-    names the same range an inline pool, named after the network; host-local ignores
-    `agentSocket`)."""
-    config = {
-        "cniVersion": "0.3.1",
-        "name": "second",
-        "type": "bridge",
-        "bridge": "cni1",
-        "ipam": {
-            "type": ipam_type,
-            "ranges": [[{"subnet": str(SECOND_NET)}]],
-            "agentSocket": AGENT_SOCKET,
-        },
-    }
+def bridge_network(name: str, bridge: str, ipam: dict[str, Any]) -> dict[str, Any]:
+    """A NetworkAttachmentDefinition `name`: `bridge` on each node's `bridge` (no
+    gateway, not routed) with `ipam`."""
+    config = {"cniVersion": "0.3.1", "name": name, "type": "bridge", "bridge": bridge}
     return {
         "apiVersion": "k8s.cni.cncf.io/v1",
         "kind": "NetworkAttachmentDefinition",
-        "metadata": {"name": "second"},
-        "spec": {"config": json.dumps(config)},
+        "metadata": {"name": name},
+        "spec": {"config": json.dumps({**config, "ipam": ipam})},
     }
+
+
+def second_network(ipam_type: str) -> dict[str, Any]:
+    """The network `second` on each node's `cni1`, its `ipam` on SECOND_NET; host-local
+    or ipward by `type` alone (ipward names the same range an inline pool, named after
+    the network; host-local ignores `agentSocket`)."""
+    ipam = {
+        "type": ipam_type,
+        "ranges": [[{"subnet": str(SECOND_NET)}]],
+        "agentSocket": AGENT_SOCKET,
+    }
+    return bridge_network("second", "cni1", ipam)
 
 
 def interfaces(pod: dict[str, Any]) -> dict[str, str]:
@@ -1245,21 +1245,9 @@ TINY_NET = ipaddress.ip_network("10.247.0.0/28")  # 13 addresses: not one defaul
 
 
 def tiny_network() -> dict[str, Any]:
-    """A NetworkAttachmentDefinition on the IPPool `tiny`: `bridge` on each node's
-    `cni3` (no gateway, not routed)."""
-    config = {
-        "cniVersion": "0.3.1",
-        "name": "tiny",
-        "type": "bridge",
-        "bridge": "cni3",
-        "ipam": {"type": "ipward", "pool": "tiny", "agentSocket": AGENT_SOCKET},
-    }
-    return {
-        "apiVersion": "k8s.cni.cncf.io/v1",
-        "kind": "NetworkAttachmentDefinition",
-        "metadata": {"name": "tiny"},
-        "spec": {"config": json.dumps(config)},
-    }
+    """The network `tiny` on each node's `cni3`, on the IPPool `tiny`."""
+    ipam = {"type": "ipward", "pool": "tiny", "agentSocket": AGENT_SOCKET}
+    return bridge_network("tiny", "cni3", ipam)
 
 
 def test_pool_smaller_than_a_block_per_node_serves_every_node(stories: Stories) -> None:
@@ -1323,14 +1311,7 @@ def bad_network(name: str) -> dict[str, Any]:
         "ranges": [[{"subnet": "10.246.0.0/24"}]],
         "agentSocket": AGENT_SOCKET,
     }
-    config = {"cniVersion": "0.3.1", "name": name, "type": "bridge", "bridge": "cni2"}
-    config["ipam"] = {**ipam, **wrong}
-    return {
-        "apiVersion": "k8s.cni.cncf.io/v1",
-        "kind": "NetworkAttachmentDefinition",
-        "metadata": {"name": name},
-        "spec": {"config": json.dumps(config)},
-    }
+    return bridge_network(name, "cni2", {**ipam, **wrong})
 
 
 def test_pods_of_a_bad_network_never_start_and_go_once_deleted(stories: Stories) -> None:
