@@ -53,11 +53,12 @@ def pool_spec(tuned: Mapping[str, Any]) -> dict[str, Any]:
 
 def pool_create_args(tuned: Mapping[str, Any]) -> list[str]:
     """`ipward pool create`'s options for a tuning's IPPool spec fields."""
-    flat = {
-        f"{k}.{sub}" if isinstance(v, dict) else k: v2
-        for k, v in tuned.items()
-        for sub, v2 in (v.items() if isinstance(v, dict) else [("", v)])
-    }
+    flat: dict[str, Any] = {}
+    for key, value in tuned.items():
+        if isinstance(value, dict):  # blockSize: {ipv4, ipv6}
+            flat.update({f"{key}.{sub}": v for sub, v in value.items()})
+        else:
+            flat[key] = value
     unknown = sorted(set(flat) - set(POOL_OPTIONS))
     if unknown:
         raise ClusterError(f"a tuning's pool fields the lab cannot pass on etcd: {unknown}")
@@ -144,8 +145,7 @@ class Deployment:
         say(f"loading {image.name} into every node's containerd")
         for node in self.lab.nodes:
             self.workers.import_images(node, [image])
-        self.lab.info["store"] = store  # which the store's URL and manifests follow
-        self.lab.write_info(ipward_store=self.lab.ipward_store_url)
+        self.lab.write_info(store=store)  # which the store's URL and manifests follow
         if store == "etcd":
             self.prepare_etcd(say, tuning)
         kustomization = tuning.kustomization(self.lab)
@@ -193,8 +193,7 @@ class Deployment:
         )
         ledger = self.lab.state / f"ledger-{self.lab.store}.jsonl"
         self.clients.ipward_run("export", "-o", str(ledger))
-        self.lab.info["store"] = to
-        self.lab.write_info(ipward_store=self.lab.ipward_store_url)
+        self.lab.write_info(store=to)
         if to == "etcd":
             self.control_plane.start_ipward_etcd()
             self.make_etcd_secret()

@@ -199,12 +199,9 @@ class RouteSyncer:
 
 
 def main(argv: list[str]) -> int:
-    state = Path(argv[0])
-    info = json.loads((state / "cluster.json").read_text())
-    fabric = Fabric(
-        info["fabric"]["netns"], {n["name"]: (n["ip"], n["netns"]) for n in info["nodes"]}
-    )
-    store = open_store(info["ipward_store"], create=False)
+    lab = ClusterState.load(Path(argv[0]))
+    fabric = Fabric(lab.fabric_netns, {n.name: (n.ip, n.netns) for n in lab.nodes})
+    store = open_store(lab.ipward_store_url, create=False)
     follower = BackgroundFollower(
         store,
         keys.node_ips_prefix(),
